@@ -871,6 +871,17 @@ class Runtime:
             dist.all_reduce(t, op=op)
         return t
 
+    def all_reduce_coalesced(self, tensors: list[Tensor]) -> None:
+        """Sum many tensors in one fp32 collective (one launch instead of one per parameter)."""
+        if not self.distributed:
+            return
+        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        dist.all_reduce(flat)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
 
 def setup_runtime(h: Hyperparameters) -> Runtime:
     want = h.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -1410,7 +1421,7 @@ def ttt_train_batch(rt: Runtime, model: GPT, loss_fn, opt, params, frozen_rows, 
             p.grad = torch.zeros_like(p)
         if name in frozen_rows:
             p.grad[frozen_rows[name]] = 0
-        rt.all_reduce(p.grad)
+    rt.all_reduce_coalesced([p.grad for _, p in params])
     torch.nn.utils.clip_grad_norm_([p for _, p in params], h.ttt_grad_clip)
     opt.step()
 
