@@ -1,0 +1,488 @@
+"""Shared code for the record tooling: log parsing, metric choice, statistics.
+
+make_record.py, check_record.py and plot_logs.py all import this module so
+that "what a log says" and "which number is the score" are decided in exactly
+one place; a submission.json written by make_record therefore always passes
+check_record's consistency checks.
+
+Log format: train_gpt.py writes its own source code first, then a line of 100
+'=' and the run's output. The source contains the f-string templates of the
+lines we parse (e.g. ``step:{step}/{h.iterations}``), so every pattern below is
+anchored at line start and demands real numbers where the template has braces;
+template lines then never match and no separator detection is needed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Challenge limits (bytes of code + compressed model; wall-clock per phase).
+SIZE_CAP_BYTES = 16_000_000
+TIME_CAP_MS = 600_000
+
+# The required improvement over the current record, in nats of val_loss.
+SOTA_MARGIN_NATS = 0.005
+SIGNIFICANCE_ALPHA = 0.01
+
+REQUIRED_SUBMISSION_KEYS = ("name", "val_bpb", "bytes_total", "blurb", "author", "github_id", "date")
+
+# Final evaluations, best (most post-processing) first. The key is the
+# --metric name; the value is the prefix of the log lines for that evaluation.
+EVAL_PREFIXES = {
+    "legal_ttt": "legal_ttt",
+    "sliding": "final_int6_sliding_window",
+    "roundtrip": "final_int6_roundtrip",
+}
+METRIC_PREFERENCE = ("legal_ttt", "sliding", "roundtrip")
+# Evaluations that can be switched off; roundtrip always runs.
+OPTIONAL_EVALS = ("sliding", "legal_ttt")
+
+LOG_GLOB = "train_seed*.log"
+RESULTS_START = "<!-- results:start -->"
+RESULTS_END = "<!-- results:end -->"
+
+# A number as Python's format() prints it, including nan/inf after a divergence.
+_NUM = r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|[-+]?nan|[-+]?inf)"
+# Documented fields may be followed by extra " key:value" fields.
+_END = r"(?=\s|$)"
+
+
+def _rx(body: str) -> re.Pattern[str]:
+    return re.compile("^" + body + _END)
+
+
+RX_SEED = _rx(r"seed:(\d+)")
+RX_TRAIN_STEP = _rx(rf"step:(\d+)/(\d+) train_loss:{_NUM} train_time:{_NUM}ms step_avg:{_NUM}ms")
+RX_VAL_STEP = _rx(rf"step:(\d+)/(\d+) val_loss:{_NUM} val_bpb:{_NUM} train_time:{_NUM}ms step_avg:{_NUM}ms")
+RX_STOP_EARLY = _rx(rf"stopping_early: wallclock_cap train_time:{_NUM}ms step:(\d+)/(\d+)")
+RX_PEAK_MEM = _rx(r"peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
+RX_POST_EMA = _rx(rf"DIAGNOSTIC post_ema val_loss:{_NUM} val_bpb:{_NUM} eval_time:{_NUM}ms")
+RX_MODEL_BYTES = _rx(r"Serialized model: (\d+) bytes")
+RX_CODE_BYTES = _rx(r"Code size: (\d+) bytes")
+RX_QUANT_BYTES = _rx(r"Serialized model int6\+lzma: (\d+) bytes")
+RX_TOTAL_BYTES = _rx(r"Total submission size int6\+lzma: (\d+) bytes")
+RX_OVER_LIMIT = _rx(r"OVER_LIMIT total_bytes:(\d+) cap:(\d+)")
+RX_TTT_FLAG = _rx(r"ttt_enabled:(0|1|True|False|true|false)")
+RX_STRIDE_FLAG = _rx(r"eval_stride:(\d+)")
+# Short final lines carry eval_time (and the stride for sliding window).
+RX_EVAL_SHORT = {
+    "roundtrip": _rx(rf"final_int6_roundtrip val_loss:{_NUM} val_bpb:{_NUM} eval_time:{_NUM}ms"),
+    "sliding": _rx(rf"final_int6_sliding_window val_loss:{_NUM} val_bpb:{_NUM} stride:(\d+) eval_time:{_NUM}ms"),
+    "legal_ttt": _rx(rf"legal_ttt val_loss:{_NUM} val_bpb:{_NUM} eval_time:{_NUM}ms"),
+}
+# The _exact lines carry the full-precision score.
+RX_EVAL_EXACT = {
+    name: _rx(rf"{prefix}_exact val_loss:{_NUM} val_bpb:{_NUM}") for name, prefix in EVAL_PREFIXES.items()
+}
+
+
+class RecordError(Exception):
+    """A problem that stops a tool; the message is meant for the user."""
+
+
+@dataclass
+class Step:
+    """One ``step:`` line; train lines have loss, val lines have loss and bpb."""
+
+    kind: str  # "train" or "val"
+    step: int
+    total: int
+    loss: float
+    bpb: float | None
+    train_time_ms: float
+    step_avg_ms: float
+
+
+@dataclass
+class EvalLine:
+    """A final evaluation line; eval_time/stride exist only on the short line."""
+
+    val_loss: float
+    val_bpb: float
+    eval_time_ms: float | None = None
+    stride: int | None = None
+
+
+@dataclass
+class RunLog:
+    """Everything the tools need from one training log (last occurrence wins)."""
+
+    path: Path
+    seed: int | None = None
+    steps: list[Step] = field(default_factory=list)
+    stopped_early: bool = False
+    peak_mem_mib: tuple[int, int] | None = None
+    post_ema: EvalLine | None = None
+    model_bytes: int | None = None
+    code_bytes: int | None = None
+    quant_model_bytes: int | None = None
+    total_bytes: int | None = None
+    over_limit: tuple[int, int] | None = None
+    ttt_flag: bool | None = None
+    eval_stride: int | None = None
+    short: dict[str, EvalLine] = field(default_factory=dict)
+    exact: dict[str, EvalLine] = field(default_factory=dict)
+
+    @property
+    def train_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.kind == "train"]
+
+    @property
+    def val_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.kind == "val"]
+
+    @property
+    def last_step(self) -> Step | None:
+        return self.steps[-1] if self.steps else None
+
+    @property
+    def train_time_ms(self) -> float | None:
+        """Training time = train_time of the last step line (train or val)."""
+        return self.last_step.train_time_ms if self.steps else None
+
+    @property
+    def eval_time_ms(self) -> float:
+        """Sum of eval_time over the final evaluations present in the log."""
+        return sum(e.eval_time_ms or 0.0 for e in self.short.values())
+
+    def score(self, metric: str) -> EvalLine | None:
+        """The full-precision result of one final evaluation, if logged."""
+        return self.exact.get(metric)
+
+
+def _num(text: str) -> float:
+    return float(text)
+
+
+def _parse_line(log: RunLog, line: str) -> None:
+    """Update ``log`` from one line; lines matching no pattern are ignored."""
+    if m := RX_TRAIN_STEP.match(line):
+        s, n, loss, t, avg = m.groups()
+        log.steps.append(Step("train", int(s), int(n), _num(loss), None, _num(t), _num(avg)))
+    elif m := RX_VAL_STEP.match(line):
+        s, n, loss, bpb, t, avg = m.groups()
+        log.steps.append(Step("val", int(s), int(n), _num(loss), _num(bpb), _num(t), _num(avg)))
+    elif m := RX_SEED.match(line):
+        log.seed = int(m.group(1))
+    elif RX_STOP_EARLY.match(line):
+        log.stopped_early = True
+    elif m := RX_PEAK_MEM.match(line):
+        log.peak_mem_mib = (int(m.group(1)), int(m.group(2)))
+    elif m := RX_POST_EMA.match(line):
+        log.post_ema = EvalLine(_num(m.group(1)), _num(m.group(2)), _num(m.group(3)))
+    elif m := RX_MODEL_BYTES.match(line):
+        log.model_bytes = int(m.group(1))
+    elif m := RX_CODE_BYTES.match(line):
+        log.code_bytes = int(m.group(1))
+    elif m := RX_QUANT_BYTES.match(line):
+        log.quant_model_bytes = int(m.group(1))
+    elif m := RX_TOTAL_BYTES.match(line):
+        log.total_bytes = int(m.group(1))
+    elif m := RX_OVER_LIMIT.match(line):
+        log.over_limit = (int(m.group(1)), int(m.group(2)))
+    elif m := RX_TTT_FLAG.match(line):
+        log.ttt_flag = m.group(1).lower() in ("1", "true")
+    elif m := RX_STRIDE_FLAG.match(line):
+        log.eval_stride = int(m.group(1))
+    else:
+        _parse_eval_line(log, line)
+
+
+def _parse_eval_line(log: RunLog, line: str) -> None:
+    for name, rx in RX_EVAL_EXACT.items():
+        if m := rx.match(line):
+            log.exact[name] = EvalLine(_num(m.group(1)), _num(m.group(2)))
+            return
+    for name, rx in RX_EVAL_SHORT.items():
+        if m := rx.match(line):
+            g = m.groups()
+            if name == "sliding":
+                log.short[name] = EvalLine(_num(g[0]), _num(g[1]), _num(g[3]), int(g[2]))
+            else:
+                log.short[name] = EvalLine(_num(g[0]), _num(g[1]), _num(g[2]))
+            return
+
+
+def parse_log_text(text: str, path: Path | str = "<text>") -> RunLog:
+    """Parse the text of one training log."""
+    log = RunLog(path=Path(path))
+    for line in text.splitlines():
+        _parse_line(log, line.rstrip())
+    return log
+
+
+def parse_log(path: Path | str) -> RunLog:
+    """Parse one training log file (undecodable bytes are replaced, not fatal)."""
+    path = Path(path)
+    return parse_log_text(path.read_text(encoding="utf-8", errors="replace"), path)
+
+
+def seed_from_filename(path: Path) -> int | None:
+    m = re.fullmatch(r"train_seed(\d+)\.log", path.name)
+    return int(m.group(1)) if m else None
+
+
+def find_logs(folder: Path) -> list[Path]:
+    """The per-seed logs of a record folder, ordered by seed number."""
+    paths = [p for p in Path(folder).glob(LOG_GLOB) if p.is_file()]
+    return sorted(paths, key=lambda p: (seed_from_filename(p) is None, seed_from_filename(p) or 0, p.name))
+
+
+def load_logs(folder: Path) -> list[RunLog]:
+    """Parse every per-seed log; a seed missing from the log body comes from its name."""
+    logs = [parse_log(p) for p in find_logs(folder)]
+    for log in logs:
+        if log.seed is None:
+            log.seed = seed_from_filename(log.path)
+    return logs
+
+
+# ---------------------------------------------------------------------------
+# Completeness
+
+
+def enabled_evals(log: RunLog) -> set[str]:
+    """Optional evaluations this log shows were switched on.
+
+    Evidence is either of its result lines or the config line logged at start
+    (``ttt_enabled:1`` / ``eval_stride:N`` with N > 0). A run that crashed
+    before its final evaluations thus still counts as needing them.
+    """
+    on = {name for name in OPTIONAL_EVALS if name in log.short or name in log.exact}
+    if log.ttt_flag:
+        on.add("legal_ttt")
+    if log.eval_stride:
+        on.add("sliding")
+    return on
+
+
+def missing_final_lines(log: RunLog, also_enabled: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Names of the required final lines absent from ``log``.
+
+    ``also_enabled`` lets a caller demand optional evaluations that other seeds
+    of the same record ran: seeds of one record share one configuration.
+    """
+    missing = []
+    for label, value in (
+        ("Serialized model int6+lzma", log.quant_model_bytes),
+        ("Code size", log.code_bytes),
+        ("Total submission size int6+lzma", log.total_bytes),
+    ):
+        if value is None:
+            missing.append(label)
+    for name in ("roundtrip", *sorted(enabled_evals(log) | set(also_enabled))):
+        prefix = EVAL_PREFIXES[name]
+        if name not in log.short:
+            missing.append(prefix)
+        if name not in log.exact:
+            missing.append(prefix + "_exact")
+    return missing
+
+
+# ---------------------------------------------------------------------------
+# Scores and statistics
+
+
+def choose_metric(logs: list[RunLog], requested: str | None = None) -> str:
+    """The evaluation whose exact bpb is the record's score.
+
+    Default: the most post-processed evaluation that every log has (TTT, then
+    sliding window, then plain roundtrip), so that one seed lacking TTT can't
+    silently mix metrics.
+    """
+    if not logs:
+        raise RecordError("no logs to score")
+    if requested is not None:
+        if requested not in EVAL_PREFIXES:
+            raise RecordError(f"unknown metric {requested!r}; choose from {', '.join(EVAL_PREFIXES)}")
+        lacking = [log.path.name for log in logs if log.score(requested) is None]
+        if lacking:
+            line = EVAL_PREFIXES[requested] + "_exact"
+            raise RecordError(f"metric {requested!r}: no {line} line in {', '.join(lacking)}")
+        return requested
+    for name in METRIC_PREFERENCE:
+        if all(log.score(name) is not None for log in logs):
+            return name
+    raise RecordError("some logs have no final_int6_roundtrip_exact line; nothing to score")
+
+
+def mean(values: list[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def sample_std(values: list[float]) -> float | None:
+    """Sample standard deviation (n-1 denominator); None when n < 2."""
+    return statistics.stdev(values) if len(values) >= 2 else None
+
+
+def _beta_continued_fraction(a: float, b: float, x: float) -> float:
+    """Continued fraction for the incomplete beta, by the modified Lentz method.
+
+    The fraction's terms alternate between d_{2m} = m(b-m)x / ((a+2m-1)(a+2m))
+    and d_{2m+1} = -(a+m)(a+b+m)x / ((a+2m)(a+2m+1)); it converges fast for
+    x < (a+1)/(a+b+2), which the caller guarantees via the symmetry
+    I_x(a, b) = 1 - I_{1-x}(b, a).
+    """
+    tiny, eps = 1e-300, 1e-15
+
+    def guard(v: float) -> float:
+        return v if abs(v) > tiny else tiny
+
+    c = 1.0
+    d = 1.0 / guard(1.0 - (a + b) * x / (a + 1.0))
+    result = d
+    for m in range(1, 1000):
+        even = m * (b - m) * x / ((a + 2 * m - 1.0) * (a + 2 * m))
+        d = 1.0 / guard(1.0 + even * d)
+        c = guard(1.0 + even / c)
+        result *= d * c
+        odd = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1.0))
+        d = 1.0 / guard(1.0 + odd * d)
+        c = guard(1.0 + odd / c)
+        delta = d * c
+        result *= delta
+        if abs(delta - 1.0) < eps:
+            return result
+    raise ArithmeticError(f"incomplete beta did not converge (a={a}, b={b}, x={x})")
+
+
+def regularized_incomplete_beta(x: float, a: float, b: float) -> float:
+    """I_x(a, b) = B(x; a, b) / B(a, b) for 0 <= x <= 1 and a, b > 0."""
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"x must lie in [0, 1], got {x}")
+    if x in (0.0, 1.0):
+        return x
+    log_front = (
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    front = math.exp(log_front)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _beta_continued_fraction(a, b, x) / a
+    return 1.0 - front * _beta_continued_fraction(b, a, 1.0 - x) / b
+
+
+def student_t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with ``df`` degrees of freedom.
+
+    Uses P(|T| >= |t|) = I_{df/(df+t^2)}(df/2, 1/2), halved for one tail.
+    """
+    if df <= 0:
+        raise ValueError(f"degrees of freedom must be positive, got {df}")
+    if math.isnan(t):
+        return math.nan
+    if math.isinf(t):
+        return 0.0 if t < 0 else 1.0
+    tail = 0.5 * regularized_incomplete_beta(df / (df + t * t), df / 2.0, 0.5)
+    return tail if t < 0 else 1.0 - tail
+
+
+@dataclass
+class Significance:
+    """One-sided one-sample t-test that the mean beats the record by the margin."""
+
+    test: str
+    n: int
+    mean: float
+    std: float | None
+    sota_bpb: float
+    margin_nats: float
+    margin_bpb: float
+    threshold_bpb: float
+    t: float | None
+    df: int | None
+    p: float | None
+    alpha: float
+    significant: bool
+    verdict: str
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        # JSON has no inf/nan; a zero-variance sample gives an infinite t.
+        if d["t"] is not None and not math.isfinite(d["t"]):
+            d["t"] = str(d["t"])
+        return d
+
+
+def bpb_per_nat(logs: list[RunLog], metric: str) -> float:
+    """Mean of bpb/val_loss over the runs: bpb = loss/ln2 * tokens/bytes is
+    linear in the loss, so this ratio converts a margin in nats to bpb."""
+    ratios = []
+    for log in logs:
+        e = log.score(metric)
+        if e is None or e.val_loss == 0:
+            raise RecordError(f"{log.path.name}: no usable {EVAL_PREFIXES[metric]}_exact line")
+        ratios.append(e.val_bpb / e.val_loss)
+    return mean(ratios)
+
+
+def significance_test(
+    values: list[float],
+    sota_bpb: float,
+    bpb_per_nat_ratio: float,
+    margin_nats: float = SOTA_MARGIN_NATS,
+    alpha: float = SIGNIFICANCE_ALPHA,
+) -> Significance:
+    """Test H0: mean >= sota - margin against H1: mean < sota - margin.
+
+    t = (mean - (sota - margin)) / (s / sqrt(n)) with df = n - 1, and the
+    p-value is the lower tail P(T <= t).
+    """
+    n = len(values)
+    m = mean(values) if values else math.nan
+    s = sample_std(values)
+    margin_bpb = margin_nats * bpb_per_nat_ratio
+    threshold = sota_bpb - margin_bpb
+    name = "one-sample one-sided Student t-test"
+    base = dict(test=name, n=n, mean=m, std=s, sota_bpb=sota_bpb, margin_nats=margin_nats,
+                margin_bpb=margin_bpb, threshold_bpb=threshold, alpha=alpha)
+    if n < 2:
+        verdict = f"cannot run the t-test with n={n} seed(s); at least 2 are needed"
+        return Significance(**base, t=None, df=None, p=None, significant=False, verdict=verdict)
+    t = _t_statistic(m, s, n, threshold)
+    p = student_t_cdf(t, n - 1) if not math.isnan(t) else 1.0
+    significant = p < alpha
+    if significant:
+        verdict = f"SIGNIFICANT: mean beats {sota_bpb} by >= {margin_nats} nats ({margin_bpb:.5f} bpb) at p < {alpha}"
+    else:
+        verdict = f"NOT SIGNIFICANT: cannot claim mean beats {sota_bpb} by {margin_nats} nats at p < {alpha}"
+    return Significance(**base, t=t, df=n - 1, p=p, significant=significant, verdict=verdict)
+
+
+def _t_statistic(m: float, s: float, n: int, threshold: float) -> float:
+    """t statistic; with zero spread the sign of the difference decides (+-inf),
+    and an exact tie (0/0) is reported as nan and treated as not significant."""
+    diff = m - threshold
+    if s > 0:
+        return diff / (s / math.sqrt(n))
+    if diff == 0:
+        return math.nan
+    return math.copysign(math.inf, diff)
+
+
+# ---------------------------------------------------------------------------
+# Submission file
+
+
+def load_submission(path: Path) -> dict:
+    """Read submission.json; raises RecordError with a readable message."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecordError("file is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RecordError(f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise RecordError("top level must be a JSON object")
+    return data
+
+
+def folder_date_and_name(folder: Path) -> tuple[str | None, str]:
+    """Split a record folder name 'YYYY-MM-DD_Name' into (date, name)."""
+    m = re.fullmatch(r"(\d{4}-\d{2}-\d{2})_(.+)", Path(folder).name)
+    if m:
+        return m.group(1), m.group(2)
+    return None, Path(folder).name

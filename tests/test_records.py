@@ -1,0 +1,740 @@
+"""Tests for the record tooling in scripts/ (fast: synthetic logs, no training).
+
+Synthetic logs are written by ``write_log`` in the format train_gpt.py
+produces, including a source-code preamble that contains the log format
+strings, so every test also checks that the parsers skip the source text.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import check_record  # noqa: E402
+import make_record  # noqa: E402
+import plot_logs  # noqa: E402
+import recordlib as rl  # noqa: E402
+
+# bpb per nat of val_loss used by the synthetic logs (about the real ratio for
+# the sp1024 tokenizer on FineWeb: 1.12 bpb at 1.89 nats).
+RATIO = 0.5925
+
+# The head of a log is train_gpt.py's source. Real source indents these
+# calls, but module-level docstrings and comments can start at column 0, so
+# both forms appear here; none may be parsed as a result line.
+PREAMBLE = '''"""Format of the log lines:
+step:{step}/{h.iterations} train_loss:{loss:.4f} train_time:{t:.0f}ms step_avg:{a:.2f}ms
+step:{step}/{h.iterations} val_loss:{vl:.4f} val_bpb:{vb:.4f} train_time:{t:.0f}ms step_avg:{a:.2f}ms
+seed:{seed}
+Code size: {code_bytes} bytes
+Total submission size int6+lzma: {total} bytes
+OVER_LIMIT total_bytes:{total} cap:{cap}
+final_int6_roundtrip_exact val_loss:{l:.8f} val_bpb:{b:.8f}
+legal_ttt_exact val_loss:{l:.8f} val_bpb:{b:.8f}
+ttt_enabled:{int(h.ttt_enabled)}
+eval_stride:{h.eval_stride}
+"""
+import os
+
+
+def main():
+    log0(f"seed:{h.seed}")
+    log0(f"step:{step}/{h.iterations} train_loss:{train_loss.item():.4f} "
+         f"train_time:{training_time_ms:.0f}ms step_avg:{training_time_ms / step:.2f}ms")
+    log0(f"final_int6_roundtrip_exact val_loss:{q_val_loss:.8f} val_bpb:{q_val_bpb:.8f}")
+    log0(f"OVER_LIMIT total_bytes:{total_bytes} cap:{h.size_cap}")
+'''
+
+VALID_CODE = "import math\n\n\ndef main():\n    match 1:\n        case 1:\n            return math.pi\n"
+CODE_BYTES = len(VALID_CODE.encode())
+
+
+def write_log(
+    path: Path,
+    *,
+    seed: int = 1337,
+    steps: int = 7000,
+    iterations: int = 20000,
+    step_avg: float = 85.0,
+    train_time_ms: float | None = None,
+    code_bytes: int = CODE_BYTES,
+    quant_bytes: int = 15_850_000,
+    total_bytes: int | None = None,
+    roundtrip: tuple[float, float] = (1.1420, 8_000.0),
+    sliding: tuple[float, float] | None = (1.1190, 90_000.0),
+    ttt: tuple[float, float] | None = (1.1165, 400_000.0),
+    stride: int = 64,
+    over_limit: bool = False,
+    flags: bool = True,
+    drop: tuple[str, ...] = (),
+    extra_lines: tuple[str, ...] = (),
+) -> Path:
+    """Write a realistic log; results are (bpb, eval_time_ms) pairs.
+
+    val_loss = bpb / RATIO, so bpb/val_loss of every result line is RATIO.
+    ``drop`` removes lines starting with any of the given prefixes;
+    ``flags`` writes the ttt_enabled / eval_stride config lines.
+    """
+    train_time_ms = steps * step_avg if train_time_ms is None else train_time_ms
+    total_bytes = quant_bytes + code_bytes if total_bytes is None else total_bytes
+    lines = [PREAMBLE, "=" * 100, "Running Python 3.11.7", "Running PyTorch 2.13.0+cu128", f"seed:{seed}"]
+    if flags:
+        lines += [f"ttt_enabled:{int(ttt is not None)}", f"eval_stride:{stride if sliding else 0}"]
+    lines += _step_lines(steps, iterations, step_avg, train_time_ms)
+    if train_time_ms >= 600_000:
+        lines.append(f"stopping_early: wallclock_cap train_time:{train_time_ms:.0f}ms step:{steps}/{iterations}")
+    lines += [
+        "peak memory allocated: 21000 MiB reserved: 22000 MiB",
+        f"DIAGNOSTIC post_ema val_loss:{1.14 / RATIO:.4f} val_bpb:1.1400 eval_time:2000ms",
+        "Serialized model: 106000000 bytes",
+        f"Code size: {code_bytes} bytes",
+        f"Serialized model int6+lzma: {quant_bytes} bytes",
+        f"Total submission size int6+lzma: {total_bytes} bytes",
+    ]
+    if over_limit:
+        lines.append(f"OVER_LIMIT total_bytes:{total_bytes} cap:16000000")
+    lines += _result_lines("final_int6_roundtrip", roundtrip)
+    if sliding:
+        lines += _result_lines("final_int6_sliding_window", sliding, f" stride:{stride}")
+    if ttt:
+        lines += _result_lines("legal_ttt", ttt)
+    lines += list(extra_lines)
+    kept = [ln for ln in lines if not any(ln.startswith(d + " ") for d in drop)]
+    path.write_text("\n".join(kept) + "\n", encoding="utf-8")
+    return path
+
+
+def _step_lines(steps: int, iterations: int, step_avg: float, train_time_ms: float) -> list[str]:
+    """Train lines every 1000 steps (with an extra field), val lines at 0 and at the end."""
+    out = [f"step:0/{iterations} val_loss:6.9300 val_bpb:4.1000 train_time:0ms step_avg:0.01ms"]
+    for s in range(1000, steps, 1000):
+        loss = 2.0 + 1.0 / s
+        out.append(
+            f"step:{s}/{iterations} train_loss:{loss:.4f} train_time:{s * step_avg:.0f}ms "
+            f"step_avg:{step_avg:.2f}ms data_wait_ms:0.12"
+        )
+    out.append(
+        f"step:{steps}/{iterations} train_loss:1.9800 train_time:{train_time_ms:.0f}ms step_avg:{step_avg:.2f}ms"
+    )
+    out.append(
+        f"step:{steps}/{iterations} val_loss:{1.15 / RATIO:.4f} val_bpb:1.1500 "
+        f"train_time:{train_time_ms:.0f}ms step_avg:{step_avg:.2f}ms"
+    )
+    return out
+
+
+def _result_lines(prefix: str, result: tuple[float, float], extra: str = "") -> list[str]:
+    bpb, eval_ms = result
+    loss = bpb / RATIO
+    return [
+        f"{prefix} val_loss:{loss:.4f} val_bpb:{bpb:.4f}{extra} eval_time:{eval_ms:.0f}ms",
+        f"{prefix}_exact val_loss:{loss:.8f} val_bpb:{bpb:.8f}",
+    ]
+
+
+# Three seeds with round numbers so the table can be checked by hand:
+# TTT bpb 1.1160/1.1170/1.1180 -> mean 1.1170, std 0.0010; sliding is 0.0030
+# higher each; step_avg 85/86/87 ms; steps 7000/6900/6800; TTT 400/410/420 s;
+# total submission sizes 15,900,000/15,900,100/15,900,200 bytes.
+def _seed(step_avg: float, steps: int, sliding: float, ttt: float, ttt_s: float, total: int) -> dict:
+    return dict(step_avg=step_avg, steps=steps, sliding=(sliding, 90_000.0), ttt=(ttt, ttt_s * 1000),
+                quant_bytes=total - CODE_BYTES)
+
+
+SEEDS = {
+    1337: _seed(85.0, 7000, 1.1190, 1.1160, 400.0, 15_900_000),
+    42: _seed(86.0, 6900, 1.1200, 1.1170, 410.0, 15_900_100),
+    2025: _seed(87.0, 6800, 1.1210, 1.1180, 420.0, 15_900_200),
+}
+META = ["--author", "Jane Doe", "--github-id", "janedoe", "--blurb", "Synthetic test record."]
+
+
+def make_folder(
+    tmp_path: Path,
+    track: str = "track_10min_16mb",
+    seeds: dict[int, dict] | None = None,
+    code: str = VALID_CODE,
+    name: str = "2025-11-21_TestRun",
+    **common,
+) -> Path:
+    """A record folder with train_gpt.py and one log per seed (no json/README yet)."""
+    folder = tmp_path / "records" / track / name
+    folder.mkdir(parents=True)
+    (folder / "train_gpt.py").write_text(code, encoding="utf-8")
+    for seed, params in (SEEDS if seeds is None else seeds).items():
+        kwargs = dict(seed=seed, code_bytes=len(code.encode()), **params)
+        kwargs.update(common)
+        write_log(folder / f"train_seed{seed}.log", **kwargs)
+    return folder
+
+
+def make_full_record(tmp_path: Path, *extra_args: str, **kwargs) -> Path:
+    folder = make_folder(tmp_path, **kwargs)
+    assert make_record.main([str(folder), *META, *extra_args]) == 0
+    return folder
+
+
+def run_check(folder: Path, capsys, *args: str) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = check_record.main([str(folder), *args])
+    return rc, capsys.readouterr().out
+
+
+def load_json(folder: Path) -> dict:
+    return json.loads((folder / "submission.json").read_text())
+
+
+def set_json(folder: Path, **changes) -> None:
+    data = load_json(folder)
+    data.update(changes)
+    (folder / "submission.json").write_text(json.dumps(data))
+
+
+# ---------------------------------------------------------------------------
+# Parsing
+
+
+def test_parser_skips_source_preamble_and_reads_all_lines(tmp_path):
+    log = rl.parse_log(write_log(tmp_path / "a.log", seed=7, steps=3500, step_avg=80.0))
+    assert log.seed == 7
+    assert [s.step for s in log.train_steps] == [1000, 2000, 3000, 3500]
+    assert [s.step for s in log.val_steps] == [0, 3500]
+    assert log.last_step.step == 3500 and log.last_step.step_avg_ms == 80.0
+    assert log.train_time_ms == 280_000
+    assert log.eval_time_ms == 8_000 + 90_000 + 400_000
+    assert log.code_bytes == CODE_BYTES
+    assert log.quant_model_bytes == 15_850_000
+    assert log.total_bytes == 15_850_000 + CODE_BYTES
+    assert log.over_limit is None and not log.stopped_early
+    assert log.peak_mem_mib == (21000, 22000)
+    assert log.post_ema.val_bpb == 1.14
+    assert log.ttt_flag is True and log.eval_stride == 64
+    assert log.short["sliding"].stride == 64
+    assert log.score("legal_ttt").val_bpb == 1.1165
+    assert log.score("roundtrip").val_loss == pytest.approx(1.1420 / RATIO, abs=1e-8)
+    assert rl.missing_final_lines(log) == []
+
+
+def test_parser_allows_trailing_fields_and_ignores_unrelated_lines():
+    text = "\n".join([
+        "step:10/100 train_loss:2.5000 train_time:1000ms step_avg:100.00ms data_wait_ms:1.50 lr:0.02",
+        "some warning: step:5/100 train_loss:9.0 train_time:1ms step_avg:1.00ms",
+        "step:x/100 train_loss:2.5000 train_time:1000ms step_avg:100.00ms",
+        "final_int6_roundtrip_exact val_loss:1.90000000 val_bpb:1.12500000 extra:1",
+        "legal_ttt_exact val_loss:{ttt_loss:.8f} val_bpb:{ttt_bpb:.8f}",
+        "step:20/100 train_loss:nan train_time:2000ms step_avg:100.00ms",
+    ])
+    log = rl.parse_log_text(text)
+    assert [s.step for s in log.steps] == [10, 20]
+    assert math.isnan(log.steps[-1].loss)
+    assert log.score("roundtrip").val_bpb == 1.125
+    assert log.score("legal_ttt") is None
+
+
+def test_stopping_early_and_over_limit_are_parsed(tmp_path):
+    log = rl.parse_log(write_log(tmp_path / "a.log", train_time_ms=600_100, over_limit=True, total_bytes=16_000_500))
+    assert log.stopped_early
+    assert log.over_limit == (16_000_500, 16_000_000)
+
+
+def test_optional_evals_required_from_flags_or_lines(tmp_path):
+    off = rl.parse_log(write_log(tmp_path / "off.log", sliding=None, ttt=None))
+    assert rl.enabled_evals(off) == set()
+    assert rl.missing_final_lines(off) == []
+    # ttt_enabled:1 logged but the run died before TTT finished.
+    crashed = rl.parse_log(write_log(tmp_path / "c.log", drop=("legal_ttt", "legal_ttt_exact")))
+    assert rl.missing_final_lines(crashed) == ["legal_ttt", "legal_ttt_exact"]
+    # Short line present without its _exact line, and no config lines at all.
+    half = rl.parse_log(write_log(tmp_path / "h.log", flags=False, drop=("final_int6_sliding_window_exact",)))
+    assert rl.missing_final_lines(half) == ["final_int6_sliding_window_exact"]
+
+
+# ---------------------------------------------------------------------------
+# Statistics
+
+
+def test_student_t_cdf_known_values():
+    # df=2 has a closed form: F(t) = 1/2 (1 + t / sqrt(2 + t^2)).
+    assert rl.student_t_cdf(-3.0, 2) == pytest.approx(0.5 * (1 - 3 / math.sqrt(11)), abs=1e-12)
+    assert rl.student_t_cdf(-3.0, 2) == pytest.approx(0.04773, abs=1e-4)
+    # One-sided 1% critical values from t tables.
+    assert rl.student_t_cdf(-3.747, 4) == pytest.approx(0.01, abs=1e-4)
+    assert rl.student_t_cdf(-2.821, 9) == pytest.approx(0.01, abs=1e-4)
+    assert rl.student_t_cdf(-2.228, 10) == pytest.approx(0.025, abs=1e-4)
+    # df=1 is the Cauchy distribution: F(t) = 1/2 + atan(t)/pi.
+    for t in (-10.0, -1.0, 0.3, 4.0):
+        assert rl.student_t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-12)
+    # Symmetry, centre, and the normal limit (Phi(-1.96) = 0.0249979).
+    assert rl.student_t_cdf(0.0, 5) == 0.5
+    assert rl.student_t_cdf(1.3, 7) + rl.student_t_cdf(-1.3, 7) == pytest.approx(1.0, abs=1e-14)
+    assert rl.student_t_cdf(-1.96, 1e7) == pytest.approx(0.0249979, abs=1e-6)
+    assert rl.student_t_cdf(-math.inf, 3) == 0.0 and rl.student_t_cdf(math.inf, 3) == 1.0
+
+
+def test_significance_three_seeds_by_hand():
+    """values [1.10, 1.11, 1.12] against SOTA X = 1.13, bpb per nat = 0.5.
+
+    margin = 0.005 nats * 0.5 = 0.0025 bpb, threshold = 1.13 - 0.0025 = 1.1275
+    mean = 1.11, s = sqrt((0.01^2 + 0 + 0.01^2) / 2) = 0.01
+    se = 0.01 / sqrt(3) = 0.00577350
+    t = (1.11 - 1.1275) / 0.00577350 = -0.0175 / 0.00577350 = -3.03109
+    df = 2, p = 1/2 (1 + t / sqrt(2 + t^2)) = 1/2 (1 - 3.03109 / 3.34477)
+      = 1/2 (1 - 0.906216) = 0.046892  ->  not significant at 0.01.
+    """
+    sig = rl.significance_test([1.10, 1.11, 1.12], 1.13, 0.5)
+    assert sig.n == 3 and sig.df == 2
+    assert sig.mean == pytest.approx(1.11, abs=1e-12)
+    assert sig.std == pytest.approx(0.01, abs=1e-12)
+    assert sig.margin_bpb == pytest.approx(0.0025, abs=1e-12)
+    assert sig.threshold_bpb == pytest.approx(1.1275, abs=1e-12)
+    assert sig.t == pytest.approx(-3.03109, abs=1e-4)
+    assert sig.p == pytest.approx(0.046892, abs=1e-4)
+    assert not sig.significant and sig.verdict.startswith("NOT SIGNIFICANT")
+
+
+def test_significance_five_seeds_by_hand():
+    """values 1.100 .. 1.104 (step 0.001) against X = 1.13, bpb per nat = 0.5.
+
+    mean = 1.102, s = sqrt((4+1+0+1+4) e-6 / 4) = sqrt(2.5e-6) = 0.00158114
+    se = 0.00158114 / sqrt(5) = 0.000707107
+    t = (1.102 - 1.1275) / 0.000707107 = -36.0624, df = 4, p << 0.01.
+    """
+    sig = rl.significance_test([1.100, 1.101, 1.102, 1.103, 1.104], 1.13, 0.5)
+    assert sig.std == pytest.approx(0.00158114, abs=1e-8)
+    assert sig.t == pytest.approx(-36.0624, abs=1e-3)
+    assert sig.df == 4 and sig.p < 1e-5
+    assert sig.significant and sig.verdict.startswith("SIGNIFICANT")
+
+
+def test_significance_needs_two_seeds():
+    sig = rl.significance_test([1.10], 1.13, 0.5)
+    assert sig.t is None and sig.p is None and not sig.significant
+    assert "cannot run" in sig.verdict
+
+
+def test_significance_zero_spread():
+    assert rl.significance_test([1.1, 1.1], 1.13, 0.5).p == 0.0
+    assert rl.significance_test([1.2, 1.2], 1.13, 0.5).p == 1.0
+
+
+# ---------------------------------------------------------------------------
+# make_record
+
+
+def test_make_record_table_and_submission(tmp_path, capsys):
+    folder = make_full_record(tmp_path)
+    out = capsys.readouterr().out
+    rows = [
+        "| 42 | 86.00 | 6900 | 1.1200 | 1.1170 | 0.0030 | 410.0 | 15900100 |",
+        "| 1337 | 85.00 | 7000 | 1.1190 | 1.1160 | 0.0030 | 400.0 | 15900000 |",
+        "| 2025 | 87.00 | 6800 | 1.1210 | 1.1180 | 0.0030 | 420.0 | 15900200 |",
+        "| mean | 86.00 | 6900 | 1.1200 | 1.1170 | 0.0030 | 410.0 | 15900100 |",
+        "| std | 1.00 | 100 | 0.0010 | 0.0010 | 0.0000 | 10.0 | 100 |",
+    ]
+    readme = (folder / "README.md").read_text()
+    header = "| seed | step_avg (ms) | steps | pre-TTT bpb | post-TTT bpb | TTT gain | TTT time (s) | artifact bytes |"
+    for text in (out, readme):
+        assert header in text
+        for row in rows:
+            assert row in text
+    assert readme.startswith("# TestRun\n")
+    assert readme.count(rl.RESULTS_START) == 1 and readme.count(rl.RESULTS_END) == 1
+
+    sub = load_json(folder)
+    assert sub["val_bpb"] == pytest.approx(1.117, abs=1e-9)
+    assert sub["val_bpb_std"] == pytest.approx(0.001, abs=1e-9)
+    assert sub["val_bpb_metric"] == "legal_ttt"
+    assert sub["bytes_total"] == 15_900_200
+    assert sub["seeds"] == [42, 1337, 2025]
+    assert [e["val_bpb"] for e in sub["per_seed"]] == [1.117, 1.116, 1.118]
+    assert sub["name"] == "TestRun" and sub["date"] == "2025-11-21"
+    assert (sub["author"], sub["github_id"], sub["blurb"]) == ("Jane Doe", "janedoe", "Synthetic test record.")
+    assert "significance" not in sub
+
+
+def test_make_record_falls_back_to_sliding_then_roundtrip(tmp_path, capsys):
+    folder = make_full_record(tmp_path, ttt=None)
+    assert load_json(folder)["val_bpb_metric"] == "sliding"
+    assert load_json(folder)["val_bpb"] == pytest.approx(1.12, abs=1e-9)
+    assert "| 1337 | 85.00 | 7000 | 1.1190 | – | – | – | 15900000 |" in capsys.readouterr().out
+
+    folder = make_full_record(tmp_path / "b", ttt=None, sliding=None)
+    sub = load_json(folder)
+    assert sub["val_bpb_metric"] == "roundtrip" and sub["val_bpb"] == pytest.approx(1.142, abs=1e-9)
+    assert "| 1337 | 85.00 | 7000 | 1.1420 | – | – | – | 15900000 |" in capsys.readouterr().out
+
+
+def test_make_record_mixed_ttt_uses_common_metric(tmp_path):
+    seeds = {1337: SEEDS[1337], 42: dict(SEEDS[42], ttt=None)}
+    folder = make_folder(tmp_path, seeds=seeds)
+    assert make_record.main([str(folder), *META]) == 0
+    assert load_json(folder)["val_bpb_metric"] == "sliding"
+
+
+def test_make_record_metric_option(tmp_path, capsys):
+    folder = make_full_record(tmp_path, "--metric", "roundtrip")
+    sub = load_json(folder)
+    assert sub["val_bpb_metric"] == "roundtrip" and sub["val_bpb"] == pytest.approx(1.142, abs=1e-9)
+    assert check_record.main([str(folder)]) == 0
+
+    bare = make_folder(tmp_path / "b", ttt=None)
+    assert make_record.main([str(bare), *META, "--metric", "legal_ttt"]) == 2
+    assert "no legal_ttt_exact line" in capsys.readouterr().err
+
+
+def test_make_record_keeps_handwritten_readme_and_json_keys(tmp_path):
+    folder = make_folder(tmp_path)
+    (folder / "README.md").write_text(
+        f"# My record\n\nIntro text.\n\n{rl.RESULTS_START}\nold table\n{rl.RESULTS_END}\n\n## Notes\nKeep me.\n"
+    )
+    old = {"author": "Old Author", "github_id": "old", "hardware": "8xH100"}
+    (folder / "submission.json").write_text(json.dumps(old))
+    for _ in range(2):  # idempotent
+        assert make_record.main([str(folder), "--blurb", "b", "--date", "2025-12-01"]) == 0
+    readme = (folder / "README.md").read_text()
+    assert readme.startswith("# My record\n\nIntro text.\n\n" + rl.RESULTS_START)
+    assert readme.endswith(rl.RESULTS_END + "\n\n## Notes\nKeep me.\n")
+    assert "old table" not in readme and readme.count(rl.RESULTS_START) == 1
+    sub = load_json(folder)
+    assert {k: sub[k] for k in old} == old and sub["date"] == "2025-12-01"
+
+
+def test_make_record_appends_results_to_readme_without_markers(tmp_path):
+    folder = make_folder(tmp_path)
+    (folder / "README.md").write_text("# Title\n\nHand-written.")
+    assert make_record.main([str(folder), *META]) == 0
+    readme = (folder / "README.md").read_text()
+    assert readme.startswith("# Title\n\nHand-written.\n\n## Results\n\n" + rl.RESULTS_START)
+
+
+def test_make_record_significance(tmp_path, capsys):
+    """Logs: TTT bpb 1.116/1.117/1.118, bpb per nat RATIO = 0.5925.
+
+    margin = 0.005 * 0.5925 = 0.0029625 bpb; against X = 1.1240 the threshold
+    is 1.1210375; t = (1.117 - 1.1210375) / (0.001 / sqrt 3) = -6.9932, df = 2,
+    p = 1/2 (1 - 6.9932 / sqrt(2 + 48.905)) = 0.0099 < 0.01.
+    """
+    folder = make_full_record(tmp_path, "--sota-bpb", "1.1240")
+    out = capsys.readouterr().out
+    sig = load_json(folder)["significance"]
+    assert sig["n"] == 3 and sig["df"] == 2
+    assert sig["margin_bpb"] == pytest.approx(0.0029625, abs=1e-7)
+    assert sig["t"] == pytest.approx(-6.9932, abs=1e-3)
+    assert sig["p"] == pytest.approx(0.0099, abs=1e-4)
+    assert sig["significant"] is True
+    assert "Student t-test" in out and "verdict: SIGNIFICANT" in out and "df=2" in out
+    assert "verdict: SIGNIFICANT" in (folder / "README.md").read_text()
+
+    # A weaker record claim fails the test; a rerun without --sota-bpb drops it.
+    assert make_record.main([str(folder), "--sota-bpb", "1.1205"]) == 0
+    assert load_json(folder)["significance"]["significant"] is False
+    assert make_record.main([str(folder)]) == 0
+    assert "significance" not in load_json(folder)
+
+
+def test_make_record_single_seed_cannot_test(tmp_path, capsys):
+    folder = make_full_record(tmp_path, "--sota-bpb", "1.2", seeds={1337: SEEDS[1337]})
+    assert "cannot run the t-test" in capsys.readouterr().out
+    sub = load_json(folder)
+    assert sub["val_bpb_std"] is None and sub["significance"]["p"] is None
+
+
+def test_make_record_without_logs(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert make_record.main([str(tmp_path / "empty")]) == 2
+    assert "no train_seed*.log files" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# check_record
+
+
+def test_check_happy_path(tmp_path, capsys):
+    folder = make_full_record(tmp_path)
+    rc, out = run_check(folder, capsys)
+    assert rc == 0, out
+    assert out.startswith("OK: ") and "3 seed(s)" in out and "1.11700000" in out and "FAIL" not in out
+
+
+def test_check_happy_path_as_subprocess(tmp_path):
+    folder = make_full_record(tmp_path)
+    cmd = [sys.executable, str(SCRIPTS / "check_record.py"), str(folder)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK: ")
+    (folder / "README.md").unlink()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stdout == f"FAIL: {folder / 'README.md'}: file is missing\n"
+
+
+def test_check_missing_final_line(tmp_path, capsys):
+    folder = make_full_record(tmp_path, "--metric", "sliding")
+    write_log(folder / "train_seed42.log", seed=42, **dict(SEEDS[42], drop=("legal_ttt_exact",)))
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert f"FAIL: {folder / 'train_seed42.log'}: missing final line 'legal_ttt_exact'" in out.splitlines()
+
+
+def test_check_log_without_ttt_when_other_seeds_ran_it(tmp_path, capsys):
+    seeds = {1337: SEEDS[1337], 42: dict(SEEDS[42], ttt=None, flags=False)}
+    folder = make_full_record(tmp_path, seeds=seeds)
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert f"{folder / 'train_seed42.log'}: missing final line 'legal_ttt'" in out
+    assert f"{folder / 'train_seed42.log'}: missing final line 'legal_ttt_exact'" in out
+
+
+def test_check_missing_total_size_line(tmp_path, capsys):
+    folder = make_full_record(tmp_path)
+    write_log(folder / "train_seed42.log", seed=42, **dict(SEEDS[42], drop=("Total submission size int6+lzma:",)))
+    rc, out = run_check(folder, capsys)
+    assert rc == 1 and "missing final line 'Total submission size int6+lzma'" in out
+
+
+def test_check_over_size(tmp_path, capsys):
+    folder = make_full_record(tmp_path, seeds={1337: dict(SEEDS[1337], quant_bytes=16_000_001 - CODE_BYTES)})
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    log = folder / "train_seed1337.log"
+    assert out.strip() == f"FAIL: {log}: total submission size 16000001 bytes exceeds 16000000"
+
+
+def test_check_over_limit_line(tmp_path, capsys):
+    folder = make_full_record(tmp_path, seeds={1337: dict(SEEDS[1337], over_limit=True)})
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    log = folder / "train_seed1337.log"
+    assert out.strip() == f"FAIL: {log}: OVER_LIMIT line: total_bytes 15900000 over cap 16000000"
+
+
+def test_check_train_time_over_cap_only_on_10min_track(tmp_path, capsys):
+    seeds = {1337: dict(SEEDS[1337], train_time_ms=600_500)}
+    folder = make_full_record(tmp_path, seeds=seeds)
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert out.strip() == f"FAIL: {folder / 'train_seed1337.log'}: training time 600500 ms exceeds 600000 ms"
+    assert run_check(folder, capsys, "--track", "non-record")[0] == 0
+
+    other = make_full_record(tmp_path / "b", seeds=seeds, track="track_non_record_16mb")
+    rc, out = run_check(other, capsys)
+    assert rc == 0 and "(non-record track)" in out
+    assert run_check(other, capsys, "--track", "10min")[0] == 1
+
+
+def test_check_eval_time_over_cap(tmp_path, capsys):
+    seeds = {1337: dict(SEEDS[1337], ttt=(1.1160, 502_001.0))}  # 8 + 90 + 502.001 s
+    folder = make_full_record(tmp_path, seeds=seeds)
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert out.strip() == f"FAIL: {folder / 'train_seed1337.log'}: evaluation time 600001 ms exceeds 600000 ms"
+    assert run_check(folder, capsys, "--track", "non-record")[0] == 0
+
+
+def test_check_code_not_python310(tmp_path, capsys):
+    code = VALID_CODE + "type Alias = int\n"  # PEP 695: Python 3.12+
+    with pytest.raises(SyntaxError):
+        ast.parse(code, feature_version=(3, 10))
+    folder = make_full_record(tmp_path, code=code)
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert out.startswith(f"FAIL: {folder / 'train_gpt.py'}: does not parse as Python 3.10:")
+    assert len(out.splitlines()) == 1
+
+
+def test_check_code_size_mismatch(tmp_path, capsys):
+    folder = make_full_record(tmp_path, seeds={1337: SEEDS[1337]})
+    with open(folder / "train_gpt.py", "a") as f:
+        f.write("# edited after the run\n")
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    size = CODE_BYTES
+    assert out.strip() == (
+        f"FAIL: {folder / 'train_seed1337.log'}: Code size {size} bytes logged but train_gpt.py is {size + 23} bytes"
+    )
+
+
+def test_check_missing_train_gpt(tmp_path, capsys):
+    folder = make_full_record(tmp_path)
+    (folder / "train_gpt.py").unlink()
+    rc, out = run_check(folder, capsys)
+    assert rc == 1 and out.strip() == f"FAIL: {folder / 'train_gpt.py'}: file is missing"
+
+
+def test_check_val_bpb_mismatch(tmp_path, capsys):
+    folder = make_full_record(tmp_path)
+    set_json(folder, val_bpb=1.1171)
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert out.strip() == (
+        f"FAIL: {folder / 'submission.json'}: val_bpb 1.1171 != mean legal_ttt_exact of the logs 1.11700000"
+    )
+    set_json(folder, val_bpb=1.117 + 5e-7)  # within the 1e-6 tolerance
+    assert run_check(folder, capsys)[0] == 0
+
+
+def test_check_bytes_total_mismatch(tmp_path, capsys):
+    folder = make_full_record(tmp_path)
+    set_json(folder, bytes_total=15_900_000)
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert out.strip() == (
+        f"FAIL: {folder / 'submission.json'}: bytes_total 15900000 != max logged total submission size 15900200"
+    )
+
+
+def test_check_missing_submission_json(tmp_path, capsys):
+    folder = make_full_record(tmp_path)
+    (folder / "submission.json").unlink()
+    rc, out = run_check(folder, capsys)
+    assert rc == 1 and out.strip() == f"FAIL: {folder / 'submission.json'}: file is missing"
+
+
+def test_check_submission_json_types(tmp_path, capsys):
+    folder = make_full_record(tmp_path)
+    data = load_json(folder)
+    del data["author"]
+    data.update(val_bpb=True, bytes_total="15900254", date="21/11/2025", github_id="")
+    (folder / "submission.json").write_text(json.dumps(data))
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    for msg in (
+        "missing key 'author'",
+        "'val_bpb' must be a positive number",
+        "'bytes_total' must be a positive integer",
+        "'date' must be YYYY-MM-DD",
+        "'github_id' must be a non-empty string",
+    ):
+        assert f"FAIL: {folder / 'submission.json'}: {msg}" in out
+    (folder / "submission.json").write_text("{not json")
+    rc, out = run_check(folder, capsys)
+    assert rc == 1 and "submission.json: not valid JSON" in out
+
+
+def test_check_seed_line_mismatch(tmp_path, capsys):
+    folder = make_full_record(tmp_path)
+    text = (folder / "train_seed42.log").read_text().replace("\nseed:42\n", "\nseed:43\n")
+    (folder / "train_seed42.log").write_text(text)
+    rc, out = run_check(folder, capsys)
+    assert rc == 1 and "log says seed:43 but the file name says seed 42" in out
+
+
+def test_check_no_logs(tmp_path, capsys):
+    folder = make_full_record(tmp_path)
+    for log in folder.glob("train_seed*.log"):
+        log.unlink()
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert out.strip() == f"FAIL: {folder}: no train_seed*.log files"
+
+
+def test_check_not_a_folder(tmp_path, capsys):
+    rc, out = run_check(tmp_path / "nope", capsys)
+    assert rc == 1 and "not a directory" in out
+
+
+# ---------------------------------------------------------------------------
+# plot_logs
+
+
+def test_plot_logs_writes_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    a = write_log(tmp_path / "a.log", seed=1)
+    b = write_log(tmp_path / "b.log", seed=2, step_avg=90.0)
+    out = tmp_path / "plots" / "curves.png"
+    assert plot_logs.main([str(a), str(b), "-o", str(out), "--labels", "base,new"]) == 0
+    data = out.read_bytes()
+    assert len(data) > 1000 and data.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_plot_logs_errors(tmp_path, capsys):
+    empty = tmp_path / "empty.log"
+    empty.write_text(PREAMBLE)
+    with pytest.raises(SystemExit) as exc:
+        plot_logs.main([str(empty), "-o", str(tmp_path / "x.png")])
+    assert exc.value.code == 2 and "empty.log: no 'step:N/M" in capsys.readouterr().err
+    good = write_log(tmp_path / "a.log")
+    with pytest.raises(SystemExit):
+        plot_logs.main([str(good), "--labels", "a,b"])
+    assert "--labels has 2 labels for 1 logs" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# run_seeds.sh, with a fake torchrun that writes the log train_gpt.py would
+
+
+FAKE_TORCHRUN = """#!/usr/bin/env bash
+echo "$@" > "args_$SEED.txt"
+[[ "${FAIL_SEED:-}" == "$SEED" ]] && exit 3
+[[ "${NOLOG_SEED:-}" == "$SEED" ]] && exit 0
+mkdir -p logs
+{ cat train_gpt.py; echo "seed:$SEED"; echo "run_id:$RUN_ID"; echo "inherited:${CALLER_VAR:-}"; } > "logs/$RUN_ID.txt"
+"""
+
+
+@pytest.fixture
+def fake_repo(tmp_path):
+    if shutil.which("bash") is None:
+        pytest.skip("bash not available")
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPTS / "run_seeds.sh", repo / "scripts" / "run_seeds.sh")
+    (repo / "train_gpt.py").write_text(VALID_CODE)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "torchrun"
+    fake.write_text(FAKE_TORCHRUN)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CALLER_VAR="hello", NPROC_PER_NODE="2")
+    return repo, env
+
+
+def run_seeds(repo: Path, env: dict, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(repo / "scripts" / "run_seeds.sh"), *args], cwd=cwd or repo, env=env,
+                          capture_output=True, text=True)
+
+
+def test_run_seeds_collects_logs(fake_repo, tmp_path):
+    repo, env = fake_repo
+    env["TORCHRUN_ARGS"] = "--max-restarts 0"
+    proc = run_seeds(repo, env, "records/track_10min_16mb/2025-11-21_X", "1337", "42", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    folder = tmp_path / "records/track_10min_16mb/2025-11-21_X"  # relative to the caller's directory
+    assert (folder / "train_gpt.py").read_text() == VALID_CODE
+    log = (folder / "train_seed42.log").read_text()
+    assert "seed:42\nrun_id:2025-11-21_X_seed42\ninherited:hello\n" in log
+    assert (folder / "train_seed1337.log").exists()
+    args = (repo / "args_1337.txt").read_text().split()
+    assert args == ["--standalone", "--nproc_per_node=2", "--max-restarts", "0", "train_gpt.py"]
+
+
+def test_run_seeds_failures(fake_repo, tmp_path):
+    repo, env = fake_repo
+    proc = run_seeds(repo, env, "out")
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+    proc = run_seeds(repo, dict(env, FAIL_SEED="42"), str(tmp_path / "out"), "1", "42", "7")
+    assert proc.returncode == 1 and "run for seed 42 failed with exit status 3" in proc.stderr
+    assert (tmp_path / "out" / "train_seed1.log").exists() and not (tmp_path / "out" / "train_seed7.log").exists()
+    proc = run_seeds(repo, dict(env, NOLOG_SEED="5"), str(tmp_path / "out"), "5")
+    assert proc.returncode == 1 and "logs/out_seed5.txt is missing" in proc.stderr
+    proc = run_seeds(repo, env, str(tmp_path / "out"), "abc")
+    assert proc.returncode == 1 and "not a non-negative integer" in proc.stderr
+
+
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["recordlib.py", "make_record.py", "check_record.py", "plot_logs.py"])
+def test_scripts_parse_as_python310(name):
+    ast.parse((SCRIPTS / name).read_text(), feature_version=(3, 10))
