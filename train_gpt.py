@@ -1227,6 +1227,16 @@ def save_artifact(path: str, model: GPT) -> int:
     return len(blob)
 
 
+def size_report(model_bytes: int, code_bytes: int) -> list[str]:
+    """The byte-accounting log lines; a loud OVER_LIMIT line when the submission exceeds the cap."""
+    total = model_bytes + code_bytes
+    lines = [f"Code size: {code_bytes} bytes", f"Serialized model int6+lzma: {model_bytes} bytes",
+             f"Total submission size int6+lzma: {total} bytes"]
+    if total > SIZE_CAP_BYTES:
+        lines.append(f"OVER_LIMIT total_bytes:{total} cap:{SIZE_CAP_BYTES} (over by {total - SIZE_CAP_BYTES} bytes)")
+    return lines
+
+
 def load_artifact(path: str, h: Hyperparameters) -> GPT:
     """A fresh model from an artifact file on disk: decompress, dequantise, re-bank."""
     try:
@@ -1304,9 +1314,10 @@ def sliding_windows(num_targets: int, seq_len: int, stride: int) -> list[tuple[i
 
 
 def score_windows(rt: Runtime, logits_fn, val_tokens: Tensor, windows: list[tuple[int, int]],
-                  luts: ByteLuts, batch_seqs: int) -> Tensor:
+                  luts: ByteLuts, batch_seqs: int, per_token: Tensor | None = None) -> Tensor:
     """Sum of [nll, tokens, bytes] over the scored positions of `windows`. Batches are padded to a fixed
-    size (padding rows masked out) so a compiled forward sees one shape."""
+    size (padding rows masked out) so a compiled forward sees one shape. If `per_token` is given
+    (float64, one slot per stream position), each scored target's nll is written at its position."""
     dev, L = rt.device, rt.h.eval_seq_len
     luts_d = luts.to(dev)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
@@ -1328,6 +1339,9 @@ def score_windows(rt: Runtime, logits_fn, val_tokens: Tensor, windows: list[tupl
         sums[0] += nll.double()[mask].sum()
         sums[1] += mask.sum()
         sums[2] += luts_d.count(x[mask], y[mask]).sum()
+        if per_token is not None:
+            target_pos = torch.tensor([st for st, _ in batch], device=dev)[:, None] + positions[None, :] + 1
+            per_token[target_pos[mask].cpu()] = nll.double()[mask].cpu()
     return sums
 
 
@@ -1336,13 +1350,14 @@ def rank_slice(items: list, rank: int, world_size: int) -> list:
     return items[n * rank // world_size: n * (rank + 1) // world_size]
 
 
-def eval_sliding(rt: Runtime, model: GPT, logits_fn, val_tokens: Tensor, luts: ByteLuts) -> tuple[float, float]:
+def eval_sliding(rt: Runtime, model: GPT, logits_fn, val_tokens: Tensor, luts: ByteLuts,
+                 per_token: Tensor | None = None) -> tuple[float, float]:
     h = rt.h
     windows = sliding_windows(val_tokens.numel() - 1, h.eval_seq_len, h.eval_stride)
     model.eval()
     with torch.inference_mode():
         sums = score_windows(rt, logits_fn, val_tokens, rank_slice(windows, h.rank, h.world_size), luts,
-                             h.eval_batch_seqs)
+                             h.eval_batch_seqs, per_token)
     return finish_loss_bpb(rt, sums)
 
 
@@ -1354,7 +1369,8 @@ def frozen_bank_rows(h: Hyperparameters) -> dict[str, list[int]]:
             "mlp_up_bank": first, "mlp_down_bank": first}
 
 
-def eval_ttt(rt: Runtime, model: GPT, logits_fn, loss_fn, val_tokens: Tensor, luts: ByteLuts) -> tuple[float, float]:
+def eval_ttt(rt: Runtime, model: GPT, logits_fn, loss_fn, val_tokens: Tensor, luts: ByteLuts,
+             per_token: Tensor | None = None) -> tuple[float, float]:
     """Legal score-first TTT (SPEC 7): for each chunk, score its windows with the current weights under
     inference_mode, then (except for the last chunk) train on the chunk's tokens. A token is never scored
     by weights that have seen it."""
@@ -1381,7 +1397,7 @@ def eval_ttt(rt: Runtime, model: GPT, logits_fn, loss_fn, val_tokens: Tensor, lu
         model.eval()
         with torch.inference_mode():
             sums += score_windows(rt, logits_fn, val_tokens, rank_slice(chunk_windows[ci], h.rank, h.world_size),
-                                  luts, h.eval_batch_seqs)
+                                  luts, h.eval_batch_seqs, per_token)
         if ci == num_chunks - 1 or h.ttt_epochs == 0:
             continue
         lr = h.ttt_lr * 0.5 * (1.0 + math.cos(math.pi * ci / max(num_chunks - 1, 1)))
@@ -1489,13 +1505,8 @@ def run(h: Hyperparameters) -> None:
     if rt.is_main:
         torch.save(model.state_dict(), "final_model.pt")
         rt.log(f"Serialized model: {os.path.getsize('final_model.pt')} bytes")
-        code_bytes = len(Path(__file__).read_bytes())
-        rt.log(f"Code size: {code_bytes} bytes")
-        model_bytes = save_artifact("final_model.int6.ptz", model)
-        rt.log(f"Serialized model int6+lzma: {model_bytes} bytes")
-        rt.log(f"Total submission size int6+lzma: {model_bytes + code_bytes} bytes")
-        if model_bytes + code_bytes > SIZE_CAP_BYTES:
-            rt.log(f"OVER_LIMIT total_bytes:{model_bytes + code_bytes} cap:{SIZE_CAP_BYTES}")
+        for line in size_report(save_artifact("final_model.int6.ptz", model), len(Path(__file__).read_bytes())):
+            rt.log(line)
     if rt.distributed:
         dist.barrier()
     # Evaluate what a user would submit: a fresh model read back from the file on disk.

@@ -1,0 +1,70 @@
+"""Shared fixtures: the offline sample data (built once per session), a tiny model configuration, and
+helpers to run train_gpt.py as a user would (python or torchrun, in a scratch directory)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "train_gpt.py"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# A model small enough for 2 CPU cores: 4 layers, width 64, sequences of 128.
+TINY_ENV = {
+    "NUM_LAYERS": "4", "MODEL_DIM": "64", "NUM_HEADS": "4", "NUM_KV_HEADS": "2", "VE_LAYERS": "2,3",
+    "XSA_LAST_N": "2", "TRAIN_SEQ_LEN": "128", "EVAL_SEQ_LEN": "128", "TRAIN_BATCH_TOKENS": "4096",
+    "VAL_BATCH_SIZE": "8192", "ITERATIONS": "4", "WARMUP_STEPS": "1", "WARMDOWN_ITERS": "2",
+    "MAX_WALLCLOCK_SECONDS": "0", "VAL_LOSS_EVERY": "0", "TRAIN_LOG_EVERY": "1", "TTT_CHUNK_TOKENS": "4096",
+    "EVAL_BATCH_SEQS": "16", "TTT_BATCH_SEQS": "8", "SEED": "1337",
+}
+
+# Every variable train_gpt.py reads; cleared so the developer's shell cannot leak into a test.
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(scope="session")
+def sample_data(tmp_path_factory) -> dict[str, str]:
+    """Builds the offline sample dataset once; returns DATA_PATH and TOKENIZER_PATH."""
+    out = tmp_path_factory.mktemp("sample")
+    proc = subprocess.run([sys.executable, str(REPO / "data" / "build_sample_data.py"), "--out-dir", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return {"DATA_PATH": str(out / "datasets" / "sample_sp1024"),
+            "TOKENIZER_PATH": str(out / "tokenizers" / "sample_1024_bpe.model")}
+
+
+def clean_environ() -> dict[str, str]:
+    """os.environ without torchrun's variables (a test decides world size itself)."""
+    return {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
+
+
+@pytest.fixture
+def tiny_env(monkeypatch, sample_data) -> dict[str, str]:
+    """Sets the tiny configuration in os.environ (for in-process Hyperparameters()) and returns it."""
+    for k in _TORCHRUN_VARS:
+        monkeypatch.delenv(k, raising=False)
+    env = {**TINY_ENV, **sample_data}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
+
+
+def run_training(env: dict[str, str], cwd: Path, nproc: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Runs train_gpt.py in `cwd` with `env` added: plain python (nproc=0) or torchrun --nproc_per_node."""
+    full = {**clean_environ(), **env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1" if nproc > 1 else "2")}
+    if nproc > 0:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(SCRIPT)]
+    else:
+        cmd = [sys.executable, str(SCRIPT)]
+    return subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+def read_log(cwd: Path, run_id: str) -> str:
+    return (cwd / "logs" / f"{run_id}.txt").read_text(encoding="utf-8")
