@@ -262,11 +262,12 @@ def read_shard_header(path: str | Path) -> int:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            header = np.frombuffer(f.read(SHARD_HEADER_BYTES), dtype="<i4")
+            raw = f.read(SHARD_HEADER_BYTES)
     except OSError as e:
         raise ConfigError(f"shard {path}: cannot read ({e.strerror})") from None
-    if header.size < SHARD_HEADER_INTS:
+    if len(raw) < SHARD_HEADER_BYTES:
         raise ConfigError(f"shard {path}: file is {size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte header")
+    header = np.frombuffer(raw, dtype="<i4")
     if int(header[0]) != SHARD_MAGIC:
         raise ConfigError(f"shard {path}: bad magic {int(header[0])} (expected {SHARD_MAGIC})")
     if int(header[1]) != SHARD_VERSION:
@@ -737,7 +738,7 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 rows = p.shape[0]
                 shard = -(-rows // ws)  # ceil: the bank is zero-padded along dim 0 to ws * shard
-                m = dict(p=p, group=group, rows=rows, shard=shard,
+                m = dict(p=p, group_index=self.param_groups.index(group), rows=rows, shard=shard,
                          scale=max(1.0, p.shape[-2] / p.shape[-1]) ** 0.5)
                 if ws > 1:
                     m["padded"] = torch.zeros(shard * ws, *p.shape[1:], device=p.device, dtype=torch.bfloat16)
@@ -758,7 +759,8 @@ class Muon(torch.optim.Optimizer):
             self._pending.append(_reduce_scatter(m["recv"], m["padded"], op=dist.ReduceOp.AVG, async_op=True))
 
     def _apply(self, m: dict, update: Tensor) -> None:
-        p, group = m["p"], m["group"]
+        # Groups are looked up on every use: load_state_dict() replaces the group dicts.
+        p, group = m["p"], self.param_groups[m["group_index"]]
         lr, wd = group["lr"], group["weight_decay"]
         if wd > 0:
             p.mul_(1.0 - lr * wd)
@@ -773,7 +775,7 @@ class Muon(torch.optim.Optimizer):
             self.launch_reduce_scatters()
         previous = None  # (meta, all-gather handle) of the bank whose update is in flight
         for i, m in enumerate(self._meta):
-            group = m["group"]
+            group = self.param_groups[m["group_index"]]
             if distributed:
                 self._pending[i].wait()
                 g = m["recv"]
@@ -1517,14 +1519,15 @@ def run(h: Hyperparameters) -> None:
 
 def main() -> None:
     try:
-        h = Hyperparameters()
-        run(h)
+        run(Hyperparameters())
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if dist.is_initialized():
+        # Leave together: a rank that exits while a peer still holds gloo connections can abort it.
+        # (Only on success: after an error a barrier could wait forever for a rank stuck elsewhere.)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

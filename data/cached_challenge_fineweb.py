@@ -1,0 +1,354 @@
+"""Download the challenge's published FineWeb export from the Hugging Face hub.
+
+    python data/cached_challenge_fineweb.py --variant sp1024 [--train-shards N]
+
+fetches the tokenizer, every val shard and the first N train shards (default 80,
+8B tokens; 100M tokens per shard) of the dataset repo willdepueoai/parameter-golf
+(override with MATCHED_FINEWEB_REPO_ID) into, relative to this script's folder:
+
+    datasets/fineweb10B_sp1024/fineweb_{val,train}_XXXXXX.bin
+    tokenizers/fineweb_1024_bpe.{model,vocab}
+
+The file lists come from the export's manifest (datasets/manifest.json in the
+repo); without one the conventional file names are used. Shards already on
+disk with a valid header and size are skipped, so an interrupted download can
+simply be run again. Without network access use build_sample_data.py.
+"""
+
+import argparse
+import http.client
+import json
+import os
+import posixpath
+import shutil
+import socket
+import ssl
+import sys
+import urllib.error
+import urllib.request
+
+from shards import shard_num_tokens
+
+# huggingface_hub (imported lazily below) reads these when it is imported; they
+# bound each network wait.
+os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "60")
+
+DATA_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ID = os.environ.get("MATCHED_FINEWEB_REPO_ID", "willdepueoai/parameter-golf")
+REMOTE_ROOT = "datasets"  # the export lives in this folder of the repo
+MANIFEST = "manifest.json"
+# variant -> (dataset folder, tokenizer name) in the export
+VARIANTS = {"sp1024": ("fineweb10B_sp1024", "fineweb_1024_bpe")}
+DEFAULT_TRAIN_SHARDS = 80
+MAX_TRAIN_SHARDS = 1000  # sanity bound; the manifest gives the real count
+OFFLINE_HINT = ("check your network or set HF_ENDPOINT; "
+                "for an offline sample run use python data/build_sample_data.py")
+
+
+class UsageError(Exception):
+    """A bad command-line argument: one stderr line, exit status 2."""
+
+
+class FetchError(Exception):
+    """A download or validation failure: one stderr line, exit status 1."""
+
+
+class RemoteFileMissing(Exception):
+    """The hub answered, but the repo has no such file."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def parse_args(argv):
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", required=True,
+                   help=f"tokenizer variant of the export: {', '.join(sorted(VARIANTS))}")
+    p.add_argument("--train-shards", type=int, default=None,
+                   help=f"number of train shards to fetch, 0..{MAX_TRAIN_SHARDS} "
+                        f"(default {DEFAULT_TRAIN_SHARDS}, or all published if fewer)")
+    args = p.parse_args(argv)
+    if args.variant not in VARIANTS:
+        raise UsageError(f"unknown --variant {args.variant!r}; choose from {', '.join(sorted(VARIANTS))}")
+    if args.train_shards is not None and not 0 <= args.train_shards <= MAX_TRAIN_SHARDS:
+        raise UsageError(f"--train-shards must be in 0..{MAX_TRAIN_SHARDS}, got {args.train_shards}")
+    return args
+
+
+# ---------------------------------------------------------------- hub access
+
+def _root_cause(exc):
+    """'Type: message' of the most specific non-huggingface_hub error in exc's chain."""
+    chain = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    outside = [e for e in chain if not type(e).__module__.startswith("huggingface_hub")]
+    cause = (outside or chain)[0]
+    text = (str(cause).strip().splitlines() or [""])[0][:200]
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+
+
+def _is_connection_error(exc):
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    seen = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        # requests raises OSError subclasses, httpx its own TransportErrors.
+        if isinstance(exc, (LocalEntryNotFoundError, ConnectionError, TimeoutError, socket.gaierror)):
+            return True
+        if any(cls.__name__ in ("TransportError", "ConnectionError", "Timeout") for cls in type(exc).__mro__):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _unreachable(what, cause):
+    from huggingface_hub import constants
+
+    return FetchError(f"could not reach the Hugging Face hub at {constants.ENDPOINT} to download {what} "
+                      f"({cause}); {OFFLINE_HINT}")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # a redirect is an answer; do not follow it
+
+
+def check_hub_reachable(remote_path):
+    """Fail fast, in one line, when the hub cannot be reached at all.
+
+    huggingface_hub retries a failing connection for half a minute or more
+    before giving up, so an offline machine gets one direct probe first. Any
+    HTTP answer, even an error status, shows that the hub is reachable; so does
+    a TLS failure, which is left to huggingface_hub's own certificate handling.
+    """
+    from huggingface_hub import constants, hf_hub_url
+
+    url = hf_hub_url(REPO_ID, remote_path, repo_type="dataset")
+    request = urllib.request.Request(url, method="HEAD")
+    try:
+        urllib.request.build_opener(_NoRedirect).open(request, timeout=constants.HF_HUB_ETAG_TIMEOUT).close()
+    except urllib.error.HTTPError:
+        pass
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        cause = e.reason if isinstance(e, urllib.error.URLError) and isinstance(e.reason, BaseException) else e
+        if not isinstance(cause, ssl.SSLError):
+            text = (str(cause).strip().splitlines() or [""])[0][:200]
+            raise _unreachable(f"{remote_path} from {REPO_ID}", f"{type(cause).__name__}: {text}") from None
+
+
+def hub_download(remote_path, staging_dir):
+    """Download a repo file into staging_dir; return the local path of the file.
+
+    Raises RemoteFileMissing when the repo has no such file, FetchError otherwise.
+    """
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.utils import (EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError,
+                                       RepositoryNotFoundError)
+
+    what = f"{remote_path} from {REPO_ID}"
+    try:
+        return hf_hub_download(REPO_ID, remote_path, repo_type="dataset", local_dir=staging_dir)
+    except Exception as e:  # noqa: BLE001  (classified below)
+        if isinstance(e, EntryNotFoundError) and not isinstance(e, LocalEntryNotFoundError):
+            raise RemoteFileMissing(what) from None
+        if isinstance(e, RepositoryNotFoundError):
+            raise FetchError(f"dataset repo {REPO_ID} not found or not accessible on {constants.ENDPOINT} "
+                             f"({_root_cause(e)}); check MATCHED_FINEWEB_REPO_ID") from None
+        if _is_connection_error(e):
+            raise _unreachable(what, _root_cause(e)) from None
+        if isinstance(e, HfHubHTTPError):
+            raise FetchError(f"the Hugging Face hub refused {what} ({_root_cause(e)})") from None
+        raise FetchError(f"downloading {what} failed ({_root_cause(e)})") from None
+
+
+# ------------------------------------------------------------------ manifest
+
+def _named_entries(manifest, section):
+    """manifest[section] as {name: entry}; it may be a list of {'name': ...} or a dict."""
+    value = manifest.get(section)
+    if isinstance(value, dict):
+        return {str(k): v for k, v in value.items() if isinstance(v, dict)}
+    if isinstance(value, list):
+        return {str(e["name"]): e for e in value if isinstance(e, dict) and "name" in e}
+    return {}
+
+
+def _split_files(entry, split):
+    """File names of one split of a dataset entry: an explicit list, or a count
+    turned into the conventional names. None when the entry says neither."""
+    stats = entry.get("stats") if isinstance(entry.get("stats"), dict) else {}
+    for source in (entry, stats):
+        for key in (f"{split}_files", f"files_{split}", f"{split}_shards", f"num_{split}_shards"):
+            value = source.get(key)
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                return [posixpath.basename(v) for v in value]
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return [f"fineweb_{split}_{i:06d}.bin" for i in range(value)]
+    return None
+
+
+def _tokenizer_paths(manifest, tokenizer_name):
+    """Repo paths (under REMOTE_ROOT) of the tokenizer's files."""
+    conventional = [f"tokenizers/{tokenizer_name}.model", f"tokenizers/{tokenizer_name}.vocab"]
+    entry = _named_entries(manifest, "tokenizers").get(tokenizer_name)
+    if entry is None:
+        return conventional
+    paths = []
+    for key in ("model_path", "vocab_path", "path"):
+        value = entry.get(key)
+        if isinstance(value, str) and value:
+            # Paths are relative to the export root; an absolute one (from the
+            # machine that built the export) only tells us the file name.
+            value = value.replace("\\", "/")
+            paths.append(f"tokenizers/{posixpath.basename(value)}" if value.startswith("/")
+                         else posixpath.normpath(value))
+    return paths or conventional
+
+
+def plan_from_manifest(manifest, variant):
+    """(val shard names, train shard names, tokenizer repo paths) of a variant.
+
+    Raises FetchError with a one-line reason when the manifest cannot be read.
+    """
+    dataset, tokenizer_name = VARIANTS[variant]
+    if not isinstance(manifest, dict):
+        raise FetchError(f"{REMOTE_ROOT}/{MANIFEST} of {REPO_ID}: expected a JSON object, "
+                         f"got {type(manifest).__name__}")
+    datasets = _named_entries(manifest, "datasets")
+    if dataset not in datasets:
+        known = ", ".join(sorted(datasets)) or "none"
+        raise FetchError(f"{REMOTE_ROOT}/{MANIFEST} of {REPO_ID} does not list dataset {dataset} "
+                         f"(it lists: {known})")
+    entry = datasets[dataset]
+    val_files, train_files = _split_files(entry, "val"), _split_files(entry, "train")
+    if not val_files or train_files is None:
+        raise FetchError(f"cannot tell the val/train shard files of {dataset} from {REMOTE_ROOT}/{MANIFEST} "
+                         f"of {REPO_ID} (entry keys: {', '.join(sorted(entry))})")
+    for key in ("tokenizer_name", "tokenizer"):
+        if isinstance(entry.get(key), str) and entry[key]:
+            tokenizer_name = entry[key]
+            break
+    return val_files, train_files, _tokenizer_paths(manifest, tokenizer_name)
+
+
+def conventional_plan(variant, train_shards):
+    _, tokenizer_name = VARIANTS[variant]
+    return (["fineweb_val_000000.bin"],
+            [f"fineweb_train_{i:06d}.bin" for i in range(train_shards)],
+            [f"tokenizers/{tokenizer_name}.model", f"tokenizers/{tokenizer_name}.vocab"])
+
+
+# ----------------------------------------------------------------- transfers
+
+def _valid_shard(path):
+    try:
+        shard_num_tokens(path)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def fetch(remote_path, dest, staging_dir):
+    """Download REMOTE_ROOT/remote_path to dest unless a good copy is already there."""
+    is_shard = dest.endswith(".bin")
+    if os.path.exists(dest):
+        if is_shard and not _valid_shard(dest):
+            print(f"re-downloading incomplete or corrupt {dest}")
+            os.remove(dest)
+        elif os.path.getsize(dest) > 0:
+            print(f"exists: {dest}")
+            return
+    try:
+        staged = hub_download(f"{REMOTE_ROOT}/{remote_path}", staging_dir)
+    except RemoteFileMissing as e:
+        raise FetchError(f"{e} does not exist (is the export incomplete, or --train-shards too large?)") from None
+    if is_shard:
+        try:
+            shard_num_tokens(staged)
+        except ValueError as e:
+            os.remove(staged)
+            raise FetchError(f"downloaded {remote_path} is not a valid shard ({e}); run again to retry") from None
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    if os.path.islink(staged):  # old huggingface_hub versions link big files into their cache
+        tmp = dest + ".tmp"
+        shutil.copyfile(os.path.realpath(staged), tmp)
+        os.replace(tmp, dest)
+        os.remove(staged)
+    else:
+        os.replace(staged, dest)  # same file system: atomic, no second copy
+    print(f"fetched: {dest} ({os.path.getsize(dest) / 1e6:.1f} MB)")
+
+
+def download(variant, train_shards):
+    dataset, _ = VARIANTS[variant]
+    dataset_dir = os.path.join(DATA_DIR, "datasets", dataset)
+    tokenizer_dir = os.path.join(DATA_DIR, "tokenizers")
+    # Downloads land here first and are moved into place once complete; the
+    # folder sits outside dataset_dir so its files never match the shard globs.
+    staging_dir = os.path.join(DATA_DIR, "datasets", ".hf_staging")
+    requested = DEFAULT_TRAIN_SHARDS if train_shards is None else train_shards
+
+    manifest_remote = f"{REMOTE_ROOT}/{MANIFEST}"
+    check_hub_reachable(manifest_remote)
+    try:
+        staged = hub_download(manifest_remote, staging_dir)
+    except RemoteFileMissing:
+        staged = None
+    if staged is not None:
+        try:
+            with open(staged, encoding="utf-8") as f:
+                manifest = json.load(f)
+        except (OSError, ValueError) as e:
+            raise FetchError(f"{manifest_remote} of {REPO_ID} is not readable JSON ({e})") from None
+        val_files, train_files, tokenizer_paths = plan_from_manifest(manifest, variant)
+        if requested > len(train_files):
+            if train_shards is not None:
+                raise UsageError(f"--train-shards {train_shards} is more than the {len(train_files)} "
+                                 f"train shards {REPO_ID} publishes for {variant}")
+            print(f"note: {REPO_ID} publishes {len(train_files)} train shards for {variant}; fetching all")
+        train_files = train_files[:requested]
+        os.makedirs(os.path.join(DATA_DIR, "datasets"), exist_ok=True)
+        os.replace(staged, os.path.join(DATA_DIR, "datasets", MANIFEST))  # kept for reference
+    else:
+        print(f"note: {REPO_ID} has no {manifest_remote}; using the conventional file names")
+        val_files, train_files, tokenizer_paths = conventional_plan(variant, requested)
+
+    for path in tokenizer_paths:
+        fetch(path, os.path.join(tokenizer_dir, posixpath.basename(path)), staging_dir)
+    for name in val_files + train_files:
+        fetch(f"datasets/{dataset}/{name}", os.path.join(dataset_dir, name), staging_dir)
+    shutil.rmtree(staging_dir, ignore_errors=True)
+    print(f"done: {len(val_files)} val and {len(train_files)} train shards in {dataset_dir}, "
+          f"tokenizer in {tokenizer_dir}")
+
+
+def fail(prog, err):
+    """Report err as the one line on stderr."""
+    print(f"{prog}: error: " + " ".join(str(err).splitlines()), file=sys.stderr)
+
+
+def main(argv=None):
+    prog = os.path.basename(sys.argv[0])
+    try:
+        args = parse_args(argv)
+        download(args.variant, args.train_shards)
+    except UsageError as e:
+        fail(prog, e)
+        return 2
+    except (FetchError, OSError) as e:
+        fail(prog, e)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; run again to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

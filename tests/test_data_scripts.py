@@ -1,0 +1,356 @@
+"""Tests for data/: the shard helpers, the offline sample builder and the
+FineWeb downloader (offline failure, argument errors, and its download logic
+against a fake hub; the real hub is never contacted).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "data"
+sys.path.insert(0, str(DATA))
+
+import cached_challenge_fineweb as dl  # noqa: E402
+import shards  # noqa: E402
+
+BUILDER = DATA / "build_sample_data.py"
+DOWNLOADER = DATA / "cached_challenge_fineweb.py"
+SAMPLE_SHARDS = ["fineweb_train_000000.bin", "fineweb_train_000001.bin",
+                 "fineweb_train_000002.bin", "fineweb_train_000003.bin", "fineweb_val_000000.bin"]
+
+
+def run(args, cwd=None, env=None, timeout=120):
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc, rc):
+    assert proc.returncode == rc, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0], proc.stderr
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------- shards.py
+
+def test_write_shard_round_trip(tmp_path):
+    tokens = np.concatenate([[0, 1, 65535], np.random.default_rng(0).integers(0, 65536, 5000)])
+    path = tmp_path / "s.bin"
+    shards.write_shard(path, tokens)
+    assert path.stat().st_size == 1024 + 2 * tokens.size
+    header = np.fromfile(path, dtype="<i4", count=256)
+    assert header[:3].tolist() == [20240520, 1, tokens.size]
+    assert not header[3:].any()
+    raw = np.fromfile(path, dtype="<u2", offset=1024)
+    assert np.array_equal(raw, tokens)
+    assert np.array_equal(shards.read_shard(path), tokens)
+    assert shards.shard_num_tokens(path) == tokens.size
+    assert os.listdir(tmp_path) == ["s.bin"]  # no .tmp left behind
+
+
+def test_write_shard_accepts_lists_and_empty(tmp_path):
+    shards.write_shard(tmp_path / "a.bin", [5, 6, 7])
+    assert shards.read_shard(tmp_path / "a.bin").tolist() == [5, 6, 7]
+    shards.write_shard(tmp_path / "e.bin", np.zeros(0, dtype=np.int64))
+    assert (tmp_path / "e.bin").stat().st_size == 1024
+    assert shards.read_shard(tmp_path / "e.bin").size == 0
+
+
+@pytest.mark.parametrize("bad", [[1, -1, 2], [65536], [0.5, 1.0]])
+def test_write_shard_rejects_bad_tokens(tmp_path, bad):
+    path = tmp_path / "bad.bin"
+    with pytest.raises(ValueError, match="bad.bin"):
+        shards.write_shard(path, np.asarray(bad))
+    assert os.listdir(tmp_path) == []
+
+
+def test_write_shard_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "s.bin"
+    shards.write_shard(path, [1, 2, 3])
+    before = path.read_bytes()
+    # A bad call and a crash at the final rename both leave the old file intact.
+    with pytest.raises(ValueError):
+        shards.write_shard(path, [70000])
+
+    def crash(src, dst):
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(shards.os, "replace", crash)
+    with pytest.raises(OSError, match="simulated"):
+        shards.write_shard(path, list(range(100)))
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["s.bin"]
+
+
+def test_shard_validation_names_the_problem(tmp_path):
+    path = tmp_path / "s.bin"
+    shards.write_shard(path, list(range(10)))
+    with open(path, "r+b") as f:
+        f.truncate(1024 + 2 * 9)
+    with pytest.raises(ValueError, match="does not match"):
+        shards.read_shard(path)
+    path.write_bytes(b"\0" * 1024)
+    with pytest.raises(ValueError, match="bad shard header"):
+        shards.shard_num_tokens(path)
+    path.write_bytes(b"short")
+    with pytest.raises(ValueError, match="shorter"):
+        shards.shard_num_tokens(path)
+
+
+# ------------------------------------------------------- build_sample_data.py
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    """One default build (it takes about a second), shared by the builder tests."""
+    out = tmp_path_factory.mktemp("sample")
+    proc = run([BUILDER, "--out-dir", out], env={**os.environ, "PYTHONHASHSEED": "1"})
+    assert proc.returncode == 0, proc.stderr
+    return out, proc.stdout
+
+
+def load_sample(out: Path):
+    data_dir = out / "datasets" / "sample_sp1024"
+    train = [shards.read_shard(data_dir / f"fineweb_train_{i:06d}.bin") for i in range(4)]
+    val = shards.read_shard(data_dir / "fineweb_val_000000.bin")
+    return train, val
+
+
+def split_docs(tokens: np.ndarray, bos: int) -> list[tuple[int, ...]]:
+    starts = np.flatnonzero(tokens == bos)
+    return [tuple(tokens[a:b].tolist()) for a, b in zip(starts, [*starts[1:], tokens.size])]
+
+
+def test_sample_build_layout_and_shards(sample):
+    out, stdout = sample
+    assert sorted(os.listdir(out / "datasets" / "sample_sp1024")) == SAMPLE_SHARDS
+    assert sorted(os.listdir(out / "tokenizers")) == ["sample_1024_bpe.model", "sample_1024_bpe.vocab"]
+    train, val = load_sample(out)
+    sizes = [t.size for t in train]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) > 200_000  # an even split
+    assert val.size == 32 * 1024 + 1
+    for tokens in (*train, val):
+        assert int(tokens.max()) < 1024
+    assert train[0][0] == 1 and val[0] == 1  # every document starts with <s>
+    assert f"{sum(sizes)} train" in stdout and "elapsed" in stdout
+
+
+def test_sample_tokenizer(sample):
+    import sentencepiece as spm
+
+    out, _ = sample
+    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizers" / "sample_1024_bpe.model"))
+    assert sp.vocab_size() == 1024
+    assert sp.bos_id() == 1
+    assert sum(sp.is_byte(i) for i in range(1024)) == 256  # byte fallback
+    assert sp.encode("é☃", out_type=str)  # rare characters still encode
+    text = sp.decode(load_sample(out)[1][:400].tolist())
+    assert " the " in text
+
+
+def test_sample_val_documents_are_held_out(sample):
+    train, val = load_sample(sample[0])
+    train_docs = set(split_docs(np.concatenate(train), bos=1))
+    val_docs = split_docs(val, bos=1)[:-1]  # the last one is cut off at --val-tokens
+    assert len(val_docs) >= 20
+    assert not train_docs.intersection(val_docs)
+
+
+def test_sample_build_is_deterministic_and_idempotent(sample, tmp_path):
+    first, _ = sample
+    out = tmp_path / "again"
+    # A smaller build first: the full rebuild over it must drop the extra state
+    # (its stale shard count) and come out byte-identical to the shared build,
+    # here from another directory and with another hash seed.
+    env = {**os.environ, "PYTHONHASHSEED": "2"}
+    proc = run([BUILDER, "--out-dir", out, "--train-shards", "6", "--seed", "5"], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert len(os.listdir(out / "datasets" / "sample_sp1024")) == 7
+    proc = run([BUILDER, "--out-dir", out], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert tree_bytes(out) == tree_bytes(first)
+
+
+@pytest.mark.parametrize("args", [["--vocab-size", "100"], ["--vocab-size", "99999"],
+                                  ["--train-shards", "0"], ["--val-tokens", "10"],
+                                  ["--val-tokens", "10000000"], ["--vocab-size", "x"], ["--bogus"]])
+def test_sample_builder_bad_args(tmp_path, args):
+    out = tmp_path / "out"
+    proc = run([BUILDER, "--out-dir", out, *args])
+    assert_one_line_error(proc, 2)
+    assert not out.exists()
+
+
+# ------------------------------------------------- cached_challenge_fineweb.py
+
+def closed_port_endpoint() -> str:
+    """An http endpoint on localhost where nothing listens (connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def isolated_downloader(tmp_path):
+    """A copy of the downloader in its own folder (it writes next to itself) and
+    an environment that cannot reach any hub."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name in ("cached_challenge_fineweb.py", "shards.py"):
+        shutil.copy(DATA / name, folder / name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MATCHED_FINEWEB_"))}
+    env.update(HF_ENDPOINT=closed_port_endpoint(), HF_HOME=str(tmp_path / "hf_home"))
+    return folder, env
+
+
+def test_downloader_offline_fails_fast_with_one_line(isolated_downloader):
+    folder, env = isolated_downloader
+    start = time.monotonic()
+    proc = run([folder / "cached_challenge_fineweb.py", "--variant", "sp1024", "--train-shards", "1"],
+               cwd=folder.parent, env=env, timeout=60)
+    assert time.monotonic() - start < 30
+    assert_one_line_error(proc, 1)
+    assert "could not reach the Hugging Face hub" in proc.stderr
+    assert "build_sample_data.py" in proc.stderr
+    assert sorted(os.listdir(folder)) == ["cached_challenge_fineweb.py", "shards.py"]
+
+
+@pytest.mark.parametrize("args", [["--variant", "sp999"], ["--variant", "sp1024", "--train-shards", "-1"],
+                                  ["--variant", "sp1024", "--train-shards", "100000"],
+                                  ["--variant", "sp1024", "--train-shards", "many"], []])
+def test_downloader_bad_args(isolated_downloader, args):
+    folder, env = isolated_downloader
+    proc = run([folder / "cached_challenge_fineweb.py", *args], env=env, timeout=60)
+    assert_one_line_error(proc, 2)
+
+
+class FakeHub:
+    """Stands in for hub_download, serving files from a folder."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.downloads: list[str] = []
+
+    def download(self, remote_path, staging_dir):
+        src = self.root / remote_path
+        if not src.is_file():
+            raise dl.RemoteFileMissing(remote_path)
+        self.downloads.append(remote_path)
+        dst = Path(staging_dir) / remote_path
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, dst)
+        return str(dst)
+
+
+MANIFEST = {
+    "datasets": [{"name": "fineweb10B_sp1024", "tokenizer_name": "sp_bpe_1024",
+                  "stats": {"files_train": 3, "files_val": 1}}],
+    "tokenizers": [{"name": "sp_bpe_1024", "model_path": "tokenizers/fineweb_1024_bpe.model",
+                    "vocab_path": "tokenizers/fineweb_1024_bpe.vocab"}],
+}
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    root = tmp_path / "repo"
+    shard_dir = root / "datasets" / "datasets" / "fineweb10B_sp1024"
+    shard_dir.mkdir(parents=True)
+    for i in range(3):
+        shards.write_shard(shard_dir / f"fineweb_train_{i:06d}.bin", np.arange(100) + i)
+    shards.write_shard(shard_dir / "fineweb_val_000000.bin", np.arange(50))
+    (root / "datasets" / "tokenizers").mkdir()
+    (root / "datasets" / "tokenizers" / "fineweb_1024_bpe.model").write_bytes(b"model")
+    (root / "datasets" / "tokenizers" / "fineweb_1024_bpe.vocab").write_bytes(b"vocab")
+    (root / "datasets" / "manifest.json").write_text(json.dumps(MANIFEST))
+    hub = FakeHub(root)
+    local = tmp_path / "data"
+    monkeypatch.setattr(dl, "DATA_DIR", str(local))
+    monkeypatch.setattr(dl, "check_hub_reachable", lambda remote_path: None)
+    monkeypatch.setattr(dl, "hub_download", hub.download)
+    return hub, local
+
+
+def test_download_places_files_and_skips_existing(fake_hub, capsys):
+    hub, local = fake_hub
+    assert dl.main(["--variant", "sp1024", "--train-shards", "2"]) == 0
+    shard_dir = local / "datasets" / "fineweb10B_sp1024"
+    assert sorted(os.listdir(shard_dir)) == ["fineweb_train_000000.bin", "fineweb_train_000001.bin",
+                                             "fineweb_val_000000.bin"]
+    assert (local / "tokenizers" / "fineweb_1024_bpe.model").read_bytes() == b"model"
+    assert (local / "tokenizers" / "fineweb_1024_bpe.vocab").read_bytes() == b"vocab"
+    assert not (local / "datasets" / ".hf_staging").exists()
+    assert shards.read_shard(shard_dir / "fineweb_train_000001.bin").tolist() == list(range(1, 101))
+
+    # Second run, default shard count (80) is more than the 3 published: all of
+    # them, and only the missing shard and a corrupted one are downloaded again.
+    with open(shard_dir / "fineweb_train_000000.bin", "r+b") as f:
+        f.truncate(1500)
+    hub.downloads.clear()
+    assert dl.main(["--variant", "sp1024"]) == 0
+    assert sorted(hub.downloads) == ["datasets/datasets/fineweb10B_sp1024/fineweb_train_000000.bin",
+                                     "datasets/datasets/fineweb10B_sp1024/fineweb_train_000002.bin",
+                                     "datasets/manifest.json"]
+    assert shards.shard_num_tokens(shard_dir / "fineweb_train_000000.bin") == 100
+    assert "fetching all" in capsys.readouterr().out
+
+
+def test_download_rejects_more_shards_than_published(fake_hub, capsys):
+    assert dl.main(["--variant", "sp1024", "--train-shards", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "3 train shards" in err[0]
+
+
+def test_download_rejects_corrupt_remote_shard(fake_hub, capsys):
+    hub, local = fake_hub
+    remote = hub.root / "datasets" / "datasets" / "fineweb10B_sp1024" / "fineweb_train_000000.bin"
+    with open(remote, "r+b") as f:
+        f.truncate(1100)
+    assert dl.main(["--variant", "sp1024", "--train-shards", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a valid shard" in err[0]
+    assert not (local / "datasets" / "fineweb10B_sp1024" / "fineweb_train_000000.bin").exists()
+    assert not list((local / "datasets").rglob("fineweb_train_000000.bin"))
+
+
+def test_download_without_manifest_uses_conventional_names(fake_hub, capsys):
+    hub, local = fake_hub
+    (hub.root / "datasets" / "manifest.json").unlink()
+    assert dl.main(["--variant", "sp1024", "--train-shards", "3"]) == 0
+    assert len(os.listdir(local / "datasets" / "fineweb10B_sp1024")) == 4
+    assert "conventional file names" in capsys.readouterr().out
+    # Past the end of the export the missing file is named.
+    assert dl.main(["--variant", "sp1024", "--train-shards", "4"]) == 1
+    assert "fineweb_train_000003.bin" in capsys.readouterr().err
+
+
+def test_manifest_schemas():
+    val, train, tok = dl.plan_from_manifest(MANIFEST, "sp1024")
+    assert val == ["fineweb_val_000000.bin"]
+    assert train == [f"fineweb_train_{i:06d}.bin" for i in range(3)]
+    assert tok == ["tokenizers/fineweb_1024_bpe.model", "tokenizers/fineweb_1024_bpe.vocab"]
+    # Datasets keyed by name with explicit file lists, no tokenizer section.
+    listed = {"datasets": {"fineweb10B_sp1024": {
+        "val_files": ["datasets/fineweb10B_sp1024/fineweb_val_000000.bin"],
+        "train_files": ["fineweb_train_000000.bin", "fineweb_train_000001.bin"]}}}
+    val, train, tok = dl.plan_from_manifest(listed, "sp1024")
+    assert val == ["fineweb_val_000000.bin"] and len(train) == 2
+    assert tok == ["tokenizers/fineweb_1024_bpe.model", "tokenizers/fineweb_1024_bpe.vocab"]
+    for bad, reason in [([], "JSON object"), ({"datasets": []}, "does not list"),
+                        ({"datasets": [{"name": "fineweb10B_sp1024", "stats": {}}]}, "cannot tell")]:
+        with pytest.raises(dl.FetchError, match=reason) as info:
+            dl.plan_from_manifest(bad, "sp1024")
+        assert "\n" not in str(info.value)
