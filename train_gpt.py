@@ -9,6 +9,7 @@ Sections, in pipeline order: config, data, model, optimiser, training, artifact,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import io
@@ -138,6 +139,19 @@ class Hyperparameters:
         self.swa_every = _env("SWA_EVERY", 50)
         self.late_qat_threshold = _env("LATE_QAT_THRESHOLD", 0.15, float)
         self.qat_enabled = _env("QAT_ENABLED", False, bool)
+        # ---- data path (SPEC 8)
+        self.train_loader = _env("TRAIN_LOADER", "stream", str)
+        self.train_prefetch = _env("TRAIN_PREFETCH", True, bool)
+        self.train_prefetch_queue = _env("TRAIN_PREFETCH_QUEUE", 2)
+        self.train_copy_stream = _env("TRAIN_COPY_STREAM", True, bool)
+        self.val_prefetch = _env("VAL_PREFETCH", True, bool)
+        self.val_copy_stream = _env("VAL_COPY_STREAM", True, bool)
+        self.val_bytecount_device = _env("VAL_BYTECOUNT_DEVICE", "cpu", str)
+        self.val_progress_log_every = _env("VAL_PROGRESS_LOG_EVERY", 0)
+        self.training_timing_breakdown = _env("TRAINING_TIMING_BREAKDOWN", False, bool)
+        self.training_timing_every = _env("TRAINING_TIMING_EVERY", 200)
+        self.profile = _env("PROFILE", False, bool)
+        self.profile_steps = _env("PROFILE_STEPS", "5:8", str)
         # ---- evaluation
         self.eval_stride = _env("EVAL_STRIDE", 64)
         self.eval_batch_seqs = _env("EVAL_BATCH_SEQS", 32)
@@ -180,6 +194,14 @@ class Hyperparameters:
         return self.model_dim // self.num_heads
 
     @property
+    def profile_range(self) -> tuple[int, int] | None:
+        try:
+            a, b = (int(v) for v in self.profile_steps.split(":"))
+        except ValueError:
+            return None
+        return (a, b) if 0 < a < b else None
+
+    @property
     def max_wallclock_ms(self) -> float | None:
         return 1000.0 * self.max_wallclock_seconds if self.max_wallclock_seconds > 0 else None
 
@@ -207,6 +229,15 @@ class Hyperparameters:
             v = getattr(self, self._attr(name))
             need(0 <= v < 1, f"{name}={v} must be in [0, 1)")
         need(self.device in ("", "cpu", "cuda"), f"DEVICE={self.device!r} must be cpu or cuda")
+        need(self.train_loader in ("stream", "shuffled"),
+             f"TRAIN_LOADER={self.train_loader!r} must be stream or shuffled")
+        need(self.train_prefetch_queue >= 1, f"TRAIN_PREFETCH_QUEUE={self.train_prefetch_queue} must be >= 1")
+        need(self.val_bytecount_device in ("cpu", "cuda"),
+             f"VAL_BYTECOUNT_DEVICE={self.val_bytecount_device!r} must be cpu or cuda")
+        need(self.val_progress_log_every >= 0, f"VAL_PROGRESS_LOG_EVERY={self.val_progress_log_every} must be >= 0")
+        need(self.training_timing_every > 0, f"TRAINING_TIMING_EVERY={self.training_timing_every} must be > 0")
+        need(self.profile_range is not None,
+             f"PROFILE_STEPS={self.profile_steps!r} must be START:END with 0 < START < END (training steps)")
         need(self.model_dim % self.num_heads == 0,
              f"NUM_HEADS={self.num_heads} must divide MODEL_DIM={self.model_dim}")
         need(self.num_heads % self.num_kv_heads == 0,
@@ -328,20 +359,231 @@ class DistributedTokenLoader:
         self.local_tokens, self.seq_len = local_tokens, seq_len
         self.stream = TokenStream(files)
 
-    def next_host_span(self) -> np.ndarray:
+    def next_host(self) -> np.ndarray:
         """This rank's local_tokens+1 tokens for the next micro-step, as uint16 on the host."""
         span = self.local_tokens + 1
         chunk = self.stream.take(span * self.world_size)
         return chunk[self.rank * span:(self.rank + 1) * span]
 
     def next_batch(self) -> tuple[Tensor, Tensor]:
-        return span_to_device(torch.from_numpy(self.next_host_span().astype(np.int32)), self.seq_len, self.device)
+        return host_to_device(self.next_host(), self.seq_len, self.device)
+
+    def shutdown(self) -> None:
+        pass
 
 
-def span_to_device(span: Tensor, seq_len: int, device: torch.device, non_blocking: bool = False) -> tuple[Tensor, Tensor]:
-    """Move a compact (n+1)-token span to the device, widen to int64 there, and cut x, y as views."""
-    wide = span.to(device, non_blocking=non_blocking).to(torch.int64)
-    return wide[:-1].view(-1, seq_len), wide[1:].view(-1, seq_len)
+class ShuffledSequenceLoader:
+    """Opt-in shuffled loader (TRAIN_LOADER=shuffled, SPEC 2): rank r owns shards [r::world_size]; each
+    shard is cut at a random phase into L+1-token windows visited in random order; each sequence of a
+    batch comes from a shard drawn with probability proportional to its remaining windows; when all
+    are used every shard is re-cut. Deterministic given (SEED, rank). Reads through numpy memmaps and
+    builds the whole batch in numpy."""
+
+    def __init__(self, files: list[str], rank: int, world_size: int, device: torch.device,
+                 local_tokens: int, seq_len: int, seed: int) -> None:
+        if len(files) < world_size:
+            raise ConfigError(f"TRAIN_LOADER=shuffled needs at least one train shard per rank: "
+                              f"{len(files)} shards for WORLD_SIZE={world_size}")
+        self.files = files[rank::world_size]
+        self.device, self.seq_len = device, seq_len
+        self.batch_seqs = local_tokens // seq_len
+        self.rng = np.random.default_rng([seed, rank])
+        self.shards = [load_shard(f) for f in self.files]
+        for f, mm in zip(self.files, self.shards):
+            if mm.size < seq_len + 1:
+                raise ConfigError(f"shard {f}: {mm.size} tokens, fewer than one sequence of {seq_len} plus one")
+        self.starts: list[np.ndarray] = []
+        self.used = np.zeros(len(self.shards), dtype=np.int64)
+        self._recut()
+
+    def _recut(self) -> None:
+        L = self.seq_len
+        self.starts = []
+        for mm in self.shards:
+            n = mm.size
+            max_phase = min(L - 1, n - L - 1)
+            phase = int(self.rng.integers(max_phase + 1)) if max_phase > 0 else 0
+            self.starts.append(phase + self.rng.permutation((n - 1 - phase) // L) * L)
+        self.used[:] = 0
+
+    def next_host(self) -> np.ndarray:
+        """(batch_seqs, L+1) uint16 windows: x = [:, :-1], y = [:, 1:]."""
+        L = self.seq_len
+        out = np.empty((self.batch_seqs, L + 1), dtype=np.uint16)
+        for b in range(self.batch_seqs):
+            remaining = np.array([len(s) for s in self.starts], dtype=np.float64) - self.used
+            if remaining.sum() <= 0:
+                self._recut()
+                remaining = np.array([len(s) for s in self.starts], dtype=np.float64)
+            si = int(self.rng.choice(len(self.shards), p=remaining / remaining.sum()))
+            start = int(self.starts[si][self.used[si]])
+            self.used[si] += 1
+            out[b] = self.shards[si][start:start + L + 1]
+        return out
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        return host_to_device(self.next_host(), self.seq_len, self.device)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def host_to_device(host, seq_len: int, device: torch.device, non_blocking: bool = False) -> tuple[Tensor, Tensor]:
+    """Move compact host tokens to the device, widen to int64 there, and cut x, y as views of one buffer:
+    a 1-D (n+1)-token span becomes (n/L, L) rows; 2-D (B, L+1) windows become their first/last L."""
+    if isinstance(host, np.ndarray):
+        host = torch.from_numpy(host.astype(np.int32))
+    wide = host.to(device, non_blocking=non_blocking).to(torch.int64)
+    return cut_batch(wide, seq_len)
+
+
+def cut_batch(wide: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    if wide.ndim == 1:
+        return wide[:-1].view(-1, seq_len), wide[1:].view(-1, seq_len)
+    return wide[:, :-1], wide[:, 1:]
+
+
+class _WorkerFailure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_END_OF_DATA = object()
+
+
+class PrefetchingDistributedTokenLoader:
+    """Keeps the device fed (SPEC 8). `produce()` returns the next host batch as (array, aux) or None at
+    the end of a finite source; aux rides along untouched (validation uses it for byte counts).
+
+    threaded: a daemon thread runs produce() ahead and fills a small ring of pinned host buffers
+      (compact int32) into a bounded queue; a failure there is re-raised in the caller.
+    copy_stream (CUDA): host-to-device copies run on a side stream; handing out batch k issues the copy
+      of batch k+1 at once, so it overlaps step k's compute. The compute stream waits on an event and
+      the batch is marked with record_stream so the allocator cannot reuse its memory early. A pinned
+      buffer is refilled only after the event of the copy that read it has completed.
+    Batches come out in exactly the order produce() made them.
+    """
+
+    def __init__(self, produce, seq_len: int, device: torch.device, queue_size: int = 2,
+                 threaded: bool = True, copy_stream: bool = True, name: str = "loader") -> None:
+        self.produce, self.seq_len, self.device = produce, seq_len, device
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if copy_stream and self.cuda else None
+        self._ring: list[list] = []  # [pinned int32 buffer, event of the copy that last read it]
+        self._ring_size = queue_size + 3  # queued + one being filled + one in flight + one in use
+        self._next_slot = 0
+        self._pending = None
+        self._exhausted = False
+        self._queue: queue.Queue | None = queue.Queue(maxsize=queue_size) if threaded else None
+        self._stop = threading.Event()
+        self._thread = None
+        if threaded:
+            self._thread = threading.Thread(target=self._work, name=f"prefetch-{name}", daemon=True)
+            self._thread.start()
+
+    # ---- producer side (the worker thread, or the caller when not threaded)
+    def _fill_slot(self, host: np.ndarray) -> int:
+        idx = self._next_slot
+        self._next_slot = (idx + 1) % self._ring_size
+        if idx == len(self._ring):
+            self._ring.append([None, None])
+        slot = self._ring[idx]
+        if slot[1] is not None:
+            slot[1].synchronize()  # the copy that last read this buffer has finished
+        if slot[0] is None or tuple(slot[0].shape) != host.shape:
+            slot[0] = torch.empty(host.shape, dtype=torch.int32, pin_memory=self.cuda)
+        np.copyto(slot[0].numpy(), host, casting="safe")
+        return idx
+
+    def _produce_one(self):
+        item = self.produce()
+        if item is None:
+            return _END_OF_DATA
+        host, aux = item
+        return self._fill_slot(host), aux
+
+    def _work(self) -> None:
+        try:
+            while not self._stop.is_set():
+                item = self._produce_one()
+                self._put(item)
+                if item is _END_OF_DATA:
+                    return
+        except BaseException as e:  # surfaced to the consumer, which re-raises it
+            self._put(_WorkerFailure(e))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    # ---- consumer side
+    def _take(self):
+        if self._exhausted:
+            return _END_OF_DATA
+        if self._stop.is_set():
+            raise RuntimeError("PrefetchingDistributedTokenLoader used after shutdown()")
+        item = self._queue.get() if self._queue is not None else self._produce_one()
+        if isinstance(item, _WorkerFailure):
+            self.shutdown()
+            raise item.exc
+        self._exhausted = item is _END_OF_DATA
+        return item
+
+    def _copy(self, item):
+        """Start the host-to-device copy of a taken item; returns (device int64 tokens, aux, event)."""
+        if item is _END_OF_DATA:
+            return item
+        idx, aux = item
+        host = self._ring[idx][0]
+        event = torch.cuda.Event() if self.cuda else None
+        if self.copy_stream is not None:
+            with torch.cuda.stream(self.copy_stream):
+                wide = host.to(self.device, non_blocking=True).to(torch.int64)
+                event.record(self.copy_stream)
+        else:
+            wide = host.to(self.device, non_blocking=self.cuda).to(torch.int64)
+            if event is not None:
+                event.record()
+        self._ring[idx][1] = event
+        return wide, aux, event
+
+    def next(self) -> tuple[Tensor, Tensor, object]:
+        """(x, y, aux) of the next batch; raises StopIteration at the end of a finite source."""
+        if self.copy_stream is None:
+            current = self._copy(self._take())
+        else:
+            current = self._pending if self._pending is not None else self._copy(self._take())
+            self._pending = None
+            if current is not _END_OF_DATA:
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(current[2])
+                current[0].record_stream(compute)
+                self._pending = self._copy(self._take())  # overlaps the step that uses `current`
+        if current is _END_OF_DATA:
+            raise StopIteration
+        x, y = cut_batch(current[0], self.seq_len)
+        return x, y, current[1]
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        x, y, _ = self.next()
+        return x, y
+
+    def shutdown(self) -> None:
+        """Stop and join the worker (so the stream does not advance in the background)."""
+        self._stop.set()
+        if self._thread is not None:
+            while self._thread.is_alive():
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+                self._thread.join(timeout=0.05)
+            self._thread = None
+        self._pending = None
 
 
 def load_validation_tokens(pattern: str, seq_len: int, vocab_size: int) -> Tensor:
@@ -370,6 +612,7 @@ class ByteLuts:
 
     def count(self, prev_ids: Tensor, tgt_ids: Tensor) -> Tensor:
         """Bytes of each target token given its predecessor, as float64."""
+        prev_ids, tgt_ids = prev_ids.long(), tgt_ids.long()
         nbytes = self.base_bytes[tgt_ids].to(torch.int32)
         nbytes += (self.has_leading_space[tgt_ids] & ~self.is_boundary[prev_ids]).to(torch.int32)
         return nbytes.to(torch.float64)
@@ -850,6 +1093,27 @@ class Runtime:
     is_main: bool
     log_path: Path | None
 
+    def __post_init__(self) -> None:
+        # Effective data-path switches: copy streams need CUDA; the timing breakdown turns the overlap
+        # features off so that its per-phase figures mean what they say.
+        h, cuda, plain = self.h, self.device.type == "cuda", self.h.training_timing_breakdown
+        self.train_prefetch = h.train_prefetch and not plain
+        self.train_copy_stream = h.train_copy_stream and cuda and not plain
+        self.val_prefetch = h.val_prefetch and not plain
+        self.val_copy_stream = h.val_copy_stream and cuda and not plain
+
+    def describe_data_path(self) -> str:
+        h = self.h
+        notes = []
+        if h.training_timing_breakdown:
+            notes.append("TRAINING_TIMING_BREAKDOWN=1 turns prefetch and copy streams off")
+        elif self.device.type != "cuda" and (h.train_copy_stream or h.val_copy_stream):
+            notes.append("copy streams need CUDA: off")
+        return (f"data_path: loader:{h.train_loader} train_prefetch:{int(self.train_prefetch)} "
+                f"queue:{h.train_prefetch_queue} train_copy_stream:{int(self.train_copy_stream)} "
+                f"val_prefetch:{int(self.val_prefetch)} val_copy_stream:{int(self.val_copy_stream)} "
+                f"val_bytecount:{h.val_bytecount_device}" + (f" ({'; '.join(notes)})" if notes else ""))
+
     def log(self, msg: str, console: bool = True) -> None:
         if not self.is_main:
             return
@@ -889,6 +1153,8 @@ def setup_runtime(h: Hyperparameters) -> Runtime:
     want = h.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("DEVICE=cuda but CUDA is not available on this machine")
+    if h.val_bytecount_device == "cuda" and want != "cuda":
+        raise ConfigError("VAL_BYTECOUNT_DEVICE=cuda but the run is on CPU (no CUDA device)")
     device = torch.device("cuda", h.local_rank) if want == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -946,8 +1212,42 @@ def compile_enabled(rt: Runtime) -> bool:
     return rt.h.compile if rt.h.compile is not None else rt.device.type == "cuda"
 
 
+class StepTimer:
+    """TRAINING_TIMING_BREAKDOWN: milliseconds per phase, each phase bracketed by device syncs."""
+
+    PHASES = ("batch_cpu", "h2d", "forward", "backward", "clip", "optimizer", "val")
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.ms = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        self.rt.sync()
+        t0 = time.perf_counter()
+        yield
+        self.rt.sync()
+        self.ms[phase] += 1000.0 * (time.perf_counter() - t0)
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    def pop_line(self, step: int) -> str:
+        """Per-step averages since the last line (validation time is spread over those steps)."""
+        n = max(self.steps, 1)
+        line = f"timing step:{step} steps:{n} " + " ".join(f"{k}_ms:{v / n:.2f}" for k, v in self.ms.items())
+        self.ms, self.steps = dict.fromkeys(self.PHASES, 0.0), 0
+        return line
+
+
+def _untimed(phase: str):
+    return contextlib.nullcontext()
+
+
 class Trainer:
-    """One optimiser step = grad_accum micro-batches, clip, then the overlapped Parallel Muon step."""
+    """One optimiser step = grad_accum micro-batches, clip, then the overlapped Parallel Muon step.
+    `data_wait_ms` accumulates the wall time the step spent blocked on the loader."""
 
     def __init__(self, rt: Runtime, model: GPT) -> None:
         self.rt, self.h, self.model = rt, rt.h, model
@@ -957,13 +1257,15 @@ class Trainer:
         bank_ids = {id(p) for p in self.muon.param_groups[0]["params"]}
         # Everything that is not a bank is replicated and all-reduced (no DDP wrapper).
         self.replicated = [p for p in model.parameters() if id(p) not in bank_ids]
+        self.data_wait_ms = 0.0
 
     def zero_grad(self) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
 
-    def step(self, loader, lr_scale: float, momentum: float) -> Tensor:
+    def step(self, loader, lr_scale: float, momentum: float, timer: StepTimer | None = None) -> Tensor:
         h, rt = self.h, self.rt
+        phase = timer or _untimed
         for opt in self.optimizers:
             for g in opt.param_groups:
                 g["lr"] = g["base_lr"] * lr_scale
@@ -973,21 +1275,32 @@ class Trainer:
         accum = h.grad_accum_steps
         total = torch.zeros((), device=rt.device)
         for _ in range(accum):
-            x, y = loader.next_batch()
-            with rt.autocast():
+            t0 = time.perf_counter()
+            if timer is None:
+                x, y = loader.next_batch()
+            else:  # the plain loader: time host-side batch building and the copy separately
+                with phase("batch_cpu"):
+                    host = loader.next_host()
+                with phase("h2d"):
+                    x, y = host_to_device(host, h.train_seq_len, rt.device)
+            self.data_wait_ms += 1000.0 * (time.perf_counter() - t0)
+            with phase("forward"), rt.autocast():
                 loss = self.forward(x, y)
             total += loss.detach()
-            (loss * (1.0 / accum)).backward()
-        if h.grad_clip_norm > 0:
-            # The record clips each rank's local gradients before any communication; kept as the default.
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip_norm)
-        self.muon.launch_reduce_scatters()
-        for p in self.replicated:
-            if p.grad is not None:
-                rt.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-        for opt in self.adams:
-            opt.step()
-        self.muon.step()
+            with phase("backward"):
+                (loss * (1.0 / accum)).backward()
+        with phase("clip"):
+            if h.grad_clip_norm > 0:
+                # The record clips each rank's local gradients before any communication; kept as default.
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip_norm)
+        with phase("optimizer"):
+            self.muon.launch_reduce_scatters()
+            for p in self.replicated:
+                if p.grad is not None:
+                    rt.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            for opt in self.adams:
+                opt.step()
+            self.muon.step()
         self.zero_grad()
         return total / accum
 
@@ -1003,11 +1316,20 @@ class Trainer:
 
 
 def make_train_loader(rt: Runtime):
-    """The one place the training loader is built from the settings."""
+    """The one place the training loader is built from the settings (TRAIN_LOADER, TRAIN_PREFETCH*,
+    TRAIN_COPY_STREAM). Whatever the options, the batches are the same."""
     h = rt.h
     local_tokens = h.train_batch_tokens // (h.world_size * h.grad_accum_steps)
-    return DistributedTokenLoader(list_shards(h.train_files), h.rank, h.world_size, rt.device,
-                                  local_tokens, h.train_seq_len)
+    files = list_shards(h.train_files)
+    if h.train_loader == "shuffled":
+        base = ShuffledSequenceLoader(files, h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len, h.seed)
+    else:
+        base = DistributedTokenLoader(files, h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len)
+    if not (rt.train_prefetch or rt.train_copy_stream):
+        return base
+    return PrefetchingDistributedTokenLoader(lambda: (base.next_host(), None), h.train_seq_len, rt.device,
+                                             h.train_prefetch_queue, threaded=rt.train_prefetch,
+                                             copy_stream=rt.train_copy_stream, name="train")
 
 
 def warmup_and_restore(rt: Runtime, trainer: Trainer):
@@ -1019,6 +1341,7 @@ def warmup_and_restore(rt: Runtime, trainer: Trainer):
     for i in range(h.warmup_steps):
         trainer.step(loader, 1.0, muon_momentum_at(h, 0))
         rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}")
+    loader.shutdown()  # before the rewind: its thread must not advance the stream in the background
     trainer.restore(snap)
     return make_train_loader(rt)
 
@@ -1063,16 +1386,61 @@ class WeightAverager:
         return source
 
 
+class StepProfiler:
+    """PROFILE=1: a torch.profiler trace (Chrome/Perfetto JSON) of training steps [START, END) of
+    PROFILE_STEPS, written to logs/{RUN_ID}_profile_rank{r}.json."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.first, self.end = rt.h.profile_range if rt.h.profile else (0, 0)
+        self.prof = None
+
+    def before_step(self, step: int) -> None:  # step = 1-based number of the step about to run
+        if step == self.first:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.rt.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts, record_shapes=True)
+            self.prof.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self.prof is not None and step == self.end - 1:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.prof is None:
+            return
+        self.rt.sync()
+        self.prof.__exit__(None, None, None)
+        path = Path("logs") / f"{self.rt.h.run_id}_profile_rank{self.rt.h.rank}.json"
+        path.parent.mkdir(exist_ok=True)
+        self.prof.export_chrome_trace(str(path))
+        self.prof = None
+        self.rt.log(f"profile: steps {self.first}..{self.end - 1} written to {path}")
+
+
 def train(rt: Runtime, model: GPT, val_tokens: Tensor, luts: ByteLuts) -> bool:
     """The record's training loop. Returns whether late QAT was switched on."""
     h = rt.h
     trainer = Trainer(rt, model)
     model.set_qat(h.qat_enabled)
     loader = warmup_and_restore(rt, trainer) if h.warmup_steps > 0 else make_train_loader(rt)
+    try:
+        return _train_loop(rt, trainer, loader, val_tokens, luts)
+    finally:
+        loader.shutdown()
+
+
+def _train_loop(rt: Runtime, trainer: Trainer, loader, val_tokens: Tensor, luts: ByteLuts) -> bool:
+    h, model = rt.h, trainer.model
     averager = WeightAverager(h, model)
+    timer = StepTimer(rt) if h.training_timing_breakdown else None
+    profiler = StepProfiler(rt)
     cap_ms = h.max_wallclock_ms
     train_ms, stop_after, step = 0.0, None, 0
     qat_on = h.qat_enabled
+    trainer.data_wait_ms = 0.0
+    wait_total, wait_max, wait_since_log, steps_since_log = 0.0, 0.0, 0.0, 0
     rt.sync()
     t0 = time.perf_counter()
     while True:
@@ -1080,7 +1448,8 @@ def train(rt: Runtime, model: GPT, val_tokens: Tensor, luts: ByteLuts) -> bool:
         if last or (h.val_loss_every > 0 and step % h.val_loss_every == 0):
             rt.sync()
             train_ms += 1000.0 * (time.perf_counter() - t0)
-            val_loss, val_bpb = eval_val(rt, trainer.forward, val_tokens, luts)
+            with (timer or _untimed)("val"):
+                val_loss, val_bpb = eval_val(rt, trainer.forward, val_tokens, luts)
             rt.log(f"step:{step}/{h.iterations} val_loss:{val_loss:.4f} val_bpb:{val_bpb:.4f} "
                    f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(step, 1):.2f}ms")
             rt.sync()
@@ -1095,17 +1464,32 @@ def train(rt: Runtime, model: GPT, val_tokens: Tensor, luts: ByteLuts) -> bool:
             qat_on = True
             model.set_qat(True)
             rt.log(f"late_qat:enabled step:{step} scale:{scale:.4f}")
-        train_loss = trainer.step(loader, scale, muon_momentum_at(h, step))
+        profiler.before_step(step + 1)
+        train_loss = trainer.step(loader, scale, muon_momentum_at(h, step), timer)
         averager.update(step + 1, scale)
         step += 1
+        profiler.after_step(step)
+        wait = trainer.data_wait_ms
+        trainer.data_wait_ms = 0.0
+        wait_total, wait_max = wait_total + wait, max(wait_max, wait)
+        wait_since_log, steps_since_log = wait_since_log + wait, steps_since_log + 1
         approx_ms = train_ms + 1000.0 * (time.perf_counter() - t0)
         if h.train_log_every > 0 and (step <= 10 or step % h.train_log_every == 0 or stop_after is not None):
             rt.log(f"step:{step}/{h.iterations} train_loss:{train_loss.item():.4f} "
-                   f"train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms")
+                   f"train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms "
+                   f"data_wait_ms:{wait_since_log / steps_since_log:.2f}")
+            wait_since_log, steps_since_log = 0.0, 0
+        if timer is not None:
+            timer.end_step()
+            if step <= 10 or step % h.training_timing_every == 0:
+                rt.log(timer.pop_line(step))
         if cap_ms is not None and stop_after is None:
             reached = torch.tensor(int(approx_ms >= cap_ms), device=rt.device)
             if bool(rt.all_reduce(reached, op=dist.ReduceOp.MAX).item()):
                 stop_after = step
+    profiler.finish()
+    rt.log(f"data_wait: total_ms:{wait_total:.1f} mean_ms_per_step:{wait_total / max(step, 1):.3f} "
+           f"max_step_ms:{wait_max:.3f}")
     if rt.device.type == "cuda":
         rt.log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
@@ -1270,25 +1654,48 @@ def finish_loss_bpb(rt: Runtime, sums: Tensor) -> tuple[float, float]:
 
 
 def eval_val(rt: Runtime, forward, val_tokens: Tensor, luts: ByteLuts) -> tuple[float, float]:
-    """Standard eval: contiguous EVAL_SEQ_LEN sequences split evenly across ranks (SPEC 7)."""
+    """Standard eval: contiguous EVAL_SEQ_LEN sequences split evenly across ranks (SPEC 7). Batches come
+    through the prefetcher (VAL_PREFETCH, VAL_COPY_STREAM); with VAL_BYTECOUNT_DEVICE=cpu their byte
+    counts are computed on the host, in the prefetch thread when there is one."""
     h, dev = rt.h, rt.device
     L = h.eval_seq_len
     batch_seqs = h.val_batch_size // (h.world_size * h.grad_accum_steps) // L
     total = (val_tokens.numel() - 1) // L
     first, last = total * h.rank // h.world_size, total * (h.rank + 1) // h.world_size
-    luts_d = luts.to(dev)
+    starts = iter(range(first, last, batch_seqs))
+    num_batches = len(range(first, last, batch_seqs))
+    host_bytes = h.val_bytecount_device == "cpu"
+    tokens = val_tokens.numpy()
+
+    def produce():
+        s = next(starts, None)
+        if s is None:
+            return None
+        span = tokens[s * L:min(s + batch_seqs, last) * L + 1]
+        nbytes = float(luts.count(torch.from_numpy(span[:-1]), torch.from_numpy(span[1:])).sum()) if host_bytes else None
+        return span, nbytes
+
+    loader = PrefetchingDistributedTokenLoader(produce, L, dev, queue_size=2, threaded=rt.val_prefetch,
+                                               copy_stream=rt.val_copy_stream, name="val")
+    luts_d = None if host_bytes else luts.to(dev)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
     was_training = getattr(forward, "training", True)
     set_train_mode(forward, False)
-    with torch.inference_mode():
-        for s in range(first, last, batch_seqs):
-            e = min(s + batch_seqs, last)
-            x, y = span_to_device(val_tokens[s * L:e * L + 1], L, dev)
-            with rt.autocast():
-                loss = forward(x, y).detach()
-            sums[0] += loss.double() * y.numel()
-            sums[1] += y.numel()
-            sums[2] += luts_d.count(x.reshape(-1), y.reshape(-1)).sum()
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            for i in range(num_batches):
+                x, y, nbytes = loader.next()
+                with rt.autocast():
+                    loss = forward(x, y).detach()
+                sums[0] += loss.double() * y.numel()
+                sums[1] += y.numel()
+                sums[2] += nbytes if host_bytes else luts_d.count(x.reshape(-1), y.reshape(-1)).sum()
+                if h.val_progress_log_every > 0 and ((i + 1) % h.val_progress_log_every == 0 or i + 1 == num_batches):
+                    rt.log(f"val_progress: batch:{i + 1}/{num_batches} "
+                           f"elapsed:{1000.0 * (time.perf_counter() - t0):.0f}ms")
+    finally:
+        loader.shutdown()
     set_train_mode(forward, was_training)
     return finish_loss_bpb(rt, sums)
 
@@ -1321,29 +1728,33 @@ def score_windows(rt: Runtime, logits_fn, val_tokens: Tensor, windows: list[tupl
     size (padding rows masked out) so a compiled forward sees one shape. If `per_token` is given
     (float64, one slot per stream position), each scored target's nll is written at its position."""
     dev, L = rt.device, rt.h.eval_seq_len
-    luts_d = luts.to(dev)
+    host_bytes = rt.h.val_bytecount_device == "cpu"
+    luts_d = luts if host_bytes else luts.to(dev)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
-    positions = torch.arange(L, device=dev)
+    positions = torch.arange(L)
     for b in range(0, len(windows), batch_seqs):
         batch = windows[b:b + batch_seqs]
         real = len(batch)
         batch = batch + [batch[-1]] * (batch_seqs - real)
         spans = torch.stack([val_tokens[s:s + L + 1] for s, _ in batch])
-        spans = spans.to(dev).to(torch.int64)
-        x, y = spans[:, :-1], spans[:, 1:]
-        first = torch.tensor([f for _, f in batch], device=dev)
+        first = torch.tensor([f for _, f in batch])
         mask = positions[None, :] >= first[:, None]
         mask[real:] = False
+        x, y = cut_batch(spans.to(dev).to(torch.int64), L)
+        mask_d = mask.to(dev)
         with rt.autocast():
             logits = logits_fn(x)
         nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
-        nll = nll.view(x.shape)
-        sums[0] += nll.double()[mask].sum()
-        sums[1] += mask.sum()
-        sums[2] += luts_d.count(x[mask], y[mask]).sum()
+        nll = nll.view(x.shape).double()
+        sums[0] += nll[mask_d].sum()
+        sums[1] += int(mask.sum())
+        if host_bytes:
+            sums[2] += float(luts.count(spans[:, :-1][mask], spans[:, 1:][mask]).sum())
+        else:
+            sums[2] += luts_d.count(x[mask_d], y[mask_d]).sum()
         if per_token is not None:
-            target_pos = torch.tensor([st for st, _ in batch], device=dev)[:, None] + positions[None, :] + 1
-            per_token[target_pos[mask].cpu()] = nll.double()[mask].cpu()
+            target_pos = torch.tensor([st for st, _ in batch])[:, None] + positions[None, :] + 1
+            per_token[target_pos[mask]] = nll[mask_d].cpu()
     return sums
 
 
@@ -1430,7 +1841,7 @@ def ttt_train_batch(rt: Runtime, model: GPT, loss_fn, opt, params, frozen_rows, 
     opt.zero_grad(set_to_none=False)
     if mine:
         lo, hi = chunk_start + mine[0] * L, chunk_start + (mine[-1] + 1) * L + 1
-        x, y = span_to_device(val_tokens[lo:hi], L, rt.device)
+        x, y = host_to_device(val_tokens[lo:hi], L, rt.device)
         with rt.autocast():
             loss = loss_fn(x, y) * (len(mine) / (e - b))
         loss.backward()
@@ -1482,7 +1893,8 @@ def run(h: Hyperparameters) -> None:
     rt.log(f"device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps} "
            f"attention_backend:{backend} compile:{int(compile_enabled(rt))}")
     if rt.device.type == "cpu":
-        rt.log("cpu: FlashAttention, torch.compile (unless COMPILE=1) and CUDA copy streams are off on CPU")
+        rt.log("cpu: FlashAttention and CUDA copy streams need CUDA; torch.compile is off unless COMPILE=1")
+    rt.log(rt.describe_data_path())
     rt.log(f"eval_stride:{h.eval_stride} ttt_enabled:{int(h.ttt_enabled)}")
     torch.manual_seed(h.seed)
     np.random.seed(h.seed)
