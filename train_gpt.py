@@ -702,25 +702,20 @@ class CastedLinear(nn.Linear):
 
 
 class Rotary(nn.Module):
-    """Partial RoPE tables with NTK base scaling beyond a 1024-token training length."""
+    """Partial RoPE tables with NTK base scaling beyond a 1024-token training length. Computed once per
+    forward (cheap, and free of caches that torch.compile or inference_mode would trip over)."""
 
     def __init__(self, rope_dims: int, base: float, train_len: int = 1024) -> None:
         super().__init__()
         self.rope_dims, self.base, self.train_len = rope_dims, base, train_len
-        self._cache: tuple[int, torch.device, Tensor, Tensor] | None = None
 
-    def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        # Tables built under inference_mode (scoring) cannot be saved for backward (TTT training): rebuild.
-        stale = self._cache is not None and self._cache[2].is_inference() != torch.is_inference_mode_enabled()
-        if self._cache is None or stale or self._cache[0] != seq_len or self._cache[1] != device:
-            rd = self.rope_dims
-            base = self.base
-            if seq_len > self.train_len:
-                base = base * (seq_len / self.train_len) ** (rd / (rd - 2))
-            inv_freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
-            freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
-            self._cache = (seq_len, device, freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :])
-        return self._cache[2].to(dtype), self._cache[3].to(dtype)
+    def forward(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        rd, base = self.rope_dims, self.base
+        if seq_len > self.train_len:
+            base = base * (seq_len / self.train_len) ** (rd / (rd - 2))
+        inv_freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
+        freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+        return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int) -> Tensor:
@@ -736,11 +731,10 @@ class CausalSelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h.num_heads, h.num_kv_heads, h.head_dim
         self.rope_dims = h.rope_dims or h.head_dim
         self.q_gain = nn.Parameter(torch.full((h.num_heads,), h.qk_gain_init, dtype=torch.float32))
-        self.rotary = Rotary(self.rope_dims, h.rope_base)
         self.use_xsa = use_xsa
 
     def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, out_w: Tensor,
-                v_embed: Tensor | None) -> Tensor:
+                v_embed: Tensor | None, rope: tuple[Tensor, Tensor]) -> Tensor:
         B, T, D = x.shape
         q = F.linear(x, q_w.to(x.dtype)).view(B, T, self.num_heads, self.head_dim)
         k = F.linear(x, k_w.to(x.dtype)).view(B, T, self.num_kv_heads, self.head_dim)
@@ -749,7 +743,7 @@ class CausalSelfAttention(nn.Module):
             v = v + v_embed
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         q, k = rms_norm(q), rms_norm(k)
-        cos, sin = self.rotary(T, x.device, q.dtype)
+        cos, sin = rope[0].to(q.dtype), rope[1].to(q.dtype)
         q = apply_rotary(q, cos, sin, self.rope_dims)
         k = apply_rotary(k, cos, sin, self.rope_dims)
         q = q * self.q_gain.to(q.dtype)[None, None, :, None]
@@ -777,11 +771,13 @@ class Block(nn.Module):
         self.resid_mix = nn.Parameter(torch.stack((torch.ones(d), torch.zeros(d))).float())
         self.ln_scale = 1.0 / math.sqrt(layer_idx + 1) if h.ln_scale else 1.0
 
-    def forward(self, x: Tensor, x0: Tensor, w: tuple[Tensor, ...], v_embed: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, x0: Tensor, w: tuple[Tensor, ...], v_embed: Tensor | None,
+                rope: tuple[Tensor, Tensor]) -> Tensor:
         q_w, k_w, v_w, out_w, up_w, down_w = w
         mix = self.resid_mix.to(x.dtype)
         x = mix[0] * x + mix[1] * x0
-        x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x) * self.ln_scale, q_w, k_w, v_w, out_w, v_embed)
+        x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x) * self.ln_scale, q_w, k_w, v_w, out_w,
+                                                        v_embed, rope)
         hidden = F.leaky_relu(F.linear(rms_norm(x) * self.ln_scale, up_w.to(x.dtype)), 0.5)
         return x + self.mlp_scale.to(x.dtype) * F.linear(hidden.square(), down_w.to(x.dtype))
 
@@ -852,6 +848,7 @@ class GPT(nn.Module):
         self.mlp_up_bank = nn.Parameter(torch.empty(n, h.mlp_hidden, d))
         self.mlp_down_bank = nn.Parameter(torch.empty(n, d, h.mlp_hidden))
         self.blocks = nn.ModuleList([Block(h, i) for i in range(n)])
+        self.rotary = Rotary(h.rope_dims or h.head_dim, h.rope_base)
         self.ve_layers = list(h.ve_layers) if h.ve_enabled else []
         self.ve_shared = ValueEmbedding(h.vocab_size, h.ve_dim, kv) if self.ve_layers else None
         self.ve_layer_scales = nn.ParameterList(
@@ -900,6 +897,7 @@ class GPT(nn.Module):
         x = self.smear(rms_norm(x))
         x0 = x
         ve = self.ve_shared(ids) if self.ve_shared is not None else None
+        rope = self.rotary(ids.size(1), ids.device)
         skips = []
         for i, block in enumerate(self.blocks):
             if i >= self.num_encoder and skips:
@@ -907,7 +905,7 @@ class GPT(nn.Module):
             v_embed = None
             if i in self.ve_layers:
                 v_embed = ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype)
-            x = block(x, x0, self.block_weights(i), v_embed)
+            x = block(x, x0, self.block_weights(i), v_embed, rope)
             if i < self.num_encoder:
                 skips.append(x)
         x = rms_norm(x)
