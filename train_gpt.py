@@ -1627,10 +1627,15 @@ def load_artifact(path: str, h: Hyperparameters) -> GPT:
         with open(path, "rb") as f:
             blob = lzma.decompress(f.read())
     except FileNotFoundError:
-        raise ConfigError(f"EVAL_ONLY: {path} does not exist") from None
+        raise ConfigError(f"{path}: artifact does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the artifact ({e.strerror or e})") from None
     except lzma.LZMAError as e:
         raise ConfigError(f"{path}: not an lzma-compressed artifact ({e})") from None
-    obj = torch.load(io.BytesIO(blob), map_location="cpu")
+    try:
+        obj = torch.load(io.BytesIO(blob), map_location="cpu")
+    except Exception as e:  # any unreadable payload: pickle, zip or torch errors alike
+        raise ConfigError(f"{path}: not an int6 artifact (torch.load failed: {type(e).__name__})") from None
     if not isinstance(obj, dict) or "w" not in obj or "m" not in obj:
         raise ConfigError(f"{path}: not an int6 artifact (expected a dict with 'w' and 'm')")
     model = build_model(h)

@@ -57,7 +57,7 @@ def tiny_env(monkeypatch, sample_data) -> dict[str, str]:
 
 def run_training(env: dict[str, str], cwd: Path, nproc: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
     """Runs train_gpt.py in `cwd` with `env` added: plain python (nproc=0) or torchrun --nproc_per_node."""
-    full = {**clean_environ(), **env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1" if nproc > 1 else "2")}
+    full = {**clean_environ(), **env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
     if nproc > 0:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(SCRIPT)]
