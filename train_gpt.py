@@ -1898,7 +1898,8 @@ def run(h: Hyperparameters) -> None:
     if rt.device.type == "cpu":
         rt.log("cpu: FlashAttention and CUDA copy streams need CUDA; torch.compile is off unless COMPILE=1")
     rt.log(rt.describe_data_path())
-    rt.log(f"eval_stride:{h.eval_stride} ttt_enabled:{int(h.ttt_enabled)}")
+    rt.log(f"eval_stride:{h.eval_stride}")
+    rt.log(f"ttt_enabled:{int(h.ttt_enabled)}")
     torch.manual_seed(h.seed)
     np.random.seed(h.seed)
     luts = build_byte_luts(h.tokenizer_path, h.vocab_size)

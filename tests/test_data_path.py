@@ -21,6 +21,7 @@ import torch
 
 import train_gpt as tg
 from conftest import REPO, TINY_ENV, clean_environ, read_log, run_training
+from data.shards import read_shard
 
 CPU = torch.device("cpu")
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -61,10 +62,11 @@ def make_shards(directory: Path, sizes, kind: str = "train") -> list[np.ndarray]
     return out
 
 
-def set_env(monkeypatch, **env) -> None:
+def set_env(monkeypatch, base: dict | None = None, **over) -> None:
+    """Clears the layout and data-path variables, then sets `base` updated with `over`."""
     for k in _RESET_VARS:
         monkeypatch.delenv(k, raising=False)
-    for k, v in env.items():
+    for k, v in {**(base or {}), **over}.items():
         monkeypatch.setenv(k, str(v))
 
 
@@ -76,7 +78,7 @@ def loader_env(data_dir: Path, **over) -> dict:
 
 
 def cpu_runtime(monkeypatch, **env) -> tg.Runtime:
-    set_env(monkeypatch, **env)
+    set_env(monkeypatch, env)
     return tg.Runtime(tg.Hyperparameters(), CPU, False, True, None)
 
 
@@ -350,9 +352,6 @@ def test_produce_exception_comes_out_after_the_good_batches(threaded):
 
 
 def test_truncated_shard_mid_training_exits_2_with_one_line(tmp_path, sample_data):
-    sys.path.insert(0, str(REPO))
-    from data.shards import read_shard
-
     data = tmp_path / "data"
     data.mkdir()
     src = Path(sample_data["DATA_PATH"])
@@ -434,7 +433,7 @@ def test_shutdown_joins_and_freezes_the_stream(tmp_path):
 
 def test_warmup_and_restore_restarts_the_prefetched_stream(tiny_env, monkeypatch):
     before = prefetch_threads()
-    set_env(monkeypatch, **tiny_env, WARMUP_STEPS=2, TRAIN_PREFETCH=1, TRAIN_BATCH_TOKENS=1024,
+    set_env(monkeypatch, tiny_env, WARMUP_STEPS=2, TRAIN_PREFETCH=1, TRAIN_BATCH_TOKENS=1024,
             NUM_LAYERS=2, VE_LAYERS="1", XSA_LAST_N=1)
     h = tg.Hyperparameters()
     rt = tg.Runtime(h, CPU, False, True, None)
@@ -448,7 +447,7 @@ def test_warmup_and_restore_restarts_the_prefetched_stream(tiny_env, monkeypatch
         got = call_with_timeout(lambda: draw(loader, 10))
     finally:
         loader.shutdown()
-    set_env(monkeypatch, **tiny_env, TRAIN_PREFETCH=0, TRAIN_COPY_STREAM=0, TRAIN_BATCH_TOKENS=1024,
+    set_env(monkeypatch, tiny_env, TRAIN_PREFETCH=0, TRAIN_COPY_STREAM=0, TRAIN_BATCH_TOKENS=1024,
             NUM_LAYERS=2, VE_LAYERS="1", XSA_LAST_N=1)
     fresh = tg.make_train_loader(tg.Runtime(tg.Hyperparameters(), CPU, False, True, None))
     assert_same_batches(got, draw(fresh, 10), "after warmup")
@@ -490,7 +489,7 @@ def test_finite_source_ends_with_stop_iteration_and_carries_aux(threaded):
 
 @pytest.fixture
 def val_setup(tiny_env, monkeypatch):
-    set_env(monkeypatch, **tiny_env, NUM_LAYERS=2, VE_LAYERS="1", XSA_LAST_N=1)
+    set_env(monkeypatch, tiny_env, NUM_LAYERS=2, VE_LAYERS="1", XSA_LAST_N=1)
     h = tg.Hyperparameters()
     luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
     full = tg.load_validation_tokens(h.val_files, 128, h.vocab_size)
@@ -500,7 +499,7 @@ def val_setup(tiny_env, monkeypatch):
 
 
 def run_eval(monkeypatch, env, luts, val, model, log_path=None, **over):
-    set_env(monkeypatch, **env, NUM_LAYERS=2, VE_LAYERS="1", XSA_LAST_N=1, **over)
+    set_env(monkeypatch, env, NUM_LAYERS=2, VE_LAYERS="1", XSA_LAST_N=1, **over)
     rt = tg.Runtime(tg.Hyperparameters(), CPU, False, True, log_path)
     return rt, tg.eval_val(rt, model, val, luts)
 
@@ -535,7 +534,7 @@ def test_val_progress_lines(val_setup, monkeypatch, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_cuda_bytecount_is_refused_without_cuda(tiny_env, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # setup_runtime would create logs/ in the cwd
-    set_env(monkeypatch, **tiny_env, VAL_BYTECOUNT_DEVICE="cuda")
+    set_env(monkeypatch, tiny_env, VAL_BYTECOUNT_DEVICE="cuda")
     with pytest.raises(tg.ConfigError, match="VAL_BYTECOUNT_DEVICE"):
         tg.setup_runtime(tg.Hyperparameters())
 
@@ -548,7 +547,7 @@ def test_cuda_bytecount_is_refused_without_cuda(tiny_env, monkeypatch, tmp_path)
     ("VAL_BYTECOUNT_DEVICE", "gpu"), ("TRAIN_COPY_STREAM", "yes"), ("VAL_PROGRESS_LOG_EVERY", "-1"),
 ])
 def test_bad_data_path_setting_names_the_variable(tiny_env, monkeypatch, name, value):
-    set_env(monkeypatch, **tiny_env, **{name: value})
+    set_env(monkeypatch, tiny_env, **{name: value})
     with pytest.raises(tg.ConfigError) as err:
         tg.Hyperparameters()
     assert str(err.value).startswith(f"{name}=")
@@ -566,9 +565,6 @@ def test_bad_setting_stops_the_script_with_one_line(tmp_path, sample_data):
 @pytest.fixture(scope="module")
 def small_data(sample_data, tmp_path_factory) -> dict[str, str]:
     """The sample set with a 1024-token validation shard, so the end-of-run evaluations stay short."""
-    sys.path.insert(0, str(REPO))
-    from data.shards import read_shard
-
     out = tmp_path_factory.mktemp("small")
     src = Path(sample_data["DATA_PATH"])
     for f in sorted(src.glob("fineweb_train_*.bin")):
@@ -628,9 +624,9 @@ def cuda_loaders(tmp_path, monkeypatch, **over):
     """(plain, copy-stream) train loaders over the same shards on the CUDA device."""
     make_shards(tmp_path, (5003, 4099, 6007))
     dev = torch.device("cuda", 0)
-    set_env(monkeypatch, **loader_env(tmp_path, TRAIN_PREFETCH=0, TRAIN_COPY_STREAM=0, **over))
+    set_env(monkeypatch, loader_env(tmp_path, TRAIN_PREFETCH=0, TRAIN_COPY_STREAM=0, **over))
     plain = tg.make_train_loader(tg.Runtime(tg.Hyperparameters(), dev, False, True, None))
-    set_env(monkeypatch, **loader_env(tmp_path, TRAIN_PREFETCH=1, TRAIN_COPY_STREAM=1, **over))
+    set_env(monkeypatch, loader_env(tmp_path, TRAIN_PREFETCH=1, TRAIN_COPY_STREAM=1, **over))
     rt = tg.Runtime(tg.Hyperparameters(), dev, False, True, None)
     assert rt.train_copy_stream and rt.train_prefetch
     fast = tg.make_train_loader(rt)
@@ -697,7 +693,7 @@ def test_cuda_bytecount_equals_cpu_bytecount(val_setup, monkeypatch):
     model = model.cuda()
     results = []
     for bytecount in ("cpu", "cuda"):
-        set_env(monkeypatch, **env, NUM_LAYERS=2, VE_LAYERS="1", XSA_LAST_N=1, VAL_BYTECOUNT_DEVICE=bytecount)
+        set_env(monkeypatch, env, NUM_LAYERS=2, VE_LAYERS="1", XSA_LAST_N=1, VAL_BYTECOUNT_DEVICE=bytecount)
         rt = tg.Runtime(tg.Hyperparameters(), torch.device("cuda", 0), False, True, None)
         assert rt.val_copy_stream
         results.append(tg.eval_val(rt, model, val, luts))
