@@ -328,6 +328,8 @@ class TokenStream:
     """One endless stream over the sorted shards, wrapping to the first after the last."""
 
     def __init__(self, files: list[str]) -> None:
+        if sum(read_shard_header(f) for f in files) == 0:
+            raise ConfigError(f"DATA_PATH: the {len(files)} train shards ({files[0]} ...) hold no tokens")
         self.files = files
         self.file_idx = 0
         self.tokens = load_shard(files[0])
@@ -558,11 +560,16 @@ class PrefetchingDistributedTokenLoader:
         else:
             current = self._pending if self._pending is not None else self._copy(self._take())
             self._pending = None
+            if isinstance(current, _WorkerFailure):
+                raise current.exc
             if current is not _END_OF_DATA:
                 compute = torch.cuda.current_stream(self.device)
                 compute.wait_event(current[2])
                 current[0].record_stream(compute)
-                self._pending = self._copy(self._take())  # overlaps the step that uses `current`
+                try:
+                    self._pending = self._copy(self._take())  # overlaps the step that uses `current`
+                except BaseException as e:  # hand out the good batch first; the error comes next call
+                    self._pending = _WorkerFailure(e)
         if current is _END_OF_DATA:
             raise StopIteration
         x, y = cut_batch(current[0], self.seq_len)
