@@ -350,3 +350,30 @@ def test_two_process_gloo_equals_one_process(tmp_path, tiny_env, monkeypatch):
     assert math.sqrt(diff2) <= 0.1 * math.sqrt(moved2), (math.sqrt(diff2), math.sqrt(moved2))
     assert (results[0]["qo_bank"] - init["qo_bank"]).abs().max() > 1e-3
     assert abs(val_losses[0] - val_losses[2]) < 0.01, val_losses
+
+
+def test_ttt_freeze_blocks_keeps_their_weights_and_bank_rows(tiny_env, monkeypatch):
+    monkeypatch.setenv("TTT_FREEZE_BLOCKS", "1")
+    monkeypatch.setenv("TTT_CHUNK_TOKENS", "1024")
+    h = tg.Hyperparameters()
+    rt = cpu_runtime(h)
+    luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
+    val = tg.load_validation_tokens(h.val_files, h.eval_seq_len, h.vocab_size)[:3 * 1024 + 1]
+    model = tg.build_model(h)
+    with torch.no_grad():  # non-zero output/down banks so every row gets a gradient
+        model.qo_bank.add_(torch.randn_like(model.qo_bank) * 0.02)
+        model.mlp_down_bank.add_(torch.randn_like(model.mlp_down_bank) * 0.02)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tg.eval_ttt(rt, model, model.forward_logits, model, val, luts)
+    after = model.state_dict()
+    n = h.num_layers
+    for bank, rows in tg.frozen_bank_rows(h).items():
+        assert rows == ([0, n] if bank in ("qo_bank", "kv_bank") else [0])
+        assert torch.equal(after[bank][rows], before[bank][rows]), bank
+        others = [i for i in range(after[bank].shape[0]) if i not in rows]
+        assert not torch.equal(after[bank][others], before[bank][others]), bank
+    for k in before:
+        if k.startswith("blocks.0."):
+            assert torch.equal(after[k], before[k]), k
+    assert not torch.equal(after["blocks.1.attn_scale"], before["blocks.1.attn_scale"])
+    assert all(p.requires_grad for p in model.parameters())  # restored for whoever uses the model next
