@@ -1,0 +1,1957 @@
+"""Parameter Golf training script: 11-layer GPT, LeakyReLU^2 MLP, Parallel Muon, int6+lzma artifact,
+legal score-first test-time training, and a prefetching data path.
+
+Run:  torchrun --standalone --nproc_per_node=8 train_gpt.py
+Every knob is an environment variable, read in one place (`Hyperparameters`). The defaults reproduce the
+2026-03-23 record "LeakyReLU^2 + legal score-first TTT + Parallel Muon"; improvements sit behind toggles.
+Sections, in pipeline order: config, data, model, optimiser, training, artifact, evaluation, main.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import glob
+import io
+import lzma
+import math
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+# =====================================================================================================
+# CONFIG
+# =====================================================================================================
+
+SIZE_CAP_BYTES = 16_000_000  # the competition's artifact cap: compressed model + code, decimal bytes
+
+
+class ConfigError(ValueError):
+    """A bad setting; the message names the environment variable (or file) and what is wrong."""
+
+
+def _env(name: str, default, kind=int):
+    """Read one environment variable as `kind` (int, float, str or bool '0'/'1')."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    raw = raw.strip()
+    if kind is bool:
+        if raw not in ("0", "1"):
+            raise ConfigError(f"{name}={raw!r} must be 0 or 1")
+        return raw == "1"
+    if kind is str:
+        return raw
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def _env_int_list(name: str, default: str) -> list[int]:
+    raw = _env(name, default, str)
+    try:
+        return [int(v) for v in raw.split(",") if v.strip() != ""]
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} must be a comma-separated list of integers") from None
+
+
+class Hyperparameters:
+    """Every setting of a run. Reads the environment when constructed and validates it.
+
+    torchrun's RANK / WORLD_SIZE / LOCAL_RANK are read here too, so that batch divisibility is checked
+    against the real world size before any work starts.
+    """
+
+    def __init__(self) -> None:
+        # ---- run and data
+        self.data_path = _env("DATA_PATH", "./data/datasets/fineweb10B_sp1024", str)
+        self.tokenizer_path = _env("TOKENIZER_PATH", "./data/tokenizers/fineweb_1024_bpe.model", str)
+        self.run_id = _env("RUN_ID", str(uuid.uuid4()), str)
+        self.seed = _env("SEED", 1337)
+        self.device = _env("DEVICE", "", str)  # "" = CUDA when available, else CPU
+        self.compile = _env("COMPILE", None, bool)  # None = on for CUDA, off for CPU
+        # ---- schedule
+        self.iterations = _env("ITERATIONS", 9000)
+        self.warmdown_iters = _env("WARMDOWN_ITERS", 3500)
+        self.warmup_steps = _env("WARMUP_STEPS", 20)
+        self.train_batch_tokens = _env("TRAIN_BATCH_TOKENS", 786432)
+        self.train_seq_len = _env("TRAIN_SEQ_LEN", 2048)
+        self.eval_seq_len = _env("EVAL_SEQ_LEN", 2048)
+        self.max_wallclock_seconds = _env("MAX_WALLCLOCK_SECONDS", 600.0, float)
+        self.val_batch_size = _env("VAL_BATCH_SIZE", 524288)
+        self.val_loss_every = _env("VAL_LOSS_EVERY", 4000)
+        self.train_log_every = _env("TRAIN_LOG_EVERY", 500)
+        self.grad_accum_override = _env("GRAD_ACCUM_STEPS", 0)
+        # ---- model
+        self.vocab_size = _env("VOCAB_SIZE", 1024)
+        self.num_layers = _env("NUM_LAYERS", 11)
+        self.model_dim = _env("MODEL_DIM", 512)
+        self.num_heads = _env("NUM_HEADS", 8)
+        self.num_kv_heads = _env("NUM_KV_HEADS", 4)
+        self.mlp_mult = _env("MLP_MULT", 3.0, float)
+        self.tie_embeddings = _env("TIE_EMBEDDINGS", True, bool)
+        self.rope_base = _env("ROPE_BASE", 10000.0, float)
+        self.rope_dims = _env("ROPE_DIMS", 16)
+        self.logit_softcap = _env("LOGIT_SOFTCAP", 30.0, float)
+        self.qk_gain_init = _env("QK_GAIN_INIT", 1.5, float)
+        self.tied_embed_init_std = _env("TIED_EMBED_INIT_STD", 0.005, float)
+        self.bigram_vocab_size = _env("BIGRAM_VOCAB_SIZE", 1536)
+        self.bigram_dim = _env("BIGRAM_DIM", 128)
+        self.xsa_last_n = _env("XSA_LAST_N", 4)
+        self.ln_scale = _env("LN_SCALE", True, bool)
+        self.ve_enabled = _env("VE_ENABLED", True, bool)
+        self.ve_dim = _env("VE_DIM", 128)
+        self.ve_layers = _env_int_list("VE_LAYERS", "9,10")
+        # ---- optimisers
+        self.embed_lr = _env("EMBED_LR", 0.6, float)
+        self.head_lr = _env("HEAD_LR", 0.008, float)
+        self.tied_embed_lr = _env("TIED_EMBED_LR", 0.035, float)
+        self.matrix_lr = _env("MATRIX_LR", 0.025, float)
+        self.scalar_lr = _env("SCALAR_LR", 0.025, float)
+        self.muon_momentum = _env("MUON_MOMENTUM", 0.99, float)
+        self.muon_backend_steps = _env("MUON_BACKEND_STEPS", 5)
+        self.muon_momentum_warmup_start = _env("MUON_MOMENTUM_WARMUP_START", 0.92, float)
+        self.muon_momentum_warmup_steps = _env("MUON_MOMENTUM_WARMUP_STEPS", 1500)
+        self.muon_wd = _env("MUON_WD", 0.04, float)
+        self.adam_wd = _env("ADAM_WD", 0.04, float)
+        self.beta1 = _env("BETA1", 0.9, float)
+        self.beta2 = _env("BETA2", 0.95, float)
+        self.adam_eps = _env("ADAM_EPS", 1e-8, float)
+        self.grad_clip_norm = _env("GRAD_CLIP_NORM", 0.3, float)
+        # ---- weight averaging and quantisation-aware training
+        self.ema_enabled = _env("EMA_ENABLED", True, bool)
+        self.ema_decay = _env("EMA_DECAY", 0.997, float)
+        self.swa_enabled = _env("SWA_ENABLED", False, bool)
+        self.swa_every = _env("SWA_EVERY", 50)
+        self.late_qat_threshold = _env("LATE_QAT_THRESHOLD", 0.15, float)
+        self.qat_enabled = _env("QAT_ENABLED", False, bool)
+        # ---- data path (SPEC 8)
+        self.train_loader = _env("TRAIN_LOADER", "stream", str)
+        self.train_prefetch = _env("TRAIN_PREFETCH", True, bool)
+        self.train_prefetch_queue = _env("TRAIN_PREFETCH_QUEUE", 2)
+        self.train_copy_stream = _env("TRAIN_COPY_STREAM", True, bool)
+        self.val_prefetch = _env("VAL_PREFETCH", True, bool)
+        self.val_copy_stream = _env("VAL_COPY_STREAM", True, bool)
+        self.val_bytecount_device = _env("VAL_BYTECOUNT_DEVICE", "cpu", str)
+        self.val_progress_log_every = _env("VAL_PROGRESS_LOG_EVERY", 0)
+        self.training_timing_breakdown = _env("TRAINING_TIMING_BREAKDOWN", False, bool)
+        self.training_timing_every = _env("TRAINING_TIMING_EVERY", 200)
+        self.profile = _env("PROFILE", False, bool)
+        self.profile_steps = _env("PROFILE_STEPS", "5:8", str)
+        # ---- evaluation
+        self.eval_stride = _env("EVAL_STRIDE", 64)
+        self.eval_batch_seqs = _env("EVAL_BATCH_SEQS", 32)
+        self.eval_only = _env("EVAL_ONLY", "", str)
+        self.ttt_enabled = _env("TTT_ENABLED", True, bool)
+        self.ttt_lr = _env("TTT_LR", 0.002, float)
+        self.ttt_epochs = _env("TTT_EPOCHS", 3)
+        self.ttt_chunk_tokens = _env("TTT_CHUNK_TOKENS", 32768)
+        self.ttt_freeze_blocks = _env("TTT_FREEZE_BLOCKS", 0)
+        self.ttt_momentum = _env("TTT_MOMENTUM", 0.9, float)
+        self.ttt_batch_seqs = _env("TTT_BATCH_SEQS", 32)
+        self.ttt_grad_clip = _env("TTT_GRAD_CLIP", 1.0, float)
+        # ---- distributed layout (set by torchrun)
+        self.rank = _env("RANK", 0)
+        self.world_size = _env("WORLD_SIZE", 1)
+        self.local_rank = _env("LOCAL_RANK", 0)
+        self._validate()
+
+    # Derived values -------------------------------------------------------------------------------
+    @property
+    def train_files(self) -> str:
+        return os.path.join(self.data_path, "fineweb_train_*.bin")
+
+    @property
+    def val_files(self) -> str:
+        return os.path.join(self.data_path, "fineweb_val_*.bin")
+
+    @property
+    def grad_accum_steps(self) -> int:
+        if self.grad_accum_override > 0:
+            return self.grad_accum_override
+        return 8 // self.world_size if self.world_size <= 8 else 1
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.mlp_mult * self.model_dim)
+
+    @property
+    def head_dim(self) -> int:
+        return self.model_dim // self.num_heads
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        try:
+            a, b = (int(v) for v in self.profile_steps.split(":"))
+        except ValueError:
+            return None
+        return (a, b) if 0 < a < b else None
+
+    @property
+    def max_wallclock_ms(self) -> float | None:
+        return 1000.0 * self.max_wallclock_seconds if self.max_wallclock_seconds > 0 else None
+
+    def _validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        for name in ("ITERATIONS", "WARMUP_STEPS", "WARMDOWN_ITERS", "VAL_LOSS_EVERY", "TRAIN_LOG_EVERY",
+                     "GRAD_ACCUM_STEPS", "XSA_LAST_N", "ROPE_DIMS", "BIGRAM_VOCAB_SIZE", "EVAL_STRIDE",
+                     "TTT_EPOCHS", "TTT_FREEZE_BLOCKS", "MUON_MOMENTUM_WARMUP_STEPS", "RANK", "LOCAL_RANK"):
+            need(getattr(self, self._attr(name)) >= 0, f"{name}={getattr(self, self._attr(name))} must be >= 0")
+        for name in ("TRAIN_BATCH_TOKENS", "TRAIN_SEQ_LEN", "EVAL_SEQ_LEN", "VAL_BATCH_SIZE", "VOCAB_SIZE",
+                     "NUM_LAYERS", "MODEL_DIM", "NUM_HEADS", "NUM_KV_HEADS", "MUON_BACKEND_STEPS",
+                     "BIGRAM_DIM", "VE_DIM", "SWA_EVERY", "EVAL_BATCH_SEQS", "TTT_CHUNK_TOKENS",
+                     "TTT_BATCH_SEQS", "WORLD_SIZE"):
+            need(getattr(self, self._attr(name)) > 0, f"{name}={getattr(self, self._attr(name))} must be > 0")
+        for name in ("MLP_MULT", "LOGIT_SOFTCAP", "ROPE_BASE"):
+            need(getattr(self, self._attr(name)) > 0, f"{name}={getattr(self, self._attr(name))} must be > 0")
+        for name in ("MAX_WALLCLOCK_SECONDS", "EMBED_LR", "HEAD_LR", "TIED_EMBED_LR", "MATRIX_LR", "SCALAR_LR",
+                     "MUON_WD", "ADAM_WD", "GRAD_CLIP_NORM", "TTT_LR", "TTT_GRAD_CLIP", "ADAM_EPS",
+                     "TIED_EMBED_INIT_STD", "LATE_QAT_THRESHOLD"):
+            need(getattr(self, self._attr(name)) >= 0, f"{name}={getattr(self, self._attr(name))} must be >= 0")
+        for name in ("MUON_MOMENTUM", "MUON_MOMENTUM_WARMUP_START", "BETA1", "BETA2", "EMA_DECAY", "TTT_MOMENTUM"):
+            v = getattr(self, self._attr(name))
+            need(0 <= v < 1, f"{name}={v} must be in [0, 1)")
+        need(self.device in ("", "cpu", "cuda"), f"DEVICE={self.device!r} must be cpu or cuda")
+        need(self.train_loader in ("stream", "shuffled"),
+             f"TRAIN_LOADER={self.train_loader!r} must be stream or shuffled")
+        need(self.train_prefetch_queue >= 1, f"TRAIN_PREFETCH_QUEUE={self.train_prefetch_queue} must be >= 1")
+        need(self.val_bytecount_device in ("cpu", "cuda"),
+             f"VAL_BYTECOUNT_DEVICE={self.val_bytecount_device!r} must be cpu or cuda")
+        need(self.val_progress_log_every >= 0, f"VAL_PROGRESS_LOG_EVERY={self.val_progress_log_every} must be >= 0")
+        need(self.training_timing_every > 0, f"TRAINING_TIMING_EVERY={self.training_timing_every} must be > 0")
+        need(self.profile_range is not None,
+             f"PROFILE_STEPS={self.profile_steps!r} must be START:END with 0 < START < END (training steps)")
+        need(self.model_dim % self.num_heads == 0,
+             f"NUM_HEADS={self.num_heads} must divide MODEL_DIM={self.model_dim}")
+        need(self.num_heads % self.num_kv_heads == 0,
+             f"NUM_KV_HEADS={self.num_kv_heads} must divide NUM_HEADS={self.num_heads}")
+        need(self.head_dim % 2 == 0, f"MODEL_DIM/NUM_HEADS={self.head_dim} must be even for rotary embeddings")
+        need(self.rope_dims % 2 == 0 and self.rope_dims <= self.head_dim,
+             f"ROPE_DIMS={self.rope_dims} must be even and <= head dim {self.head_dim} (0 = full head dim)")
+        need(self.mlp_hidden > 0, f"MLP_MULT={self.mlp_mult} gives an empty MLP")
+        need(self.xsa_last_n <= self.num_layers, f"XSA_LAST_N={self.xsa_last_n} exceeds NUM_LAYERS={self.num_layers}")
+        need(self.bigram_vocab_size != 1, "BIGRAM_VOCAB_SIZE=1 leaves no hash bucket (use 0 to disable, or >= 2)")
+        need(self.ttt_freeze_blocks <= self.num_layers,
+             f"TTT_FREEZE_BLOCKS={self.ttt_freeze_blocks} exceeds NUM_LAYERS={self.num_layers}")
+        if self.ve_enabled:
+            need(len(self.ve_layers) > 0, "VE_LAYERS is empty while VE_ENABLED=1")
+            need(len(set(self.ve_layers)) == len(self.ve_layers), f"VE_LAYERS={self.ve_layers} repeats a layer")
+            need(all(0 <= i < self.num_layers for i in self.ve_layers),
+                 f"VE_LAYERS={self.ve_layers} must lie in [0, NUM_LAYERS={self.num_layers})")
+        need(self.rank < self.world_size and self.local_rank < self.world_size,
+             f"RANK={self.rank} / LOCAL_RANK={self.local_rank} must be < WORLD_SIZE={self.world_size}")
+        if self.grad_accum_override == 0 and self.world_size <= 8:
+            need(8 % self.world_size == 0,
+                 f"WORLD_SIZE={self.world_size} must divide 8 (the record splits 8 micro-batches over ranks); "
+                 "set GRAD_ACCUM_STEPS to choose another split")
+        micro = self.world_size * self.grad_accum_steps
+        need(self.train_batch_tokens % (micro * self.train_seq_len) == 0,
+             f"TRAIN_BATCH_TOKENS={self.train_batch_tokens} must split into whole sequences of "
+             f"TRAIN_SEQ_LEN={self.train_seq_len} per rank and micro-step "
+             f"(world_size {self.world_size} x grad_accum {self.grad_accum_steps})")
+        need(self.val_batch_size // micro >= self.eval_seq_len,
+             f"VAL_BATCH_SIZE={self.val_batch_size} gives less than one sequence of EVAL_SEQ_LEN={self.eval_seq_len} "
+             f"per rank and micro-step (world_size {self.world_size} x grad_accum {self.grad_accum_steps})")
+        need(self.eval_stride <= self.eval_seq_len,
+             f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
+
+    @staticmethod
+    def _attr(env_name: str) -> str:
+        return {"GRAD_ACCUM_STEPS": "grad_accum_override"}.get(env_name, env_name.lower())
+
+
+# =====================================================================================================
+# DATA
+# =====================================================================================================
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+SHARD_HEADER_INTS = 256
+SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
+
+
+def read_shard_header(path: str | Path) -> int:
+    """Validate a shard's header and size; return its token count. Errors name the file."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(SHARD_HEADER_BYTES)
+    except OSError as e:
+        raise ConfigError(f"shard {path}: cannot read ({e.strerror})") from None
+    if len(raw) < SHARD_HEADER_BYTES:
+        raise ConfigError(f"shard {path}: file is {size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte header")
+    header = np.frombuffer(raw, dtype="<i4")
+    if int(header[0]) != SHARD_MAGIC:
+        raise ConfigError(f"shard {path}: bad magic {int(header[0])} (expected {SHARD_MAGIC})")
+    if int(header[1]) != SHARD_VERSION:
+        raise ConfigError(f"shard {path}: unsupported version {int(header[1])} (expected {SHARD_VERSION})")
+    num_tokens = int(header[2])
+    expected = SHARD_HEADER_BYTES + 2 * num_tokens
+    if num_tokens < 0 or size != expected:
+        raise ConfigError(f"shard {path}: size mismatch: header says {num_tokens} tokens "
+                          f"({expected} bytes) but the file has {size} bytes")
+    return num_tokens
+
+
+def load_shard(path: str | Path) -> np.ndarray:
+    """Memory-map a validated shard's tokens as little-endian uint16 (no copy until sliced)."""
+    num_tokens = read_shard_header(path)
+    return np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES, shape=(num_tokens,))
+
+
+def list_shards(pattern: str, env_name: str = "DATA_PATH") -> list[str]:
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise ConfigError(f"{env_name}: no files match {pattern}")
+    return files
+
+
+class TokenStream:
+    """One endless stream over the sorted shards, wrapping to the first after the last."""
+
+    def __init__(self, files: list[str]) -> None:
+        if sum(read_shard_header(f) for f in files) == 0:
+            raise ConfigError(f"DATA_PATH: the {len(files)} train shards ({files[0]} ...) hold no tokens")
+        self.files = files
+        self.file_idx = 0
+        self.tokens = load_shard(files[0])
+        self.pos = 0
+
+    def take(self, n: int) -> np.ndarray:
+        parts, remaining = [], n
+        while remaining > 0:
+            avail = self.tokens.size - self.pos
+            if avail <= 0:
+                self.file_idx = (self.file_idx + 1) % len(self.files)
+                self.tokens = load_shard(self.files[self.file_idx])
+                self.pos = 0
+                continue
+            k = min(remaining, avail)
+            parts.append(self.tokens[self.pos:self.pos + k])
+            self.pos += k
+            remaining -= k
+        return np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
+
+
+class DistributedTokenLoader:
+    """Record-faithful sequential loader (SPEC 2): every micro-step takes world_size spans of local+1
+    consecutive tokens from one stream; rank r keeps span r. x and y are views of that one span."""
+
+    def __init__(self, files: list[str], rank: int, world_size: int, device: torch.device,
+                 local_tokens: int, seq_len: int) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.local_tokens, self.seq_len = local_tokens, seq_len
+        self.stream = TokenStream(files)
+
+    def next_host(self) -> np.ndarray:
+        """This rank's local_tokens+1 tokens for the next micro-step, as uint16 on the host."""
+        span = self.local_tokens + 1
+        chunk = self.stream.take(span * self.world_size)
+        return chunk[self.rank * span:(self.rank + 1) * span]
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        return host_to_device(self.next_host(), self.seq_len, self.device)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ShuffledSequenceLoader:
+    """Opt-in shuffled loader (TRAIN_LOADER=shuffled, SPEC 2): rank r owns shards [r::world_size]; each
+    shard is cut at a random phase into L+1-token windows visited in random order; each sequence of a
+    batch comes from a shard drawn with probability proportional to its remaining windows; when all
+    are used every shard is re-cut. Deterministic given (SEED, rank). Reads through numpy memmaps and
+    builds the whole batch in numpy."""
+
+    def __init__(self, files: list[str], rank: int, world_size: int, device: torch.device,
+                 local_tokens: int, seq_len: int, seed: int) -> None:
+        if len(files) < world_size:
+            raise ConfigError(f"TRAIN_LOADER=shuffled needs at least one train shard per rank: "
+                              f"{len(files)} shards for WORLD_SIZE={world_size}")
+        self.files = files[rank::world_size]
+        self.device, self.seq_len = device, seq_len
+        self.batch_seqs = local_tokens // seq_len
+        self.rng = np.random.default_rng([seed, rank])
+        self.shards = [load_shard(f) for f in self.files]
+        for f, mm in zip(self.files, self.shards):
+            if mm.size < seq_len + 1:
+                raise ConfigError(f"shard {f}: {mm.size} tokens, fewer than one sequence of {seq_len} plus one")
+        self.starts: list[np.ndarray] = []
+        self.used = np.zeros(len(self.shards), dtype=np.int64)
+        self._recut()
+
+    def _recut(self) -> None:
+        L = self.seq_len
+        self.starts = []
+        for mm in self.shards:
+            n = mm.size
+            max_phase = min(L - 1, n - L - 1)
+            phase = int(self.rng.integers(max_phase + 1)) if max_phase > 0 else 0
+            self.starts.append(phase + self.rng.permutation((n - 1 - phase) // L) * L)
+        self.used[:] = 0
+
+    def next_host(self) -> np.ndarray:
+        """(batch_seqs, L+1) uint16 windows: x = [:, :-1], y = [:, 1:]."""
+        L = self.seq_len
+        out = np.empty((self.batch_seqs, L + 1), dtype=np.uint16)
+        for b in range(self.batch_seqs):
+            remaining = np.array([len(s) for s in self.starts], dtype=np.float64) - self.used
+            if remaining.sum() <= 0:
+                self._recut()
+                remaining = np.array([len(s) for s in self.starts], dtype=np.float64)
+            si = int(self.rng.choice(len(self.shards), p=remaining / remaining.sum()))
+            start = int(self.starts[si][self.used[si]])
+            self.used[si] += 1
+            out[b] = self.shards[si][start:start + L + 1]
+        return out
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        return host_to_device(self.next_host(), self.seq_len, self.device)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def host_to_device(host, seq_len: int, device: torch.device, non_blocking: bool = False) -> tuple[Tensor, Tensor]:
+    """Move compact host tokens to the device, widen to int64 there, and cut x, y as views of one buffer:
+    a 1-D (n+1)-token span becomes (n/L, L) rows; 2-D (B, L+1) windows become their first/last L."""
+    if isinstance(host, np.ndarray):
+        host = torch.from_numpy(host.astype(np.int32))
+    wide = host.to(device, non_blocking=non_blocking).to(torch.int64)
+    return cut_batch(wide, seq_len)
+
+
+def cut_batch(wide: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    if wide.ndim == 1:
+        return wide[:-1].view(-1, seq_len), wide[1:].view(-1, seq_len)
+    return wide[:, :-1], wide[:, 1:]
+
+
+class _WorkerFailure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_END_OF_DATA = object()
+
+
+class PrefetchingDistributedTokenLoader:
+    """Keeps the device fed (SPEC 8). `produce()` returns the next host batch as (array, aux) or None at
+    the end of a finite source; aux rides along untouched (validation uses it for byte counts).
+
+    threaded: a daemon thread runs produce() ahead and fills a small ring of pinned host buffers
+      (compact int32) into a bounded queue; a failure there is re-raised in the caller.
+    copy_stream (CUDA): host-to-device copies run on a side stream; handing out batch k issues the copy
+      of batch k+1 at once, so it overlaps step k's compute. The compute stream waits on an event and
+      the batch is marked with record_stream so the allocator cannot reuse its memory early. A pinned
+      buffer is refilled only after the event of the copy that read it has completed.
+    Batches come out in exactly the order produce() made them.
+    """
+
+    def __init__(self, produce, seq_len: int, device: torch.device, queue_size: int = 2,
+                 threaded: bool = True, copy_stream: bool = True, name: str = "loader") -> None:
+        self.produce, self.seq_len, self.device = produce, seq_len, device
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if copy_stream and self.cuda else None
+        self._ring: list[list] = []  # [pinned int32 buffer, event of the copy that last read it]
+        self._ring_size = queue_size + 3  # queued + one being filled + one in flight + one in use
+        self._next_slot = 0
+        self._pending = None
+        self._exhausted = False
+        self._queue: queue.Queue | None = queue.Queue(maxsize=queue_size) if threaded else None
+        self._stop = threading.Event()
+        self._thread = None
+        if threaded:
+            self._thread = threading.Thread(target=self._work, name=f"prefetch-{name}", daemon=True)
+            self._thread.start()
+
+    # ---- producer side (the worker thread, or the caller when not threaded)
+    def _fill_slot(self, host: np.ndarray) -> int:
+        idx = self._next_slot
+        self._next_slot = (idx + 1) % self._ring_size
+        if idx == len(self._ring):
+            self._ring.append([None, None])
+        slot = self._ring[idx]
+        if slot[1] is not None:
+            slot[1].synchronize()  # the copy that last read this buffer has finished
+        if slot[0] is None or tuple(slot[0].shape) != host.shape:
+            slot[0] = torch.empty(host.shape, dtype=torch.int32, pin_memory=self.cuda)
+        np.copyto(slot[0].numpy(), host, casting="safe")
+        return idx
+
+    def _produce_one(self):
+        item = self.produce()
+        if item is None:
+            return _END_OF_DATA
+        host, aux = item
+        return self._fill_slot(host), aux
+
+    def _work(self) -> None:
+        try:
+            while not self._stop.is_set():
+                item = self._produce_one()
+                self._put(item)
+                if item is _END_OF_DATA:
+                    return
+        except BaseException as e:  # surfaced to the consumer, which re-raises it
+            self._put(_WorkerFailure(e))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    # ---- consumer side
+    def _take(self):
+        if self._exhausted:
+            return _END_OF_DATA
+        if self._stop.is_set():
+            raise RuntimeError("PrefetchingDistributedTokenLoader used after shutdown()")
+        item = self._queue.get() if self._queue is not None else self._produce_one()
+        if isinstance(item, _WorkerFailure):
+            self.shutdown()
+            raise item.exc
+        self._exhausted = item is _END_OF_DATA
+        return item
+
+    def _copy(self, item):
+        """Start the host-to-device copy of a taken item; returns (device int64 tokens, aux, event)."""
+        if item is _END_OF_DATA:
+            return item
+        idx, aux = item
+        host = self._ring[idx][0]
+        event = torch.cuda.Event() if self.cuda else None
+        if self.copy_stream is not None:
+            with torch.cuda.stream(self.copy_stream):
+                wide = host.to(self.device, non_blocking=True).to(torch.int64)
+                event.record(self.copy_stream)
+        else:
+            wide = host.to(self.device, non_blocking=self.cuda).to(torch.int64)
+            if event is not None:
+                event.record()
+        self._ring[idx][1] = event
+        return wide, aux, event
+
+    def next(self) -> tuple[Tensor, Tensor, object]:
+        """(x, y, aux) of the next batch; raises StopIteration at the end of a finite source."""
+        if self.copy_stream is None:
+            current = self._copy(self._take())
+        else:
+            current = self._pending if self._pending is not None else self._copy(self._take())
+            self._pending = None
+            if isinstance(current, _WorkerFailure):
+                raise current.exc
+            if current is not _END_OF_DATA:
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(current[2])
+                current[0].record_stream(compute)
+                try:
+                    self._pending = self._copy(self._take())  # overlaps the step that uses `current`
+                except BaseException as e:  # hand out the good batch first; the error comes next call
+                    self._pending = _WorkerFailure(e)
+        if current is _END_OF_DATA:
+            raise StopIteration
+        x, y = cut_batch(current[0], self.seq_len)
+        return x, y, current[1]
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        x, y, _ = self.next()
+        return x, y
+
+    def shutdown(self) -> None:
+        """Stop and join the worker (so the stream does not advance in the background)."""
+        self._stop.set()
+        if self._thread is not None:
+            while self._thread.is_alive():
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+                self._thread.join(timeout=0.05)
+            self._thread = None
+        self._pending = None
+
+
+def load_validation_tokens(pattern: str, seq_len: int, vocab_size: int) -> Tensor:
+    """All val shards concatenated, truncated to a whole number of sequences plus one target token."""
+    files = list_shards(pattern)
+    tokens = np.concatenate([np.asarray(load_shard(f)) for f in files])
+    usable = ((tokens.size - 1) // seq_len) * seq_len
+    if usable <= 0:
+        raise ConfigError(f"DATA_PATH: validation shards {pattern} hold {tokens.size} tokens, "
+                          f"fewer than one sequence of {seq_len} plus one")
+    if int(tokens.max()) >= vocab_size:
+        raise ConfigError(f"DATA_PATH: validation shards {pattern} contain token id {int(tokens.max())} "
+                          f">= VOCAB_SIZE={vocab_size}")
+    return torch.from_numpy(tokens[:usable + 1].astype(np.int32))
+
+
+@dataclass
+class ByteLuts:
+    """Per-token byte accounting for bits-per-byte (SPEC 7)."""
+    base_bytes: Tensor        # int16: UTF-8 bytes of the piece without its leading space marker
+    has_leading_space: Tensor  # bool: the piece starts with the SentencePiece space marker
+    is_boundary: Tensor       # bool: control / unknown / unused ids (count 0 bytes, reset the space rule)
+
+    def to(self, device: torch.device) -> "ByteLuts":
+        return ByteLuts(self.base_bytes.to(device), self.has_leading_space.to(device), self.is_boundary.to(device))
+
+    def count(self, prev_ids: Tensor, tgt_ids: Tensor) -> Tensor:
+        """Bytes of each target token given its predecessor, as float64."""
+        prev_ids, tgt_ids = prev_ids.long(), tgt_ids.long()
+        nbytes = self.base_bytes[tgt_ids].to(torch.int32)
+        nbytes += (self.has_leading_space[tgt_ids] & ~self.is_boundary[prev_ids]).to(torch.int32)
+        return nbytes.to(torch.float64)
+
+
+def build_byte_luts(tokenizer_path: str, vocab_size: int) -> ByteLuts:
+    import sentencepiece as spm
+
+    if not os.path.isfile(tokenizer_path):
+        raise ConfigError(f"TOKENIZER_PATH: {tokenizer_path} does not exist")
+    sp = spm.SentencePieceProcessor(model_file=tokenizer_path)
+    n = int(sp.vocab_size())
+    if n != vocab_size:
+        raise ConfigError(f"TOKENIZER_PATH: {tokenizer_path} has {n} pieces but VOCAB_SIZE={vocab_size}")
+    base = np.zeros(n, dtype=np.int16)
+    lead = np.zeros(n, dtype=np.bool_)
+    boundary = np.ones(n, dtype=np.bool_)
+    for i in range(n):
+        if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i):
+            continue
+        boundary[i] = False
+        if sp.is_byte(i):
+            base[i] = 1
+            continue
+        piece = sp.id_to_piece(i)
+        if piece.startswith("\u2581"):
+            lead[i] = True
+            piece = piece[1:]
+        base[i] = len(piece.encode("utf-8"))
+    return ByteLuts(torch.from_numpy(base), torch.from_numpy(lead), torch.from_numpy(boundary))
+
+
+# =====================================================================================================
+# MODEL
+# =====================================================================================================
+
+# Which attention kernel `causal_attention` uses; chosen once by select_attention_backend() in main.
+_ATTENTION = {"name": "sdpa", "fn": None}
+
+
+def select_attention_backend(device: torch.device) -> str:
+    """FlashAttention 3, else FlashAttention 2, else PyTorch SDPA. Flash kernels exist only on CUDA."""
+    _ATTENTION.update(name="sdpa", fn=None)
+    if device.type == "cuda":
+        for name, module in (("flash_attn_3", "flash_attn_interface"), ("flash_attn_2", "flash_attn")):
+            try:
+                fn = getattr(__import__(module), "flash_attn_func")
+            except (ImportError, AttributeError):
+                continue
+            _ATTENTION.update(name=name, fn=fn)
+            break
+    return _ATTENTION["name"]
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal GQA attention on (B, T, H, D) tensors; query head h reads KV head h // (H / Hkv)."""
+    fn = _ATTENTION["fn"]
+    if fn is not None and q.is_cuda:
+        out = fn(q, k, v, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       is_causal=True, enable_gqa=k.size(2) != q.size(2))
+    return y.transpose(1, 2)
+
+
+def rms_norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+class CastedLinear(nn.Linear):
+    """fp32 weights, cast to the activation dtype at use. With `qat` on (late QAT) the weight is
+    fake-quantised to int6 per row in training mode, gradients passing straight through."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.qat = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight.to(x.dtype)
+        if self.qat and self.training:
+            with torch.no_grad():
+                w32 = self.weight.float()
+                scale = (w32.abs().amax(dim=1) / 31.0).clamp_min(1.0 / 31.0)
+                wq = (torch.clamp(torch.round(w32 / scale[:, None]), -31, 31) * scale[:, None]).to(x.dtype)
+            w = w + (wq - w).detach()
+        return F.linear(x, w)
+
+
+class Rotary(nn.Module):
+    """Partial RoPE tables with NTK base scaling beyond a 1024-token training length. Computed once per
+    forward (cheap, and free of caches that torch.compile or inference_mode would trip over)."""
+
+    def __init__(self, rope_dims: int, base: float, train_len: int = 1024) -> None:
+        super().__init__()
+        self.rope_dims, self.base, self.train_len = rope_dims, base, train_len
+
+    def forward(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        rd, base = self.rope_dims, self.base
+        if seq_len > self.train_len:
+            base = base * (seq_len / self.train_len) ** (rd / (rd - 2))
+        inv_freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
+        freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+        return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int) -> Tensor:
+    """Rotate-half RoPE on the first rope_dims of the head dim; the rest pass through."""
+    half = rope_dims // 2
+    a, b, rest = x[..., :half], x[..., half:rope_dims], x[..., rope_dims:]
+    return torch.cat((a * cos + b * sin, -a * sin + b * cos, rest), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, h: Hyperparameters, use_xsa: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = h.num_heads, h.num_kv_heads, h.head_dim
+        self.rope_dims = h.rope_dims or h.head_dim
+        self.q_gain = nn.Parameter(torch.full((h.num_heads,), h.qk_gain_init, dtype=torch.float32))
+        self.use_xsa = use_xsa
+
+    def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, out_w: Tensor,
+                v_embed: Tensor | None, rope: tuple[Tensor, Tensor]) -> Tensor:
+        B, T, D = x.shape
+        q = F.linear(x, q_w.to(x.dtype)).view(B, T, self.num_heads, self.head_dim)
+        k = F.linear(x, k_w.to(x.dtype)).view(B, T, self.num_kv_heads, self.head_dim)
+        v = F.linear(x, v_w.to(x.dtype))
+        if v_embed is not None:
+            v = v + v_embed
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = rms_norm(q), rms_norm(k)
+        cos, sin = rope[0].to(q.dtype), rope[1].to(q.dtype)
+        q = apply_rotary(q, cos, sin, self.rope_dims)
+        k = apply_rotary(k, cos, sin, self.rope_dims)
+        q = q * self.q_gain.to(q.dtype)[None, None, :, None]
+        y = causal_attention(q, k, v)
+        if self.use_xsa:
+            y = self._exclude_self_value(y, v)
+        return F.linear(y.reshape(B, T, D), out_w.to(x.dtype))
+
+    def _exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
+        """XSA: remove from each head's output its component along its own position's unit value."""
+        B, T, H, Dh = y.shape
+        group = H // self.num_kv_heads
+        yg = y.view(B, T, self.num_kv_heads, group, Dh)
+        vn = F.normalize(v, dim=-1).unsqueeze(-2)
+        return (yg - (yg * vn).sum(dim=-1, keepdim=True) * vn).view(B, T, H, Dh)
+
+
+class Block(nn.Module):
+    def __init__(self, h: Hyperparameters, layer_idx: int) -> None:
+        super().__init__()
+        d = h.model_dim
+        self.attn = CausalSelfAttention(h, use_xsa=layer_idx >= h.num_layers - h.xsa_last_n)
+        self.attn_scale = nn.Parameter(torch.ones(d, dtype=torch.float32))
+        self.mlp_scale = nn.Parameter(torch.ones(d, dtype=torch.float32))
+        self.resid_mix = nn.Parameter(torch.stack((torch.ones(d), torch.zeros(d))).float())
+        self.ln_scale = 1.0 / math.sqrt(layer_idx + 1) if h.ln_scale else 1.0
+
+    def forward(self, x: Tensor, x0: Tensor, w: tuple[Tensor, ...], v_embed: Tensor | None,
+                rope: tuple[Tensor, Tensor]) -> Tensor:
+        q_w, k_w, v_w, out_w, up_w, down_w = w
+        mix = self.resid_mix.to(x.dtype)
+        x = mix[0] * x + mix[1] * x0
+        x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x) * self.ln_scale, q_w, k_w, v_w, out_w,
+                                                        v_embed, rope)
+        hidden = F.leaky_relu(F.linear(rms_norm(x) * self.ln_scale, up_w.to(x.dtype)), 0.5)
+        return x + self.mlp_scale.to(x.dtype) * F.linear(hidden.square(), down_w.to(x.dtype))
+
+
+class BigramHash(nn.Module):
+    """Embedding of a hash of (previous, current) token, projected to the model width."""
+
+    def __init__(self, buckets: int, dim: int, model_dim: int) -> None:
+        super().__init__()
+        self.buckets = buckets
+        self.embed = nn.Embedding(buckets, dim)
+        self.proj = CastedLinear(dim, model_dim)
+        self.scale = nn.Parameter(torch.tensor(0.05, dtype=torch.float32))
+
+    def hash(self, ids: Tensor) -> Tensor:
+        t = ids.to(torch.int32)
+        mod = self.buckets - 1
+        out = torch.full_like(t, mod)  # position 0 has no predecessor: its own bucket
+        out[..., 1:] = torch.bitwise_xor(36313 * t[..., 1:], 27191 * t[..., :-1]) % mod
+        return out.long()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.proj(self.embed(self.hash(ids)))
+        return h * self.scale.to(h.dtype)
+
+
+class SmearGate(nn.Module):
+    """Blend each position with its predecessor through a learned per-channel sigmoid gate."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
+
+    def forward(self, x: Tensor) -> Tensor:
+        g = torch.sigmoid(self.gate.to(x.dtype))
+        prev = torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), dim=1)
+        return (1 - g) * x + g * prev
+
+
+class ValueEmbedding(nn.Module):
+    """A token embedding added to the attention values of selected layers."""
+
+    def __init__(self, vocab: int, dim: int, kv_dim: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.proj = CastedLinear(dim, kv_dim)
+        self.scale = nn.Parameter(torch.tensor(0.1, dtype=torch.float32))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.proj(self.embed(ids))
+        return h * self.scale.to(h.dtype)
+
+
+class GPT(nn.Module):
+    """U-Net of blocks whose matrices live in four banks (one Muon-optimised tensor per kind)."""
+
+    def __init__(self, h: Hyperparameters) -> None:
+        super().__init__()
+        n, d, kv = h.num_layers, h.model_dim, h.num_kv_heads * h.head_dim
+        self.num_layers, self.logit_softcap = n, h.logit_softcap
+        self.num_encoder = n // 2
+        self.tok_emb = nn.Embedding(h.vocab_size, d)
+        self.bigram = BigramHash(h.bigram_vocab_size, h.bigram_dim, d) if h.bigram_vocab_size > 0 else None
+        self.smear = SmearGate(d)
+        self.skip_weights = nn.Parameter(torch.ones(min(self.num_encoder, n - self.num_encoder), d))
+        self.qo_bank = nn.Parameter(torch.empty(2 * n, d, d))
+        self.kv_bank = nn.Parameter(torch.empty(2 * n, kv, d))
+        self.mlp_up_bank = nn.Parameter(torch.empty(n, h.mlp_hidden, d))
+        self.mlp_down_bank = nn.Parameter(torch.empty(n, d, h.mlp_hidden))
+        self.blocks = nn.ModuleList([Block(h, i) for i in range(n)])
+        self.rotary = Rotary(h.rope_dims or h.head_dim, h.rope_base)
+        self.ve_layers = list(h.ve_layers) if h.ve_enabled else []
+        self.ve_shared = ValueEmbedding(h.vocab_size, h.ve_dim, kv) if self.ve_layers else None
+        self.ve_layer_scales = nn.ParameterList(
+            [nn.Parameter(torch.ones(1, dtype=torch.float32)) for _ in self.ve_layers])
+        self.lm_head = None if h.tie_embeddings else CastedLinear(d, h.vocab_size)
+        self._init_weights(h)
+
+    @torch.no_grad()
+    def _init_weights(self, h: Hyperparameters) -> None:
+        n = self.num_layers
+        nn.init.normal_(self.tok_emb.weight, std=h.tied_embed_init_std)
+        if self.bigram is not None:
+            nn.init.zeros_(self.bigram.embed.weight)
+        if self.ve_shared is not None:
+            nn.init.normal_(self.ve_shared.embed.weight, std=0.01)
+        for i in range(n):
+            nn.init.orthogonal_(self.qo_bank[i])
+            nn.init.orthogonal_(self.kv_bank[i])
+            nn.init.orthogonal_(self.kv_bank[n + i])
+            nn.init.orthogonal_(self.mlp_up_bank[i])
+        nn.init.zeros_(self.qo_bank[n:])
+        nn.init.zeros_(self.mlp_down_bank)
+        # The small projections start orthogonal, as in the record (its generic re-init of every
+        # Linear with both sides >= 64 overrides their zero init). A zero bigram.proj next to the
+        # zero bigram.embed would leave both with zero gradient forever.
+        for lin in (getattr(self.bigram, "proj", None), getattr(self.ve_shared, "proj", None)):
+            if lin is not None:
+                nn.init.orthogonal_(lin.weight)
+        if self.lm_head is not None:
+            nn.init.zeros_(self.lm_head.weight)
+
+    def block_weights(self, i: int) -> tuple[Tensor, ...]:
+        n = self.num_layers
+        return (self.qo_bank[i], self.kv_bank[i], self.kv_bank[n + i], self.qo_bank[n + i],
+                self.mlp_up_bank[i], self.mlp_down_bank[i])
+
+    def set_qat(self, enabled: bool) -> None:
+        for m in self.modules():
+            if isinstance(m, CastedLinear):
+                m.qat = enabled
+
+    def forward_logits(self, ids: Tensor) -> Tensor:
+        x = self.tok_emb(ids)
+        if self.bigram is not None:
+            x = x + self.bigram(ids)
+        x = self.smear(rms_norm(x))
+        x0 = x
+        ve = self.ve_shared(ids) if self.ve_shared is not None else None
+        rope = self.rotary(ids.size(1), ids.device)
+        skips = []
+        for i, block in enumerate(self.blocks):
+            if i >= self.num_encoder and skips:
+                x = x + self.skip_weights[i - self.num_encoder].to(x.dtype) * skips.pop()
+            v_embed = None
+            if i in self.ve_layers:
+                v_embed = ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype)
+            x = block(x, x0, self.block_weights(i), v_embed, rope)
+            if i < self.num_encoder:
+                skips.append(x)
+        x = rms_norm(x)
+        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight)
+        return self.logit_softcap * torch.tanh(logits / self.logit_softcap)
+
+    def forward(self, ids: Tensor, targets: Tensor) -> Tensor:
+        logits = self.forward_logits(ids)
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="mean")
+
+
+BANK_NAMES = ("qo_bank", "kv_bank", "mlp_up_bank", "mlp_down_bank")
+EMBEDDING_NAMES = ("tok_emb.weight", "bigram.embed.weight", "ve_shared.embed.weight")
+
+
+def build_model(h: Hyperparameters) -> GPT:
+    """The GPT on CPU with the record's parameter dtypes (bf16 embedding tables, everything else fp32).
+    Initialisation is a pure function of SEED."""
+    torch.manual_seed(h.seed)
+    model = GPT(h)
+    for name, p in model.named_parameters():
+        p.data = p.data.to(torch.bfloat16 if name in EMBEDDING_NAMES else torch.float32)
+    return model
+
+
+# =====================================================================================================
+# OPTIMISER
+# =====================================================================================================
+
+def zeropower_via_newtonschulz5(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+    """Approximately orthogonalise each trailing matrix of g (quintic Newton-Schulz, bf16)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.bfloat16()
+    transposed = x.size(-2) > x.size(-1)
+    if transposed:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        m = x @ x.mT
+        x = a * x + (b * m + c * (m @ m)) @ x
+    return x.mT if transposed else x
+
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on banked matrices, sharded over ranks (Parallel Muon, SPEC 4).
+
+    Single process: momentum + Newton-Schulz on the whole bank. Distributed: `launch_reduce_scatters()`
+    right after backward starts async bf16 reduce-scatters (largest bank first); `step()` then, bank by
+    bank, waits for its shard, runs momentum + Newton-Schulz on the local matrices only, launches an
+    async all-gather, and applies the previous bank's gathered update while the next one computes.
+    The momentum buffer (bf16, this rank's shard) lives in the optimiser state, so state_dict() and
+    load_state_dict() save and restore it.
+    """
+
+    def __init__(self, params, lr: float, momentum: float, backend_steps: int, weight_decay: float) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum, backend_steps=backend_steps,
+                                      weight_decay=weight_decay))
+        self._meta: list[dict] | None = None
+        self._pending: list | None = None
+
+    def _build(self) -> None:
+        ws = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self._ws, self._rank = ws, rank
+        meta = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                rows = p.shape[0]
+                shard = -(-rows // ws)  # ceil: the bank is zero-padded along dim 0 to ws * shard
+                m = dict(p=p, group_index=self.param_groups.index(group), rows=rows, shard=shard,
+                         scale=max(1.0, p.shape[-2] / p.shape[-1]) ** 0.5)
+                if ws > 1:
+                    m["padded"] = torch.zeros(shard * ws, *p.shape[1:], device=p.device, dtype=torch.bfloat16)
+                    m["recv"] = torch.zeros(shard, *p.shape[1:], device=p.device, dtype=torch.bfloat16)
+                    m["gathered"] = torch.zeros(shard * ws, *p.shape[1:], device=p.device, dtype=torch.bfloat16)
+                meta.append(m)
+        meta.sort(key=lambda m: -m["p"].numel())  # biggest communication first
+        self._meta = meta
+
+    def launch_reduce_scatters(self) -> None:
+        if self._meta is None:
+            self._build()
+        if self._ws == 1:
+            return
+        self._pending = []
+        for m in self._meta:
+            m["padded"][:m["rows"]].copy_(m["p"].grad)
+            self._pending.append(_reduce_scatter(m["recv"], m["padded"], op=dist.ReduceOp.AVG, async_op=True))
+
+    def _apply(self, m: dict, update: Tensor) -> None:
+        # Groups are looked up on every use: load_state_dict() replaces the group dicts.
+        p, group = m["p"], self.param_groups[m["group_index"]]
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd > 0:
+            p.mul_(1.0 - lr * wd)
+        p.add_(update.to(p.dtype), alpha=-lr * m["scale"])
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if self._meta is None:
+            self._build()
+        distributed = self._ws > 1
+        if distributed and self._pending is None:
+            self.launch_reduce_scatters()
+        previous = None  # (meta, all-gather handle) of the bank whose update is in flight
+        for i, m in enumerate(self._meta):
+            group = self.param_groups[m["group_index"]]
+            if distributed:
+                self._pending[i].wait()
+                g = m["recv"]
+            else:
+                g = m["p"].grad.bfloat16()
+            state = self.state[m["p"]]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(g)
+            buf = state["momentum_buffer"]
+            mom = group["momentum"]
+            buf.mul_(mom).add_(g)
+            update = zeropower_via_newtonschulz5(g.add(buf, alpha=mom), steps=group["backend_steps"])
+            if not distributed:
+                self._apply(m, update)
+                continue
+            handle = _all_gather(m["gathered"], update.contiguous(), async_op=True)
+            if previous is not None:
+                previous[1].wait()
+                self._apply(previous[0], previous[0]["gathered"][:previous[0]["rows"]])
+            previous = (m, handle)
+        if previous is not None:
+            previous[1].wait()
+            self._apply(previous[0], previous[0]["gathered"][:previous[0]["rows"]])
+        self._pending = None
+
+
+def split_param_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
+    """Which optimiser owns which parameter: banks (Muon), embeddings, scalars/small projections, head."""
+    groups: dict[str, list[nn.Parameter]] = {"banks": [], "embed": [], "scalar": [], "head": []}
+    for name, p in model.named_parameters():
+        if name in BANK_NAMES:
+            groups["banks"].append(p)
+        elif name in EMBEDDING_NAMES:
+            groups["embed"].append(p)
+        elif name == "lm_head.weight":
+            groups["head"].append(p)
+        else:  # control tensors, ndim<2 params, bigram.proj, ve_shared.proj
+            groups["scalar"].append(p)
+    return groups
+
+
+def build_optimizers(h: Hyperparameters, model: GPT) -> tuple[Muon, list[torch.optim.Optimizer]]:
+    """Muon for the banks; AdamW for embeddings, scalars and (untied) head. Returns (muon, adams)."""
+    groups = split_param_groups(model)
+    fused = next(model.parameters()).is_cuda
+
+    def adam(params, lr):
+        return torch.optim.AdamW([dict(params=params, lr=lr, base_lr=lr)], betas=(h.beta1, h.beta2),
+                                 eps=h.adam_eps, weight_decay=h.adam_wd, fused=fused)
+
+    adams = [adam(groups["embed"], h.tied_embed_lr if h.tie_embeddings else h.embed_lr),
+             adam(groups["scalar"], h.scalar_lr)]
+    if groups["head"]:
+        adams.append(adam(groups["head"], h.head_lr))
+    muon = Muon(groups["banks"], lr=h.matrix_lr, momentum=h.muon_momentum, backend_steps=h.muon_backend_steps,
+                weight_decay=h.muon_wd)
+    for g in muon.param_groups:
+        g["base_lr"] = h.matrix_lr
+    return muon, adams
+
+
+# =====================================================================================================
+# TRAINING
+# =====================================================================================================
+
+@dataclass
+class Runtime:
+    """Where this process runs and how it reports."""
+    h: Hyperparameters
+    device: torch.device
+    distributed: bool
+    is_main: bool
+    log_path: Path | None
+
+    def __post_init__(self) -> None:
+        # Effective data-path switches: copy streams need CUDA; the timing breakdown turns the overlap
+        # features off so that its per-phase figures mean what they say.
+        h, cuda, plain = self.h, self.device.type == "cuda", self.h.training_timing_breakdown
+        self.train_prefetch = h.train_prefetch and not plain
+        self.train_copy_stream = h.train_copy_stream and cuda and not plain
+        self.val_prefetch = h.val_prefetch and not plain
+        self.val_copy_stream = h.val_copy_stream and cuda and not plain
+
+    def describe_data_path(self) -> str:
+        h = self.h
+        notes = []
+        if h.training_timing_breakdown:
+            notes.append("TRAINING_TIMING_BREAKDOWN=1 turns prefetch and copy streams off")
+        elif self.device.type != "cuda" and (h.train_copy_stream or h.val_copy_stream):
+            notes.append("copy streams need CUDA: off")
+        return (f"data_path: loader:{h.train_loader} train_prefetch:{int(self.train_prefetch)} "
+                f"queue:{h.train_prefetch_queue} train_copy_stream:{int(self.train_copy_stream)} "
+                f"val_prefetch:{int(self.val_prefetch)} val_copy_stream:{int(self.val_copy_stream)} "
+                f"val_bytecount:{h.val_bytecount_device}" + (f" ({'; '.join(notes)})" if notes else ""))
+
+    def log(self, msg: str, console: bool = True) -> None:
+        if not self.is_main:
+            return
+        if console:
+            print(msg, flush=True)
+        if self.log_path is not None:
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                print(msg, file=f)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def autocast(self):
+        # bf16 autocast on CUDA and CPU alike: the same numerics everywhere (the embedding tables are bf16
+        # anyway, so the residual stream is bf16 either way).
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def all_reduce(self, t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
+        if self.distributed:
+            dist.all_reduce(t, op=op)
+        return t
+
+    def all_reduce_coalesced(self, tensors: list[Tensor]) -> None:
+        """Sum many tensors in one fp32 collective (one launch instead of one per parameter)."""
+        if not self.distributed:
+            return
+        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        dist.all_reduce(flat)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def setup_runtime(h: Hyperparameters) -> Runtime:
+    want = h.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("DEVICE=cuda but CUDA is not available on this machine")
+    if h.val_bytecount_device == "cuda" and want != "cuda":
+        raise ConfigError("VAL_BYTECOUNT_DEVICE=cuda but the run is on CPU (no CUDA device)")
+    device = torch.device("cuda", h.local_rank) if want == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    distributed = h.world_size > 1
+    if distributed:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    is_main = h.rank == 0
+    log_path = None
+    if is_main:
+        os.makedirs("logs", exist_ok=True)
+        log_path = Path("logs") / f"{h.run_id}.txt"
+    return Runtime(h, device, distributed, is_main, log_path)
+
+
+def log_environment(rt: Runtime) -> None:
+    """The log starts with this script's source, then versions and the GPU listing (SPEC 5)."""
+    rt.log(Path(__file__).read_text(encoding="utf-8"), console=False)
+    rt.log("=" * 100, console=False)
+    rt.log(f"Running Python {sys.version}", console=False)
+    rt.log(f"Running PyTorch {torch.__version__}", console=False)
+    if rt.device.type == "cuda":
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, check=False).stdout
+        rt.log(smi, console=False)
+    else:
+        rt.log(f"no GPU: running on CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)",
+               console=False)
+    rt.log("=" * 100, console=False)
+
+
+def lr_multiplier(h: Hyperparameters, step: int, elapsed_ms: float) -> float:
+    """1 until warmdown, then linear to 0: by step without a wallclock cap, by time with one."""
+    if h.warmdown_iters <= 0:
+        return 1.0
+    cap = h.max_wallclock_ms
+    if cap is None:
+        start = max(h.iterations - h.warmdown_iters, 0)
+        return max((h.iterations - step) / h.warmdown_iters, 0.0) if start <= step < h.iterations else 1.0
+    warmdown_ms = h.warmdown_iters * (elapsed_ms / max(step, 1))
+    remaining = max(cap - elapsed_ms, 0.0)
+    return remaining / max(warmdown_ms, 1e-9) if remaining <= warmdown_ms else 1.0
+
+
+def muon_momentum_at(h: Hyperparameters, step: int) -> float:
+    frac = min(step / h.muon_momentum_warmup_steps, 1.0) if h.muon_momentum_warmup_steps > 0 else 1.0
+    return (1 - frac) * h.muon_momentum_warmup_start + frac * h.muon_momentum
+
+
+def maybe_compile(fn, rt: Runtime):
+    return torch.compile(fn, dynamic=False, fullgraph=True) if compile_enabled(rt) else fn
+
+
+def compile_enabled(rt: Runtime) -> bool:
+    return rt.h.compile if rt.h.compile is not None else rt.device.type == "cuda"
+
+
+class StepTimer:
+    """TRAINING_TIMING_BREAKDOWN: milliseconds per phase, each phase bracketed by device syncs."""
+
+    PHASES = ("batch_cpu", "h2d", "forward", "backward", "clip", "optimizer", "val")
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.ms = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        self.rt.sync()
+        t0 = time.perf_counter()
+        yield
+        self.rt.sync()
+        self.ms[phase] += 1000.0 * (time.perf_counter() - t0)
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    def pop_line(self, step: int) -> str:
+        """Per-step averages since the last line (validation time is spread over those steps)."""
+        n = max(self.steps, 1)
+        line = f"timing step:{step} steps:{n} " + " ".join(f"{k}_ms:{v / n:.2f}" for k, v in self.ms.items())
+        self.ms, self.steps = dict.fromkeys(self.PHASES, 0.0), 0
+        return line
+
+
+def _untimed(phase: str):
+    return contextlib.nullcontext()
+
+
+class Trainer:
+    """One optimiser step = grad_accum micro-batches, clip, then the overlapped Parallel Muon step.
+    `data_wait_ms` accumulates the wall time the step spent blocked on the loader."""
+
+    def __init__(self, rt: Runtime, model: GPT) -> None:
+        self.rt, self.h, self.model = rt, rt.h, model
+        self.forward = maybe_compile(model, rt)
+        self.muon, self.adams = build_optimizers(self.h, model)
+        self.optimizers: list[torch.optim.Optimizer] = [*self.adams, self.muon]
+        bank_ids = {id(p) for p in self.muon.param_groups[0]["params"]}
+        # Everything that is not a bank is replicated and all-reduced (no DDP wrapper).
+        self.replicated = [p for p in model.parameters() if id(p) not in bank_ids]
+        self.data_wait_ms = 0.0
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def step(self, loader, lr_scale: float, momentum: float, timer: StepTimer | None = None) -> Tensor:
+        h, rt = self.h, self.rt
+        phase = timer or _untimed
+        for opt in self.optimizers:
+            for g in opt.param_groups:
+                g["lr"] = g["base_lr"] * lr_scale
+        for g in self.muon.param_groups:
+            g["momentum"] = momentum
+        self.zero_grad()
+        accum = h.grad_accum_steps
+        total = torch.zeros((), device=rt.device)
+        for _ in range(accum):
+            t0 = time.perf_counter()
+            if timer is None:
+                x, y = loader.next_batch()
+            else:  # the plain loader: time host-side batch building and the copy separately
+                with phase("batch_cpu"):
+                    host = loader.next_host()
+                with phase("h2d"):
+                    x, y = host_to_device(host, h.train_seq_len, rt.device)
+            self.data_wait_ms += 1000.0 * (time.perf_counter() - t0)
+            with phase("forward"), rt.autocast():
+                loss = self.forward(x, y)
+            total += loss.detach()
+            with phase("backward"):
+                (loss * (1.0 / accum)).backward()
+        with phase("clip"):
+            if h.grad_clip_norm > 0:
+                # The record clips each rank's local gradients before any communication; kept as default.
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip_norm)
+        with phase("optimizer"):
+            self.muon.launch_reduce_scatters()
+            for p in self.replicated:
+                if p.grad is not None:
+                    rt.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            for opt in self.adams:
+                opt.step()
+            self.muon.step()
+        self.zero_grad()
+        return total / accum
+
+    def snapshot(self) -> tuple[dict, list[dict]]:
+        return ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                [copy.deepcopy(opt.state_dict()) for opt in self.optimizers])
+
+    def restore(self, snap: tuple[dict, list[dict]]) -> None:
+        self.model.load_state_dict(snap[0], strict=True)
+        for opt, state in zip(self.optimizers, snap[1]):
+            opt.load_state_dict(state)
+        self.zero_grad()
+
+
+def make_train_loader(rt: Runtime):
+    """The one place the training loader is built from the settings (TRAIN_LOADER, TRAIN_PREFETCH*,
+    TRAIN_COPY_STREAM). Whatever the options, the batches are the same."""
+    h = rt.h
+    local_tokens = h.train_batch_tokens // (h.world_size * h.grad_accum_steps)
+    files = list_shards(h.train_files)
+    if h.train_loader == "shuffled":
+        base = ShuffledSequenceLoader(files, h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len, h.seed)
+    else:
+        base = DistributedTokenLoader(files, h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len)
+    if not (rt.train_prefetch or rt.train_copy_stream):
+        return base
+    return PrefetchingDistributedTokenLoader(lambda: (base.next_host(), None), h.train_seq_len, rt.device,
+                                             h.train_prefetch_queue, threaded=rt.train_prefetch,
+                                             copy_stream=rt.train_copy_stream, name="train")
+
+
+def warmup_and_restore(rt: Runtime, trainer: Trainer):
+    """WARMUP_STEPS real steps to compile and warm kernels and collectives, then restore the initial
+    weights and optimiser state and return a loader restarted from the first token."""
+    h = rt.h
+    snap = trainer.snapshot()
+    loader = make_train_loader(rt)
+    for i in range(h.warmup_steps):
+        trainer.step(loader, 1.0, muon_momentum_at(h, 0))
+        rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}")
+    loader.shutdown()  # before the rewind: its thread must not advance the stream in the background
+    trainer.restore(snap)
+    return make_train_loader(rt)
+
+
+class WeightAverager:
+    """EMA of every state-dict entry in fp32 (the record's final weights), plus opt-in SWA snapshots."""
+
+    def __init__(self, h: Hyperparameters, model: GPT) -> None:
+        self.h, self.model = h, model
+        self.ema = {k: v.detach().float().clone() for k, v in model.state_dict().items()} if h.ema_enabled else None
+        self.swa: dict[str, Tensor] | None = None
+        self.swa_count = 0
+
+    @torch.no_grad()
+    def update(self, step: int, lr_scale: float) -> None:
+        state = self.model.state_dict()
+        if self.ema is not None:
+            d = self.h.ema_decay
+            for k, v in state.items():
+                self.ema[k].mul_(d).add_(v.detach().float(), alpha=1.0 - d)
+        if self.h.swa_enabled and lr_scale < 0.2 and step % self.h.swa_every == 0:
+            if self.swa is None:
+                self.swa = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in state.items()}
+            for k, v in state.items():
+                self.swa[k].add_(v.detach().float())
+            self.swa_count += 1
+
+    @torch.no_grad()
+    def apply_final(self, rt: Runtime) -> str:
+        """Load the final weights into the model; returns which ones were used."""
+        if self.h.swa_enabled:
+            if self.swa_count == 0:
+                raise RuntimeError("SWA_ENABLED=1 but no SWA snapshot was taken (the LR scale never went below "
+                                   "0.2 on a multiple of SWA_EVERY); lower SWA_EVERY or train longer")
+            averaged, source = {k: v / self.swa_count for k, v in self.swa.items()}, f"swa({self.swa_count})"
+        elif self.ema is not None:
+            averaged, source = self.ema, "ema"
+        else:
+            return "raw"
+        current = self.model.state_dict()
+        self.model.load_state_dict({k: averaged[k].to(current[k].dtype) for k in current}, strict=True)
+        return source
+
+
+class StepProfiler:
+    """PROFILE=1: a torch.profiler trace (Chrome/Perfetto JSON) of training steps [START, END) of
+    PROFILE_STEPS, written to logs/{RUN_ID}_profile_rank{r}.json."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.first, self.end = rt.h.profile_range if rt.h.profile else (0, 0)
+        self.prof = None
+
+    def before_step(self, step: int) -> None:  # step = 1-based number of the step about to run
+        if step == self.first:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.rt.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts, record_shapes=True)
+            self.prof.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self.prof is not None and step == self.end - 1:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.prof is None:
+            return
+        self.rt.sync()
+        self.prof.__exit__(None, None, None)
+        path = Path("logs") / f"{self.rt.h.run_id}_profile_rank{self.rt.h.rank}.json"
+        path.parent.mkdir(exist_ok=True)
+        self.prof.export_chrome_trace(str(path))
+        self.prof = None
+        self.rt.log(f"profile: steps {self.first}..{self.end - 1} written to {path}")
+
+
+def train(rt: Runtime, model: GPT, val_tokens: Tensor, luts: ByteLuts) -> bool:
+    """The record's training loop. Returns whether late QAT was switched on."""
+    h = rt.h
+    trainer = Trainer(rt, model)
+    model.set_qat(h.qat_enabled)
+    loader = warmup_and_restore(rt, trainer) if h.warmup_steps > 0 else make_train_loader(rt)
+    try:
+        return _train_loop(rt, trainer, loader, val_tokens, luts)
+    finally:
+        loader.shutdown()
+
+
+def _train_loop(rt: Runtime, trainer: Trainer, loader, val_tokens: Tensor, luts: ByteLuts) -> bool:
+    h, model = rt.h, trainer.model
+    averager = WeightAverager(h, model)
+    timer = StepTimer(rt) if h.training_timing_breakdown else None
+    profiler = StepProfiler(rt)
+    cap_ms = h.max_wallclock_ms
+    train_ms, stop_after, step = 0.0, None, 0
+    qat_on = h.qat_enabled
+    trainer.data_wait_ms = 0.0
+    wait_total, wait_max, wait_since_log, steps_since_log = 0.0, 0.0, 0.0, 0
+    rt.sync()
+    t0 = time.perf_counter()
+    while True:
+        last = step == h.iterations or (stop_after is not None and step >= stop_after)
+        if last or (h.val_loss_every > 0 and step % h.val_loss_every == 0):
+            rt.sync()
+            train_ms += 1000.0 * (time.perf_counter() - t0)
+            with (timer or _untimed)("val"):
+                val_loss, val_bpb = eval_val(rt, trainer.forward, val_tokens, luts)
+            rt.log(f"step:{step}/{h.iterations} val_loss:{val_loss:.4f} val_bpb:{val_bpb:.4f} "
+                   f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(step, 1):.2f}ms")
+            rt.sync()
+            t0 = time.perf_counter()
+        if last:
+            if stop_after is not None and step < h.iterations:
+                rt.log(f"stopping_early: wallclock_cap train_time:{train_ms:.0f}ms step:{step}/{h.iterations}")
+            break
+        elapsed = train_ms + 1000.0 * (time.perf_counter() - t0)
+        scale = lr_multiplier(h, step, elapsed)
+        if h.late_qat_threshold > 0 and scale < h.late_qat_threshold and not qat_on:
+            qat_on = True
+            model.set_qat(True)
+            rt.log(f"late_qat:enabled step:{step} scale:{scale:.4f}")
+        profiler.before_step(step + 1)
+        train_loss = trainer.step(loader, scale, muon_momentum_at(h, step), timer)
+        averager.update(step + 1, scale)
+        step += 1
+        profiler.after_step(step)
+        wait = trainer.data_wait_ms
+        trainer.data_wait_ms = 0.0
+        wait_total, wait_max = wait_total + wait, max(wait_max, wait)
+        wait_since_log, steps_since_log = wait_since_log + wait, steps_since_log + 1
+        approx_ms = train_ms + 1000.0 * (time.perf_counter() - t0)
+        if h.train_log_every > 0 and (step <= 10 or step % h.train_log_every == 0 or stop_after is not None):
+            rt.log(f"step:{step}/{h.iterations} train_loss:{train_loss.item():.4f} "
+                   f"train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms "
+                   f"data_wait_ms:{wait_since_log / steps_since_log:.2f}")
+            wait_since_log, steps_since_log = 0.0, 0
+        if timer is not None:
+            timer.end_step()
+            if step <= 10 or step % h.training_timing_every == 0:
+                rt.log(timer.pop_line(step))
+        if cap_ms is not None and stop_after is None:
+            reached = torch.tensor(int(approx_ms >= cap_ms), device=rt.device)
+            if bool(rt.all_reduce(reached, op=dist.ReduceOp.MAX).item()):
+                stop_after = step
+    profiler.finish()
+    rt.log(f"data_wait: total_ms:{wait_total:.1f} mean_ms_per_step:{wait_total / max(step, 1):.3f} "
+           f"max_step_ms:{wait_max:.3f}")
+    if rt.device.type == "cuda":
+        rt.log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+               f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    source = averager.apply_final(rt)
+    rt.log(f"final_weights:{source}")
+    return qat_on
+
+
+# =====================================================================================================
+# ARTIFACT
+# =====================================================================================================
+
+INT6_CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999)  # plus the row max
+INT8_CLIP_QUANTILE = 0.9999984
+PASSTHROUGH_MAX_NUMEL = 65_536
+BANK_SLOTS = {  # bank -> per-layer names of its [0, n) and [n, 2n) halves (SPEC 6)
+    "qo_bank": (".attn.c_q.weight", ".attn.proj.weight"),
+    "kv_bank": (".attn.c_k.weight", ".attn.c_v.weight"),
+    "mlp_up_bank": (".mlp.fc.weight", None),
+    "mlp_down_bank": (".mlp.proj.weight", None),
+}
+
+
+def unbank_state_dict(sd: dict[str, Tensor], n: int) -> dict[str, Tensor]:
+    """Split the banks into per-layer 2-D matrices named like an unbanked model's."""
+    out = {}
+    for name, t in sd.items():
+        if name not in BANK_SLOTS:
+            out[name] = t
+            continue
+        first, second = BANK_SLOTS[name]
+        for i in range(n):
+            out[f"blocks.{i}{first}"] = t[i]
+            if second is not None:
+                out[f"blocks.{i}{second}"] = t[n + i]
+    return out
+
+
+def rebank_state_dict(flat: dict[str, Tensor], n: int) -> dict[str, Tensor]:
+    """Inverse of unbank_state_dict."""
+    out, used = {}, set()
+    for name, (first, second) in BANK_SLOTS.items():
+        keys = [f"blocks.{i}{first}" for i in range(n)]
+        if second is not None:
+            keys += [f"blocks.{i}{second}" for i in range(n)]
+        out[name] = torch.stack([flat[k] for k in keys])
+        used.update(keys)
+    out.update({k: v for k, v in flat.items() if k not in used})
+    return out
+
+
+def quantize_int6_rows(t: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row int6 in [-31, 31] with fp16 scales; the clip is the candidate (row quantiles or row max)
+    with the lowest mean squared reconstruction error over the whole matrix."""
+    t32 = t.float()
+    absw = t32.abs()
+    candidates = [torch.quantile(absw, q, dim=1) for q in INT6_CLIP_QUANTILES] + [absw.amax(dim=1)]
+    best = None
+    for clip in candidates:
+        scale = (clip / 31.0).clamp_min(1.0 / 31.0).to(torch.float16)
+        q = torch.clamp(torch.round(t32 / scale.float()[:, None]), -31, 31)
+        err = (t32 - q * scale.float()[:, None]).pow(2).mean().item()
+        if best is None or err < best[0]:
+            best = (err, q.to(torch.int8), scale)
+    return best[1], best[2]
+
+
+def quantize_int8_rows(t: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row int8 with the clip at a high row quantile of |w|, fp16 scales."""
+    t32 = t.float()
+    clip = torch.quantile(t32.abs(), INT8_CLIP_QUANTILE, dim=1)
+    scale = (clip / 127.0).clamp_min(1.0 / 127.0)
+    clipped = torch.maximum(torch.minimum(t32, clip[:, None]), -clip[:, None])
+    q = torch.clamp(torch.round(clipped / scale[:, None]), -127, 127).to(torch.int8)
+    return q, scale.to(torch.float16)
+
+
+def quantize_state_dict(flat: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict]:
+    """SPEC 6: small floats as fp16, attention/MLP matrices int6, other large matrices int8."""
+    w, meta = {}, {}
+    for name, t in flat.items():
+        t = t.detach().cpu().contiguous()
+        if not t.is_floating_point():
+            w[name], meta[name] = t, "passthrough"
+        elif t.numel() <= PASSTHROUGH_MAX_NUMEL or t.ndim != 2:
+            w[name], meta[name] = t.to(torch.float16), "passthrough"
+        else:
+            kind = "int6" if (".attn." in name or ".mlp." in name) else "int8"
+            q, s = quantize_int6_rows(t) if kind == "int6" else quantize_int8_rows(t)
+            w[name + ".q"], w[name + ".scale"], meta[name] = q, s, {"type": kind}
+    return w, meta
+
+
+def dequantize_state_dict(w: dict[str, Tensor], meta: dict, template: dict[str, Tensor], source: str) -> dict:
+    out = {}
+    for name, ref in template.items():
+        info = meta.get(name)
+        if info is None:
+            raise ConfigError(f"{source}: artifact has no entry for {name} (built with other model settings?)")
+        if isinstance(info, str):  # "passthrough" (and the reference's "passthrough_ctrl")
+            t = w[name]
+        else:
+            q, s = w[name + ".q"], w[name + ".scale"]
+            t = q.float() * (s.float().view(-1, *([1] * (q.ndim - 1))) if s.ndim > 0 else s.float())
+        if tuple(t.shape) != tuple(ref.shape):
+            raise ConfigError(f"{source}: {name} has shape {tuple(t.shape)}, the model expects {tuple(ref.shape)}")
+        out[name] = t.to(ref.dtype)
+    return out
+
+
+def save_artifact(path: str, model: GPT) -> int:
+    """Unbank, quantise, torch.save, lzma preset 6. Returns the file's size in bytes."""
+    w, meta = quantize_state_dict(unbank_state_dict(model.state_dict(), model.num_layers))
+    buf = io.BytesIO()
+    torch.save({"w": w, "m": meta}, buf)
+    blob = lzma.compress(buf.getvalue(), preset=6)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(blob)
+    os.replace(tmp, path)  # never leave a partial artifact that looks complete
+    return len(blob)
+
+
+def size_report(model_bytes: int, code_bytes: int) -> list[str]:
+    """The byte-accounting log lines; a loud OVER_LIMIT line when the submission exceeds the cap."""
+    total = model_bytes + code_bytes
+    lines = [f"Code size: {code_bytes} bytes", f"Serialized model int6+lzma: {model_bytes} bytes",
+             f"Total submission size int6+lzma: {total} bytes"]
+    if total > SIZE_CAP_BYTES:
+        lines.append(f"OVER_LIMIT total_bytes:{total} cap:{SIZE_CAP_BYTES} (over by {total - SIZE_CAP_BYTES} bytes)")
+    return lines
+
+
+def load_artifact(path: str, h: Hyperparameters) -> GPT:
+    """A fresh model from an artifact file on disk: decompress, dequantise, re-bank."""
+    try:
+        with open(path, "rb") as f:
+            blob = lzma.decompress(f.read())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: artifact does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the artifact ({e.strerror or e})") from None
+    except lzma.LZMAError as e:
+        raise ConfigError(f"{path}: not an lzma-compressed artifact ({e})") from None
+    try:
+        obj = torch.load(io.BytesIO(blob), map_location="cpu")
+    except Exception as e:  # any unreadable payload: pickle, zip or torch errors alike
+        raise ConfigError(f"{path}: not an int6 artifact (torch.load failed: {type(e).__name__})") from None
+    if not isinstance(obj, dict) or "w" not in obj or "m" not in obj:
+        raise ConfigError(f"{path}: not an int6 artifact (expected a dict with 'w' and 'm')")
+    model = build_model(h)
+    template = unbank_state_dict(model.state_dict(), model.num_layers)
+    flat = dequantize_state_dict(obj["w"], obj["m"], template, path)
+    model.load_state_dict(rebank_state_dict(flat, model.num_layers), strict=True)
+    return model
+
+
+# =====================================================================================================
+# EVALUATION
+# =====================================================================================================
+
+def finish_loss_bpb(rt: Runtime, sums: Tensor) -> tuple[float, float]:
+    """sums = [nll sum, tokens, bytes] (float64) of this rank -> global (val_loss, val_bpb)."""
+    loss_sum, tokens, nbytes = rt.all_reduce(sums).tolist()
+    val_loss = loss_sum / tokens
+    return val_loss, val_loss / math.log(2.0) * tokens / nbytes
+
+
+def eval_val(rt: Runtime, forward, val_tokens: Tensor, luts: ByteLuts) -> tuple[float, float]:
+    """Standard eval: contiguous EVAL_SEQ_LEN sequences split evenly across ranks (SPEC 7). Batches come
+    through the prefetcher (VAL_PREFETCH, VAL_COPY_STREAM); with VAL_BYTECOUNT_DEVICE=cpu their byte
+    counts are computed on the host, in the prefetch thread when there is one."""
+    h, dev = rt.h, rt.device
+    L = h.eval_seq_len
+    batch_seqs = h.val_batch_size // (h.world_size * h.grad_accum_steps) // L
+    total = (val_tokens.numel() - 1) // L
+    first, last = total * h.rank // h.world_size, total * (h.rank + 1) // h.world_size
+    starts = iter(range(first, last, batch_seqs))
+    num_batches = len(range(first, last, batch_seqs))
+    host_bytes = h.val_bytecount_device == "cpu"
+    tokens = val_tokens.numpy()
+
+    def produce():
+        s = next(starts, None)
+        if s is None:
+            return None
+        span = tokens[s * L:min(s + batch_seqs, last) * L + 1]
+        nbytes = float(luts.count(torch.from_numpy(span[:-1]), torch.from_numpy(span[1:])).sum()) if host_bytes else None
+        return span, nbytes
+
+    loader = PrefetchingDistributedTokenLoader(produce, L, dev, queue_size=2, threaded=rt.val_prefetch,
+                                               copy_stream=rt.val_copy_stream, name="val")
+    luts_d = None if host_bytes else luts.to(dev)
+    sums = torch.zeros(3, dtype=torch.float64, device=dev)
+    was_training = getattr(forward, "training", True)
+    set_train_mode(forward, False)
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            for i in range(num_batches):
+                x, y, nbytes = loader.next()
+                with rt.autocast():
+                    loss = forward(x, y).detach()
+                sums[0] += loss.double() * y.numel()
+                sums[1] += y.numel()
+                sums[2] += nbytes if host_bytes else luts_d.count(x.reshape(-1), y.reshape(-1)).sum()
+                if h.val_progress_log_every > 0 and ((i + 1) % h.val_progress_log_every == 0 or i + 1 == num_batches):
+                    rt.log(f"val_progress: batch:{i + 1}/{num_batches} "
+                           f"elapsed:{1000.0 * (time.perf_counter() - t0):.0f}ms")
+    finally:
+        loader.shutdown()
+    set_train_mode(forward, was_training)
+    return finish_loss_bpb(rt, sums)
+
+
+def set_train_mode(module_or_compiled, mode: bool) -> None:
+    target = getattr(module_or_compiled, "_orig_mod", module_or_compiled)
+    if isinstance(target, nn.Module):
+        target.train(mode)
+
+
+def sliding_windows(num_targets: int, seq_len: int, stride: int) -> list[tuple[int, int]]:
+    """Full-length windows (start, first scored position) so that every target is scored exactly once:
+    the first window scores all its targets, each later one the next <= stride targets at its end, so
+    every scored token after the first window sees >= seq_len - stride tokens of context. The last
+    window is moved back to end exactly at the last target (the record re-scored the tail instead)."""
+    if num_targets < seq_len:
+        raise ConfigError(f"EVAL_SEQ_LEN={seq_len} is longer than the {num_targets} validation targets")
+    windows = [(0, 0)]
+    scored_end = seq_len  # targets at positions [0, scored_end) of the stream are scored
+    while scored_end < num_targets:
+        start = min(scored_end + stride - seq_len, num_targets - seq_len)
+        windows.append((start, scored_end - start))
+        scored_end = start + seq_len
+    return windows
+
+
+def score_windows(rt: Runtime, logits_fn, val_tokens: Tensor, windows: list[tuple[int, int]],
+                  luts: ByteLuts, batch_seqs: int, per_token: Tensor | None = None) -> Tensor:
+    """Sum of [nll, tokens, bytes] over the scored positions of `windows`. Batches are padded to a fixed
+    size (padding rows masked out) so a compiled forward sees one shape. If `per_token` is given
+    (float64, one slot per stream position), each scored target's nll is written at its position."""
+    dev, L = rt.device, rt.h.eval_seq_len
+    host_bytes = rt.h.val_bytecount_device == "cpu"
+    luts_d = luts if host_bytes else luts.to(dev)
+    sums = torch.zeros(3, dtype=torch.float64, device=dev)
+    positions = torch.arange(L)
+    for b in range(0, len(windows), batch_seqs):
+        batch = windows[b:b + batch_seqs]
+        real = len(batch)
+        batch = batch + [batch[-1]] * (batch_seqs - real)
+        spans = torch.stack([val_tokens[s:s + L + 1] for s, _ in batch])
+        first = torch.tensor([f for _, f in batch])
+        mask = positions[None, :] >= first[:, None]
+        mask[real:] = False
+        x, y = cut_batch(spans.to(dev).to(torch.int64), L)
+        mask_d = mask.to(dev)
+        with rt.autocast():
+            logits = logits_fn(x)
+        nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+        nll = nll.view(x.shape).double()
+        sums[0] += nll[mask_d].sum()
+        sums[1] += int(mask.sum())
+        if host_bytes:
+            sums[2] += float(luts.count(spans[:, :-1][mask], spans[:, 1:][mask]).sum())
+        else:
+            sums[2] += luts_d.count(x[mask_d], y[mask_d]).sum()
+        if per_token is not None:
+            target_pos = torch.tensor([st for st, _ in batch])[:, None] + positions[None, :] + 1
+            per_token[target_pos[mask]] = nll[mask_d].cpu()
+    return sums
+
+
+def rank_slice(items: list, rank: int, world_size: int) -> list:
+    n = len(items)
+    return items[n * rank // world_size: n * (rank + 1) // world_size]
+
+
+def eval_sliding(rt: Runtime, model: GPT, logits_fn, val_tokens: Tensor, luts: ByteLuts,
+                 per_token: Tensor | None = None) -> tuple[float, float]:
+    h = rt.h
+    windows = sliding_windows(val_tokens.numel() - 1, h.eval_seq_len, h.eval_stride)
+    model.eval()
+    with torch.inference_mode():
+        sums = score_windows(rt, logits_fn, val_tokens, rank_slice(windows, h.rank, h.world_size), luts,
+                             h.eval_batch_seqs, per_token)
+    return finish_loss_bpb(rt, sums)
+
+
+def frozen_bank_rows(h: Hyperparameters) -> dict[str, list[int]]:
+    """Rows of each bank that belong to the first TTT_FREEZE_BLOCKS blocks."""
+    n, k = h.num_layers, h.ttt_freeze_blocks
+    first = list(range(k))
+    return {"qo_bank": first + [n + i for i in first], "kv_bank": first + [n + i for i in first],
+            "mlp_up_bank": first, "mlp_down_bank": first}
+
+
+def eval_ttt(rt: Runtime, model: GPT, logits_fn, loss_fn, val_tokens: Tensor, luts: ByteLuts,
+             per_token: Tensor | None = None) -> tuple[float, float]:
+    """Legal score-first TTT (SPEC 7): for each chunk, score its windows with the current weights under
+    inference_mode, then (except for the last chunk) train on the chunk's tokens. A token is never scored
+    by weights that have seen it."""
+    h = rt.h
+    L, C = h.eval_seq_len, h.ttt_chunk_tokens
+    num_targets = val_tokens.numel() - 1
+    windows = sliding_windows(num_targets, L, h.eval_stride)
+    num_chunks = -(-num_targets // C)
+    chunk_windows: list[list[tuple[int, int]]] = [[] for _ in range(num_chunks)]
+    for start, first in windows:
+        chunk_windows[min((start + first) // C, num_chunks - 1)].append((start, first))
+
+    frozen_prefixes = tuple(f"blocks.{i}." for i in range(h.ttt_freeze_blocks))
+    frozen_rows = frozen_bank_rows(h) if h.ttt_freeze_blocks > 0 else {}
+    params = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(frozen_prefixes))
+        if p.requires_grad:
+            params.append((name, p))
+    opt = torch.optim.SGD([p for _, p in params], lr=h.ttt_lr, momentum=h.ttt_momentum)
+    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
+    t0 = time.perf_counter()
+    for ci in range(num_chunks):
+        model.eval()
+        with torch.inference_mode():
+            sums += score_windows(rt, logits_fn, val_tokens, rank_slice(chunk_windows[ci], h.rank, h.world_size),
+                                  luts, h.eval_batch_seqs, per_token)
+        if ci == num_chunks - 1 or h.ttt_epochs == 0:
+            continue
+        lr = h.ttt_lr * 0.5 * (1.0 + math.cos(math.pi * ci / max(num_chunks - 1, 1)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        chunk_start = ci * C
+        num_seqs = (min(chunk_start + C, num_targets) - chunk_start) // L
+        model.train()
+        for _ in range(h.ttt_epochs):
+            for b in range(0, num_seqs, h.ttt_batch_seqs):
+                ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, chunk_start,
+                                b, min(b + h.ttt_batch_seqs, num_seqs))
+        if rt.is_main and (ci % 10 == 0 or ci == num_chunks - 2):
+            rt.log(f"ttt_progress chunk:{ci + 1}/{num_chunks} lr:{lr:.6f} elapsed:{time.perf_counter() - t0:.1f}s")
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.eval()
+    return finish_loss_bpb(rt, sums)
+
+
+def ttt_train_batch(rt: Runtime, model: GPT, loss_fn, opt, params, frozen_rows, val_tokens: Tensor,
+                    chunk_start: int, b: int, e: int) -> None:
+    """One SGD step on sequences [b, e) of the chunk, split across ranks. Each rank backpropagates
+    its loss *sum* divided by the global count and gradients are summed, so the step equals the
+    single-process step whatever the split (ranks with no sequence contribute zeros)."""
+    h, L = rt.h, rt.h.eval_seq_len
+    mine = rank_slice(list(range(b, e)), h.rank, h.world_size)
+    opt.zero_grad(set_to_none=False)
+    if mine:
+        lo, hi = chunk_start + mine[0] * L, chunk_start + (mine[-1] + 1) * L + 1
+        x, y = host_to_device(val_tokens[lo:hi], L, rt.device)
+        with rt.autocast():
+            loss = loss_fn(x, y) * (len(mine) / (e - b))
+        loss.backward()
+    for name, p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if name in frozen_rows:
+            p.grad[frozen_rows[name]] = 0
+    rt.all_reduce_coalesced([p.grad for _, p in params])
+    torch.nn.utils.clip_grad_norm_([p for _, p in params], h.ttt_grad_clip)
+    opt.step()
+
+
+# =====================================================================================================
+# MAIN
+# =====================================================================================================
+
+def evaluate_artifact(rt: Runtime, model: GPT, val_tokens: Tensor, luts: ByteLuts) -> None:
+    """Round-trip, sliding-window and legal-TTT evaluation of a model loaded from the artifact file."""
+    h = rt.h
+    model = model.to(rt.device)
+    forward = maybe_compile(model, rt)
+    logits_fn = maybe_compile(model.forward_logits, rt)
+
+    def timed(label: str, fn, extra: str = "") -> None:
+        rt.sync()
+        t0 = time.perf_counter()
+        loss, bpb = fn()
+        rt.sync()
+        ms = 1000.0 * (time.perf_counter() - t0)
+        rt.log(f"{label} val_loss:{loss:.4f} val_bpb:{bpb:.4f}{extra} eval_time:{ms:.0f}ms")
+        rt.log(f"{label}_exact val_loss:{loss:.8f} val_bpb:{bpb:.8f}")
+
+    timed("final_int6_roundtrip", lambda: eval_val(rt, forward, val_tokens, luts))
+    if h.eval_stride > 0:
+        timed("final_int6_sliding_window", lambda: eval_sliding(rt, model, logits_fn, val_tokens, luts),
+              f" stride:{h.eval_stride}")
+    if h.ttt_enabled:
+        if h.eval_stride == 0:
+            raise ConfigError("TTT_ENABLED=1 needs EVAL_STRIDE > 0 (TTT scores sliding windows)")
+        timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts))
+
+
+def run(h: Hyperparameters) -> None:
+    rt = setup_runtime(h)
+    log_environment(rt)
+    backend = select_attention_backend(rt.device)
+    rt.log(f"seed:{h.seed}")
+    rt.log(f"device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps} "
+           f"attention_backend:{backend} compile:{int(compile_enabled(rt))}")
+    if rt.device.type == "cpu":
+        rt.log("cpu: FlashAttention and CUDA copy streams need CUDA; torch.compile is off unless COMPILE=1")
+    rt.log(rt.describe_data_path())
+    rt.log(f"eval_stride:{h.eval_stride}")
+    rt.log(f"ttt_enabled:{int(h.ttt_enabled)}")
+    torch.manual_seed(h.seed)
+    np.random.seed(h.seed)
+    luts = build_byte_luts(h.tokenizer_path, h.vocab_size)
+    val_tokens = load_validation_tokens(h.val_files, max(h.train_seq_len, h.eval_seq_len), h.vocab_size)
+    rt.log(f"val_tokens:{val_tokens.numel() - 1}")
+
+    if h.eval_only:
+        model = load_artifact(h.eval_only, h)
+        rt.log(f"eval_only artifact:{h.eval_only} bytes:{os.path.getsize(h.eval_only)}")
+        evaluate_artifact(rt, model, val_tokens, luts)
+        return
+
+    model = build_model(h).to(rt.device)
+    rt.log(f"model_params:{sum(p.numel() for p in model.parameters())}")
+    qat_on = train(rt, model, val_tokens, luts)
+
+    t0 = time.perf_counter()
+    loss, bpb = eval_val(rt, model, val_tokens, luts)
+    rt.log(f"DIAGNOSTIC post_ema val_loss:{loss:.4f} val_bpb:{bpb:.4f} "
+           f"eval_time:{1000.0 * (time.perf_counter() - t0):.0f}ms")
+    if rt.is_main:
+        torch.save(model.state_dict(), "final_model.pt")
+        rt.log(f"Serialized model: {os.path.getsize('final_model.pt')} bytes")
+        for line in size_report(save_artifact("final_model.int6.ptz", model), len(Path(__file__).read_bytes())):
+            rt.log(line)
+    if rt.distributed:
+        dist.barrier()
+    # Evaluate what a user would submit: a fresh model read back from the file on disk.
+    eval_model = load_artifact("final_model.int6.ptz", h)
+    eval_model.set_qat(qat_on)  # the record's class-wide QAT flag stays on for TTT training
+    evaluate_artifact(rt, eval_model, val_tokens, luts)
+
+
+def main() -> None:
+    try:
+        run(Hyperparameters())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if dist.is_initialized():
+        # Leave together: a rank that exits while a peer still holds gloo connections can abort it.
+        # (Only on success: after an error a barrier could wait forever for a rank stuck elsewhere.)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
