@@ -348,7 +348,8 @@ class TokenStream:
             parts.append(self.tokens[self.pos:self.pos + k])
             self.pos += k
             remaining -= k
-        return np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
+        # A view of the memory map when the tokens lie in one shard: callers copy only the slice they keep.
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 class DistributedTokenLoader:
@@ -377,8 +378,8 @@ class DistributedTokenLoader:
 class ShuffledSequenceLoader:
     """Opt-in shuffled loader (TRAIN_LOADER=shuffled, SPEC 2): rank r owns shards [r::world_size]; each
     shard is cut at a random phase into L+1-token windows visited in random order; each sequence of a
-    batch comes from a shard drawn with probability proportional to its remaining windows; when all
-    are used every shard is re-cut. Deterministic given (SEED, rank). Reads through numpy memmaps and
+    batch comes from a shard drawn with probability proportional to its remaining windows (sampling
+    without replacement); when all are used every shard is re-cut. Deterministic given (SEED, rank). Reads through numpy memmaps and
     builds the whole batch in numpy."""
 
     def __init__(self, files: list[str], rank: int, world_size: int, device: torch.device,
@@ -409,19 +410,30 @@ class ShuffledSequenceLoader:
         self.used[:] = 0
 
     def next_host(self) -> np.ndarray:
-        """(batch_seqs, L+1) uint16 windows: x = [:, :-1], y = [:, 1:]."""
+        """(batch_seqs, L+1) uint16 windows: x = [:, :-1], y = [:, 1:].
+
+        Drawing each sequence's shard with probability proportional to its remaining windows, one by one,
+        is sampling without replacement; done here in one go (multivariate hypergeometric counts, then a
+        random order of the shard labels) so the prefetch thread holds the GIL for microseconds, not for
+        a Python loop per sequence."""
         L = self.seq_len
-        out = np.empty((self.batch_seqs, L + 1), dtype=np.uint16)
-        for b in range(self.batch_seqs):
-            remaining = np.array([len(s) for s in self.starts], dtype=np.float64) - self.used
-            if remaining.sum() <= 0:
+        parts, need = [], self.batch_seqs
+        while need > 0:
+            remaining = np.array([len(s) for s in self.starts], dtype=np.int64) - self.used
+            if remaining.sum() == 0:
                 self._recut()
-                remaining = np.array([len(s) for s in self.starts], dtype=np.float64)
-            si = int(self.rng.choice(len(self.shards), p=remaining / remaining.sum()))
-            start = int(self.starts[si][self.used[si]])
-            self.used[si] += 1
-            out[b] = self.shards[si][start:start + L + 1]
-        return out
+                continue
+            take = min(need, int(remaining.sum()))
+            counts = self.rng.multivariate_hypergeometric(remaining, take)
+            labels = self.rng.permutation(np.repeat(np.arange(len(self.shards)), counts))
+            rows = np.empty((take, L + 1), dtype=np.uint16)
+            for si in np.flatnonzero(counts):
+                starts = self.starts[si][self.used[si]:self.used[si] + counts[si]]
+                self.used[si] += counts[si]
+                rows[labels == si] = self.shards[si][starts[:, None] + np.arange(L + 1)]
+            parts.append(rows)
+            need -= take
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def next_batch(self) -> tuple[Tensor, Tensor]:
         return host_to_device(self.next_host(), self.seq_len, self.device)
@@ -458,7 +470,8 @@ class PrefetchingDistributedTokenLoader:
     the end of a finite source; aux rides along untouched (validation uses it for byte counts).
 
     threaded: a daemon thread runs produce() ahead and fills a small ring of pinned host buffers
-      (compact int32) into a bounded queue; a failure there is re-raised in the caller.
+      (compact int32) into a bounded queue; a failure there is re-raised in the caller. On CPU there is
+      no bus to cross: the thread hands over ready int64 tensors instead.
     copy_stream (CUDA): host-to-device copies run on a side stream; handing out batch k issues the copy
       of batch k+1 at once, so it overlaps step k's compute. The compute stream waits on an event and
       the batch is marked with record_stream so the allocator cannot reuse its memory early. A pinned
@@ -502,6 +515,8 @@ class PrefetchingDistributedTokenLoader:
         if item is None:
             return _END_OF_DATA
         host, aux = item
+        if not self.cuda:  # no bus to cross: widen here, off the consumer's path, into a fresh tensor
+            return torch.from_numpy(np.asarray(host, dtype=np.int64)), aux
         return self._fill_slot(host), aux
 
     def _work(self) -> None:
@@ -540,16 +555,17 @@ class PrefetchingDistributedTokenLoader:
         if item is _END_OF_DATA:
             return item
         idx, aux = item
+        if not self.cuda:
+            return idx, aux, None  # already the int64 tensor (see _produce_one)
         host = self._ring[idx][0]
-        event = torch.cuda.Event() if self.cuda else None
+        event = torch.cuda.Event()
         if self.copy_stream is not None:
             with torch.cuda.stream(self.copy_stream):
                 wide = host.to(self.device, non_blocking=True).to(torch.int64)
                 event.record(self.copy_stream)
         else:
-            wide = host.to(self.device, non_blocking=self.cuda).to(torch.int64)
-            if event is not None:
-                event.record()
+            wide = host.to(self.device, non_blocking=True).to(torch.int64)
+            event.record()
         self._ring[idx][1] = event
         return wide, aux, event
 
