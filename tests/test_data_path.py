@@ -326,16 +326,22 @@ def test_truncated_shard_raises_in_the_caller_and_stops_the_thread(tmp_path, mon
     loader.shutdown()
 
 
-@pytest.mark.parametrize("threaded", [True, False])
-def test_produce_exception_comes_out_after_the_good_batches(threaded):
+def failing_producer(fail_at: int):
+    """produce() whose batch k is filled with k, raising ValueError("boom") on call `fail_at`."""
     calls = []
 
     def produce():
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == fail_at:
             raise ValueError("boom")
         return np.full(2 * SEQ + 1, len(calls), dtype=np.int32), None
 
+    return produce
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_produce_exception_comes_out_after_the_good_batches(threaded):
+    produce = failing_producer(fail_at=3)
     loader = tg.PrefetchingDistributedTokenLoader(produce, SEQ, CPU, queue_size=2, threaded=threaded,
                                                   copy_stream=False, name="test")
     worker = loader._thread
@@ -755,14 +761,7 @@ def test_cuda_bytecount_equals_cpu_bytecount(val_setup, monkeypatch):
 
 @CUDA_ONLY
 def test_copy_stream_failure_comes_after_the_good_batches():
-    calls = []
-
-    def produce():
-        calls.append(1)
-        if len(calls) == 3:
-            raise ValueError("boom")
-        return np.full(2 * SEQ + 1, len(calls), dtype=np.int32), None
-
+    produce = failing_producer(fail_at=3)
     loader = tg.PrefetchingDistributedTokenLoader(produce, SEQ, torch.device("cuda", 0), queue_size=2,
                                                   threaded=True, copy_stream=True, name="test")
     try:
