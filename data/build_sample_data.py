@@ -17,7 +17,6 @@ Python version (docstrings change between Python releases).
         [--train-shards 4] [--val-tokens 32769] [--seed 0]
 """
 
-import argparse
 import contextlib
 import importlib
 import inspect
@@ -30,7 +29,7 @@ import warnings
 
 import numpy as np
 
-from shards import write_shard
+from shards import OneLineParser, UsageError, write_shard
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -119,17 +118,6 @@ SP_TRAINER_OPTIONS = dict(
     num_threads=1,
     minloglevel=2,
 )
-
-
-class UsageError(Exception):
-    """A bad command-line argument: reported on one line, exit status 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but errors are one stderr line (no usage dump) and exit 2."""
-
-    def error(self, message):
-        raise UsageError(message)
 
 
 def parse_args(argv):

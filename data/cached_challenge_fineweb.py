@@ -15,7 +15,6 @@ disk with a valid header and size are skipped, so an interrupted download can
 simply be run again. Without network access use build_sample_data.py.
 """
 
-import argparse
 import http.client
 import json
 import os
@@ -27,7 +26,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from shards import shard_num_tokens
+from shards import OneLineParser, UsageError, shard_num_tokens
 
 # huggingface_hub (imported lazily below) reads these when it is imported; they
 # bound each network wait.
@@ -46,21 +45,12 @@ OFFLINE_HINT = ("check your network or set HF_ENDPOINT; "
                 "for an offline sample run use python data/build_sample_data.py")
 
 
-class UsageError(Exception):
-    """A bad command-line argument: one stderr line, exit status 2."""
-
-
 class FetchError(Exception):
     """A download or validation failure: one stderr line, exit status 1."""
 
 
 class RemoteFileMissing(Exception):
     """The hub answered, but the repo has no such file."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
 
 
 def parse_args(argv):

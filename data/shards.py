@@ -11,6 +11,7 @@ A shard is 256 little-endian int32 header words followed by the tokens:
 so a valid file is exactly HEADER_BYTES + 2 * n bytes long.
 """
 
+import argparse
 import os
 
 import numpy as np
@@ -89,3 +90,14 @@ def read_shard(path):
     """Return the tokens of the shard at `path` as a uint16 array (header checked)."""
     num_tokens = shard_num_tokens(path)
     return np.fromfile(os.fspath(path), dtype="<u2", count=num_tokens, offset=HEADER_BYTES)
+
+
+class UsageError(Exception):
+    """A bad command-line argument of a data script: reported on one line, exit status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but errors are one stderr line (no usage dump) and exit 2 (via UsageError)."""
+
+    def error(self, message):
+        raise UsageError(message)
