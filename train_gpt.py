@@ -317,10 +317,10 @@ def load_shard(path: str | Path) -> np.ndarray:
     return np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES, shape=(num_tokens,))
 
 
-def list_shards(pattern: str, env_name: str = "DATA_PATH") -> list[str]:
+def list_shards(pattern: str) -> list[str]:
     files = sorted(glob.glob(pattern))
     if not files:
-        raise ConfigError(f"{env_name}: no files match {pattern}")
+        raise ConfigError(f"DATA_PATH: no files match {pattern}")
     return files
 
 
@@ -442,12 +442,12 @@ class ShuffledSequenceLoader:
         pass
 
 
-def host_to_device(host, seq_len: int, device: torch.device, non_blocking: bool = False) -> tuple[Tensor, Tensor]:
+def host_to_device(host, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Move compact host tokens to the device, widen to int64 there, and cut x, y as views of one buffer:
     a 1-D (n+1)-token span becomes (n/L, L) rows; 2-D (B, L+1) windows become their first/last L."""
     if isinstance(host, np.ndarray):
         host = torch.from_numpy(host.astype(np.int32))
-    wide = host.to(device, non_blocking=non_blocking).to(torch.int64)
+    wide = host.to(device).to(torch.int64)
     return cut_batch(wide, seq_len)
 
 
