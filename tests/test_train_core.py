@@ -377,3 +377,68 @@ def test_ttt_freeze_blocks_keeps_their_weights_and_bank_rows(tiny_env, monkeypat
             assert torch.equal(after[k], before[k]), k
     assert not torch.equal(after["blocks.1.attn_scale"], before["blocks.1.attn_scale"])
     assert all(p.requires_grad for p in model.parameters())  # restored for whoever uses the model next
+
+
+PARALLEL_MUON_SCRIPT = r'''
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {repo!r})
+import train_gpt as tg
+
+shapes = [(5, 8, 6), (3, 4, 12), (7, 16, 16)]  # row counts not divisible by 2: padded shards
+
+
+def grads_for(rank, step):
+    g = torch.Generator().manual_seed(100 + 10 * step + rank)
+    # Small integers / 16: every value and every two-rank average is exact in bf16.
+    return [torch.randint(-8, 9, s, generator=g).float() / 16 for s in shapes]
+
+
+def run_muon(rank_or_avg, momentum, steps=3):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
+    opt = tg.Muon(params, lr=0.05, momentum=momentum, backend_steps=5, weight_decay=0.04)
+    for step in range(steps):
+        if rank_or_avg == "avg":
+            grads = [(a + b) / 2 for a, b in zip(grads_for(0, step), grads_for(1, step))]
+        else:
+            grads = grads_for(rank_or_avg, step)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach().clone() for p in params], opt
+
+
+# Single process, before the process group exists, on the average of both ranks' gradients.
+expected = {m: run_muon("avg", m)[0] for m in (0.0, 0.9)}
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+# Momentum 0: every elementwise op is exact, so the sharded result must be bit-identical.
+got, _ = run_muon(rank, 0.0)
+for e, g in zip(expected[0.0], got):
+    assert torch.equal(e, g), (e - g).abs().max()
+# Momentum 0.9: CPU bf16 kernels round a tensor's vector tail differently, so shards differ from the
+# whole bank by an ulp before Newton-Schulz; the updates must still agree closely.
+got, opt = run_muon(rank, 0.9)
+for e, g, p0 in zip(expected[0.9], got, run_muon("avg", 0.9, steps=0)[0]):
+    assert (e - g).norm() <= 0.1 * (e - p0).norm(), ((e - g).norm(), (e - p0).norm())
+# Each rank keeps only its shard of the momentum (ceil(rows / 2) matrices, bf16).
+for p, s in zip(opt.param_groups[0]["params"], shapes):
+    buf = opt.state[p]["momentum_buffer"]
+    assert buf.shape == ((s[0] + 1) // 2, *s[1:]) and buf.dtype == torch.bfloat16
+dist.barrier()
+dist.destroy_process_group()
+print("parallel-muon-ok", rank)
+'''
+
+
+def test_parallel_muon_equals_single_process_muon(tmp_path):
+    """Sharded path (reduce-scatter, Newton-Schulz on the local shard, all-gather, apply one bank behind)
+    gives exactly the single-process update of the averaged gradient, including padded shards."""
+    script = tmp_path / "pm.py"
+    script.write_text(PARALLEL_MUON_SCRIPT.replace("{repo!r}", repr(str(REPO))))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**clean_environ(), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("parallel-muon-ok") == 2
