@@ -1755,7 +1755,7 @@ def score_windows(rt: Runtime, logits_fn, val_tokens: Tensor, windows: list[tupl
     (float64, one slot per stream position), each scored target's nll is written at its position."""
     dev, L = rt.device, rt.h.eval_seq_len
     host_bytes = rt.h.val_bytecount_device == "cpu"
-    luts_d = luts if host_bytes else luts.to(dev)
+    luts_d = None if host_bytes else luts.to(dev)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
     positions = torch.arange(L)
     for b in range(0, len(windows), batch_seqs):
@@ -1771,8 +1771,8 @@ def score_windows(rt: Runtime, logits_fn, val_tokens: Tensor, windows: list[tupl
         with rt.autocast():
             logits = logits_fn(x)
         nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
-        nll = nll.view(x.shape).double()
-        sums[0] += nll[mask_d].sum()
+        scored = nll.view(x.shape).double()[mask_d]
+        sums[0] += scored.sum()
         sums[1] += int(mask.sum())
         if host_bytes:
             sums[2] += float(luts.count(spans[:, :-1][mask], spans[:, 1:][mask]).sum())
@@ -1780,7 +1780,7 @@ def score_windows(rt: Runtime, logits_fn, val_tokens: Tensor, windows: list[tupl
             sums[2] += luts_d.count(x[mask_d], y[mask_d]).sum()
         if per_token is not None:
             target_pos = torch.tensor([st for st, _ in batch])[:, None] + positions[None, :] + 1
-            per_token[target_pos[mask]] = nll[mask_d].cpu()
+            per_token[target_pos[mask]] = scored.cpu()
     return sums
 
 
