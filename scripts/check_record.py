@@ -1,17 +1,43 @@
 #!/usr/bin/env python3
 """Check a record folder against the challenge's rules before opening a PR.
 
-Exits 0 and prints an OK summary when the folder is complete and consistent;
-otherwise prints one "FAIL: <file>: <problem>" line per problem and exits 1.
+Usage: check_record.py FOLDER [--track 10min|non-record] [--sota-bpb X]
 
-Checked: at least one train_seed*.log; every log has all final lines (the
-sliding-window and TTT pairs only when that evaluation was enabled in any of
-the folder's logs); total submission size <= 16,000,000 bytes and no
-OVER_LIMIT line; on the 10-minute track, training and evaluation each
-<= 600 s; train_gpt.py present, parseable as Python 3.10, and exactly as many
-bytes as every log's "Code size"; submission.json has the required keys with
-sane values, and its val_bpb / bytes_total match the logs (same scoring rule
-as make_record.py); README.md present.
+Every problem found is printed as one "FAIL: <file>: <problem>" line (never a
+traceback) and the exit status is 1. Checked:
+
+- at least one train_seed*.log; each log holds exactly one run (one
+  "Running Python" header after the '=' separator, each once-per-run line
+  such as seed, device, sizes and final results logged once, step numbers
+  never going back) and ends with a newline (a log cut mid-line may hold a
+  cut-short score, so it is refused as truncated);
+- every log has all final lines (the sliding-window and TTT pairs only when
+  that evaluation was enabled in any of the folder's logs) and a seed line
+  that agrees with its file name;
+- total submission size <= 16,000,000 bytes and no OVER_LIMIT line;
+- train_gpt.py present, parseable as Python 3.10, and exactly as many bytes
+  as every log's "Code size";
+- submission.json is a JSON object whose fields have the types make_record.py
+  writes (required: name, blurb, author, github_id non-empty strings; date
+  YYYY-MM-DD; val_bpb a positive number; bytes_total a positive integer;
+  optional: val_bpb_metric, val_bpb_std, seeds, per_seed, significance), and
+  whose val_bpb, val_bpb_std, bytes_total, seeds and per_seed agree with the
+  logs (same scoring rule as make_record.py); README.md present;
+- 10-minute track only (8xH100): every log's "device:" line shows a CUDA
+  device and world_size:8, and training and evaluation each took <= 600 s.
+
+When nothing fails:
+
+- non-record track: prints "OK: <summary>" and exits 0. With --sota-bpb it
+  also prints the SOTA comparison, for information only.
+- 10-minute track: a well-formed folder is not enough; a record must beat the
+  current SOTA by at least 0.005 nats at p < 0.01 (the one-sided t-test of
+  recordlib.significance_test, as in make_record.py). With --sota-bpb X it
+  prints "OK: <summary>" and "RECORD: ..." and exits 0 when the folder beats
+  X, else "WELL-FORMED: <summary>" and "NOT A RECORD: ..." and exits 1.
+  Without --sota-bpb it prints "WELL-FORMED: <summary>" and a "NOT CHECKED"
+  line asking for --sota-bpb, and exits 1: exit 0 on this track always means
+  "a valid record".
 """
 from __future__ import annotations
 
@@ -22,14 +48,28 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recordlib as rl  # noqa: E402  (needs the path above)
 
 VAL_BPB_TOLERANCE = 1e-6
 TRACK_10MIN_DIR = "track_10min_16mb"
+# The 10-minute track runs on one node of 8 GPUs.
+REQUIRED_WORLD_SIZE = 8
 
 Problem = tuple[Path, str]
+
+
+def sota_bpb_arg(text: str) -> float:
+    """argparse type: a finite positive bpb."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--track",
         choices=("10min", "non-record"),
         help=f"rules to apply (default: 10min if the parent folder is {TRACK_10MIN_DIR}, else non-record;"
-        " only the 10min track has time limits)",
+        " only the 10min track has time and hardware limits and needs a SOTA verdict)",
+    )
+    p.add_argument(
+        "--sota-bpb",
+        type=sota_bpb_arg,
+        help="current record's val_bpb; the 10min track passes only if the folder beats it by"
+        f" >= {rl.SOTA_MARGIN_NATS} nats at p < {rl.SIGNIFICANCE_ALPHA} (required there for exit 0)",
     )
     return p
 
@@ -53,8 +99,15 @@ def infer_track(folder: Path) -> str:
 
 
 def check_log(log: rl.RunLog, folder_evals: set[str], track: str, code_size: int | None) -> list[Problem]:
-    """Problems with one seed's log; code_size is train_gpt.py's size if readable."""
+    """Problems with one seed's log; code_size is train_gpt.py's size if readable.
+
+    A log holding two runs or cut off mid-line gets only that verdict: its
+    other values are unreliable and would add misleading lines.
+    """
     p = log.path
+    broken = rl.integrity_problems(log)
+    if broken:
+        return [(p, msg) for msg in broken]
     missing = rl.missing_final_lines(log, folder_evals)
     problems: list[Problem] = [(p, f"missing final line '{name}'") for name in missing]
     file_seed = rl.seed_from_filename(p)
@@ -62,6 +115,7 @@ def check_log(log: rl.RunLog, folder_evals: set[str], track: str, code_size: int
         problems.append((p, f"log says seed:{log.seed} but the file name says seed {file_seed}"))
     problems += check_size(log)
     if track == "10min":
+        problems += check_hardware(log)
         problems += check_times(log)
     if code_size is not None and log.code_bytes is not None and log.code_bytes != code_size:
         problems.append((p, f"Code size {log.code_bytes} bytes logged but train_gpt.py is {code_size} bytes"))
@@ -76,6 +130,17 @@ def check_size(log: rl.RunLog) -> list[Problem]:
     if log.total_bytes is not None and log.total_bytes > rl.SIZE_CAP_BYTES:
         problems.append((log.path, f"total submission size {log.total_bytes} bytes exceeds {rl.SIZE_CAP_BYTES}"))
     return problems
+
+
+def check_hardware(log: rl.RunLog) -> list[Problem]:
+    """10-minute track: the run must have used 8 CUDA GPUs (8xH100)."""
+    need = f"the 10-minute track requires 8xH100 (device:cuda world_size:{REQUIRED_WORLD_SIZE})"
+    if log.device is None or log.world_size is None:
+        return [(log.path, f"no 'device:... world_size:N' line; cannot tell the hardware, and {need}")]
+    on_cuda = re.fullmatch(r"cuda(:\d+)?", log.device) is not None
+    if on_cuda and log.world_size == REQUIRED_WORLD_SIZE:
+        return []
+    return [(log.path, f"ran on device:{log.device} world_size:{log.world_size}, but {need}")]
 
 
 def check_times(log: rl.RunLog) -> list[Problem]:
@@ -98,42 +163,35 @@ def check_code(path: Path) -> tuple[int | None, list[Problem]]:
     """Size of train_gpt.py in bytes (None if unreadable) and its problems."""
     if not path.is_file():
         return None, [(path, "file is missing")]
-    src = path.read_bytes()
+    try:
+        src = path.read_bytes()
+    except OSError as exc:
+        return None, [(path, f"cannot read the file: {exc.strerror or exc}")]
     try:
         ast.parse(src, filename=str(path), feature_version=(3, 10))
     except SyntaxError as exc:
         return len(src), [(path, f"does not parse as Python 3.10: {exc.msg} (line {exc.lineno})")]
+    except ValueError as exc:  # null bytes, on Pythons before 3.12
+        return len(src), [(path, f"does not parse as Python 3.10: {exc}")]
     return len(src), []
 
 
-def check_submission(path: Path, logs: list[rl.RunLog]) -> list[Problem]:
+# submission.json fields: one predicate and the words for what it accepts.
+
+
+def is_number(v: object) -> bool:
+    """A JSON number within float range; bool is an int subclass in Python, so
+    excluded, and an integer too long for a float would overflow arithmetic."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
     try:
-        data = rl.load_submission(path)
-    except rl.RecordError as exc:
-        return [(path, str(exc))]
-    problems = [(path, msg) for msg in submission_type_problems(data)]
-    problems += [(path, msg) for msg in submission_value_problems(data, logs)]
-    return problems
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
-def submission_type_problems(data: dict) -> list[str]:
-    """Required keys present with usable types; bool is excluded from numbers."""
-    problems = [f"missing key '{k}'" for k in rl.REQUIRED_SUBMISSION_KEYS if k not in data]
-    for key in ("name", "blurb", "author", "github_id", "date"):
-        if key in data and (not isinstance(data[key], str) or not data[key].strip()):
-            problems.append(f"'{key}' must be a non-empty string")
-    v = data.get("val_bpb")
-    if "val_bpb" in data and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
-        problems.append(f"'val_bpb' must be a positive number, got {v!r}")
-    b = data.get("bytes_total")
-    if "bytes_total" in data and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
-        problems.append(f"'bytes_total' must be a positive integer, got {b!r}")
-    metric = data.get("val_bpb_metric")
-    if metric is not None and metric not in rl.EVAL_PREFIXES:
-        problems.append(f"'val_bpb_metric' must be one of {', '.join(rl.EVAL_PREFIXES)}, got {metric!r}")
-    if isinstance(data.get("date"), str) and data["date"].strip() and not valid_date(data["date"]):
-        problems.append(f"'date' must be YYYY-MM-DD, got {data['date']!r}")
-    return problems
+def is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def valid_date(text: str) -> bool:
@@ -146,26 +204,158 @@ def valid_date(text: str) -> bool:
     return True
 
 
+Rule = tuple[Callable[[object], bool], str]
+NONEMPTY_STRING: Rule = (lambda v: isinstance(v, str) and bool(v.strip()), "a non-empty string")
+POSITIVE_NUMBER: Rule = (lambda v: is_number(v) and v > 0, "a positive number")
+POSITIVE_INT: Rule = (lambda v: is_int(v) and v > 0, "a positive integer")
+SEED_INT: Rule = (lambda v: is_int(v) and v >= 0, "a non-negative integer")
+NONNEG_NUMBER_OR_NULL: Rule = (lambda v: v is None or (is_number(v) and v >= 0), "a non-negative number or null")
+NONNEG_INT_OR_NULL: Rule = (lambda v: v is None or (is_int(v) and v >= 0), "a non-negative integer or null")
+PROBABILITY_OR_NULL: Rule = (lambda v: v is None or (is_number(v) and 0 <= v <= 1), "a number in [0, 1] or null")
+BOOLEAN: Rule = (lambda v: isinstance(v, bool), "true or false")
+DATE: Rule = (lambda v: isinstance(v, str) and valid_date(v), "YYYY-MM-DD")
+METRIC: Rule = (lambda v: isinstance(v, str) and v in rl.EVAL_PREFIXES, "one of " + ", ".join(rl.EVAL_PREFIXES))
+
+# (field, required, rule) in the order make_record.py writes them.
+TOP_FIELDS: tuple[tuple[str, bool, Rule], ...] = (
+    ("name", True, NONEMPTY_STRING),
+    ("val_bpb", True, POSITIVE_NUMBER),
+    ("bytes_total", True, POSITIVE_INT),
+    ("blurb", True, NONEMPTY_STRING),
+    ("author", True, NONEMPTY_STRING),
+    ("github_id", True, NONEMPTY_STRING),
+    ("date", True, DATE),
+    ("val_bpb_metric", False, METRIC),
+    ("val_bpb_std", False, NONNEG_NUMBER_OR_NULL),
+)
+PER_SEED_FIELDS: tuple[tuple[str, bool, Rule], ...] = (
+    ("seed", True, SEED_INT),
+    ("val_bpb", True, POSITIVE_NUMBER),
+    ("val_loss", False, POSITIVE_NUMBER),
+    ("bytes_total", False, POSITIVE_INT),
+    ("steps", False, NONNEG_INT_OR_NULL),
+    ("train_time_ms", False, NONNEG_NUMBER_OR_NULL),
+    ("eval_time_ms", False, NONNEG_NUMBER_OR_NULL),
+)
+SIGNIFICANCE_FIELDS: tuple[tuple[str, bool, Rule], ...] = (
+    ("sota_bpb", True, POSITIVE_NUMBER),
+    ("significant", True, BOOLEAN),
+    ("p", False, PROBABILITY_OR_NULL),
+)
+assert {k for k, required, _ in TOP_FIELDS if required} == set(rl.REQUIRED_SUBMISSION_KEYS)
+
+
+def field_problems(obj: dict, fields: tuple[tuple[str, bool, Rule], ...], prefix: str = "") -> list[str]:
+    problems = []
+    for key, required, (ok, expected) in fields:
+        if key not in obj:
+            if required:
+                problems.append(f"missing field '{prefix}{key}'")
+        elif not ok(obj[key]):
+            problems.append(f"field '{prefix}{key}' must be {expected}, got {rl.describe_json(obj[key])}")
+    return problems
+
+
+def submission_type_problems(data: dict) -> list[str]:
+    """Every field make_record.py writes has its type (extra fields are free)."""
+    problems = field_problems(data, TOP_FIELDS)
+    if "seeds" in data:
+        seeds = data["seeds"]
+        if not isinstance(seeds, list):
+            problems.append(f"field 'seeds' must be an array of integers, got {rl.describe_json(seeds)}")
+        else:
+            ok, expected = SEED_INT
+            problems += [
+                f"field 'seeds[{i}]' must be {expected}, got {rl.describe_json(s)}"
+                for i, s in enumerate(seeds) if not ok(s)
+            ]
+    if "per_seed" in data:
+        entries = data["per_seed"]
+        if not isinstance(entries, list):
+            problems.append(f"field 'per_seed' must be an array of objects, got {rl.describe_json(entries)}")
+        else:
+            for i, entry in enumerate(entries):
+                if isinstance(entry, dict):
+                    problems += field_problems(entry, PER_SEED_FIELDS, f"per_seed[{i}].")
+                else:
+                    problems.append(f"field 'per_seed[{i}]' must be an object, got {rl.describe_json(entry)}")
+    if "significance" in data:
+        sig = data["significance"]
+        if isinstance(sig, dict):
+            problems += field_problems(sig, SIGNIFICANCE_FIELDS, "significance.")
+        else:
+            problems.append(f"field 'significance' must be an object, got {rl.describe_json(sig)}")
+    return problems
+
+
+def check_submission(path: Path, logs: list[rl.RunLog], logs_usable: bool) -> list[Problem]:
+    try:
+        data = rl.load_submission(path)
+    except rl.RecordError as exc:
+        return [(path, str(exc))]
+    type_problems = submission_type_problems(data)
+    problems = [(path, msg) for msg in type_problems]
+    if logs_usable:
+        problems += [(path, msg) for msg in submission_value_problems(data, logs)]
+    return problems
+
+
 def submission_value_problems(data: dict, logs: list[rl.RunLog]) -> list[str]:
-    """val_bpb, bytes_total and seeds must agree with the logs."""
+    """Fields that have the right type must agree with the logs."""
     problems = []
     try:
         metric = submission_metric(data, logs)
     except rl.RecordError as exc:
         return [f"cannot check val_bpb: {exc}"]
-    expected = rl.mean([log.score(metric).val_bpb for log in logs])
+    scores = [log.score(metric).val_bpb for log in logs]
+    expected = rl.mean(scores)
+    line = rl.EVAL_PREFIXES[metric] + "_exact"
     v = data.get("val_bpb")
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and not abs(v - expected) <= VAL_BPB_TOLERANCE:
-        line = rl.EVAL_PREFIXES[metric] + "_exact"
+    if POSITIVE_NUMBER[0](v) and not abs(v - expected) <= VAL_BPB_TOLERANCE:
         problems.append(f"val_bpb {v} != mean {line} of the logs {expected:.8f}")
+    if "val_bpb_std" in data and NONNEG_NUMBER_OR_NULL[0](data["val_bpb_std"]):
+        problems += std_problems(data["val_bpb_std"], rl.sample_std(scores), line)
     totals = [log.total_bytes for log in logs if log.total_bytes is not None]
     b = data.get("bytes_total")
-    if totals and isinstance(b, int) and not isinstance(b, bool) and b != max(totals):
+    if totals and POSITIVE_INT[0](b) and b != max(totals):
         problems.append(f"bytes_total {b} != max logged total submission size {max(totals)}")
+    log_seeds = sorted(log.seed for log in logs if log.seed is not None)
     seeds = data.get("seeds")
-    if seeds is not None and sorted(map(str, seeds)) != sorted(str(log.seed) for log in logs):
-        problems.append(f"seeds {seeds} do not match the logs' seeds {[log.seed for log in logs]}")
+    if isinstance(seeds, list) and all(SEED_INT[0](s) for s in seeds) and sorted(seeds) != log_seeds:
+        problems.append(f"seeds {seeds} do not match the logs' seeds {log_seeds}")
+    entries = data.get("per_seed")
+    if isinstance(entries, list) and all(isinstance(e, dict) and not field_problems(e, PER_SEED_FIELDS)
+                                         for e in entries):
+        problems += per_seed_problems(entries, logs, metric)
     return problems
+
+
+def std_problems(std: float | None, expected: float | None, line: str) -> list[str]:
+    if expected is None:
+        return [] if std is None else [f"val_bpb_std {std} given but one seed has no sample std (expected null)"]
+    if std is None or not abs(std - expected) <= VAL_BPB_TOLERANCE:
+        return [f"val_bpb_std {std} != sample std of {line} over the logs {expected:.8f}"]
+    return []
+
+
+def per_seed_problems(entries: list[dict], logs: list[rl.RunLog], metric: str) -> list[str]:
+    by_seed = {log.seed: log for log in logs}
+    listed = sorted(e["seed"] for e in entries)
+    if listed != sorted(s for s in by_seed if s is not None):
+        return [f"per_seed lists seeds {listed} but the logs have seeds {sorted(s for s in by_seed if s is not None)}"]
+    problems = []
+    for i, entry in enumerate(entries):
+        score = by_seed[entry["seed"]].score(metric).val_bpb
+        if not abs(entry["val_bpb"] - score) <= VAL_BPB_TOLERANCE:
+            problems.append(f"per_seed[{i}].val_bpb {entry['val_bpb']} != {rl.EVAL_PREFIXES[metric]}_exact"
+                            f" {score:.8f} of seed {entry['seed']}'s log")
+    return problems
+
+
+def submission_metric(data: dict, logs: list[rl.RunLog]) -> str:
+    """The metric submission.json names (as make_record writes it), else the default rule."""
+    named = data.get("val_bpb_metric")
+    return rl.choose_metric(logs, named if METRIC[0](named) else None)
 
 
 # ---------------------------------------------------------------------------
@@ -182,7 +372,8 @@ def find_problems(folder: Path, track: str) -> tuple[list[rl.RunLog], list[Probl
     for log in logs:
         problems += check_log(log, folder_evals, track, code_size)
     if logs:
-        problems += check_submission(folder / "submission.json", logs)
+        usable = not any(rl.integrity_problems(log) for log in logs)
+        problems += check_submission(folder / "submission.json", logs, usable)
     elif not (folder / "submission.json").is_file():
         problems.append((folder / "submission.json", "file is missing"))
     if not (folder / "README.md").is_file():
@@ -190,23 +381,55 @@ def find_problems(folder: Path, track: str) -> tuple[list[rl.RunLog], list[Probl
     return logs, problems
 
 
-def submission_metric(data: dict, logs: list[rl.RunLog]) -> str:
-    """The metric submission.json names (as make_record writes it), else the default rule."""
-    named = data.get("val_bpb_metric")
-    return rl.choose_metric(logs, named if named in rl.EVAL_PREFIXES else None)
-
-
-def summary(folder: Path, track: str, logs: list[rl.RunLog]) -> str:
-    metric = submission_metric(rl.load_submission(folder / "submission.json"), logs)
+def summary(folder: Path, track: str, logs: list[rl.RunLog], metric: str) -> str:
     scores = [log.score(metric).val_bpb for log in logs]
     train_s = max(log.train_time_ms or 0.0 for log in logs) / 1000
     eval_s = max(log.eval_time_ms for log in logs) / 1000
     return (
-        f"OK: {folder} ({track} track): {len(logs)} seed(s) {[log.seed for log in logs]}, "
+        f"{folder} ({track} track): {len(logs)} seed(s) {[log.seed for log in logs]}, "
         f"val_bpb {rl.mean(scores):.8f} ({rl.EVAL_PREFIXES[metric]}_exact), "
         f"max total {max(log.total_bytes for log in logs)} bytes, "
         f"max train {train_s:.1f} s, max eval {eval_s:.1f} s"
     )
+
+
+def sota_verdict(logs: list[rl.RunLog], metric: str, sota_bpb: float) -> tuple[bool, str]:
+    """(is a record, one line) from the challenge's one-sided t-test."""
+    scores = [log.score(metric).val_bpb for log in logs]
+    sig = rl.significance_test(scores, sota_bpb, rl.bpb_per_nat(logs, metric))
+    rule = f"by >= {sig.margin_nats} nats ({sig.margin_bpb:.5f} bpb) at p < {sig.alpha}"
+    head = f"mean val_bpb {sig.mean:.8f} over {sig.n} seed(s)"
+    if sig.t is None:
+        return False, f"NOT A RECORD: {head}: {sig.verdict}, so it cannot be shown to beat SOTA {sota_bpb} {rule}"
+    stats = f"(t={sig.t:.4g}, df={sig.df}, p={sig.p:.4g}; threshold {sig.threshold_bpb:.8f})"
+    if sig.significant:
+        return True, f"RECORD: {head} beats SOTA {sota_bpb} {rule} {stats}"
+    return False, f"NOT A RECORD: {head} does not beat SOTA {sota_bpb} {rule} {stats}"
+
+
+def verdict_lines(folder: Path, track: str, logs: list[rl.RunLog], sota_bpb: float | None) -> tuple[int, list[str]]:
+    """Exit status and output for a folder with no problems (see the module docstring)."""
+    metric = submission_metric(rl.load_submission(folder / "submission.json"), logs)
+    about = summary(folder, track, logs, metric)
+    if track != "10min":
+        lines = [f"OK: {about}"]
+        if sota_bpb is not None:
+            lines.append("INFO (non-record track, not required): " + sota_verdict(logs, metric, sota_bpb)[1])
+        return 0, lines
+    if sota_bpb is None:
+        return 1, [
+            f"WELL-FORMED: {about}",
+            "NOT CHECKED: whether it beats the current SOTA; a 10-minute record must beat it by"
+            f" >= {rl.SOTA_MARGIN_NATS} nats at p < {rl.SIGNIFICANCE_ALPHA}: pass --sota-bpb X"
+            " (the current record's val_bpb)",
+        ]
+    is_record, line = sota_verdict(logs, metric, sota_bpb)
+    return (0, [f"OK: {about}", line]) if is_record else (1, [f"WELL-FORMED: {about}", line])
+
+
+def one_line(text: str) -> str:
+    """A message on one output line, whatever it quotes."""
+    return " ".join(text.splitlines())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,11 +438,16 @@ def main(argv: list[str] | None = None) -> int:
     track = args.track or infer_track(folder)
     logs, problems = find_problems(folder, track)
     for path, message in problems:
-        print(f"FAIL: {path}: {message}")
+        print(f"FAIL: {path}: {one_line(message)}")
     if problems:
         return 1
-    print(summary(folder, track, logs))
-    return 0
+    try:
+        status, lines = verdict_lines(folder, track, logs, args.sota_bpb)
+    except rl.RecordError as exc:
+        print(f"FAIL: {folder}: {one_line(str(exc))}")
+        return 1
+    print("\n".join(lines))
+    return status
 
 
 if __name__ == "__main__":

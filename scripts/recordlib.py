@@ -10,6 +10,13 @@ Log format: train_gpt.py writes its own source code first, then a line of 100
 lines we parse (e.g. ``step:{step}/{h.iterations}``), so every pattern below is
 anchored at line start and demands real numbers where the template has braces;
 template lines then never match and no separator detection is needed.
+
+One file must hold exactly one run, written to the end. A rerun that appended
+to an old log repeats the header (a line of 100 '=' then ``Running Python
+<version>``), repeats the once-per-run lines (seed, device, sizes, final
+results) and restarts the step count; a log cut off mid-write does not end
+with a newline, and its last number may be cut short. ``integrity_problems``
+reports both, since such a log's parsed values cannot be trusted.
 """
 from __future__ import annotations
 
@@ -68,6 +75,11 @@ RX_TOTAL_BYTES = _rx(r"Total submission size int6\+lzma: (\d+) bytes")
 RX_OVER_LIMIT = _rx(r"OVER_LIMIT total_bytes:(\d+) cap:(\d+)")
 RX_TTT_FLAG = _rx(r"ttt_enabled:(0|1|True|False|true|false)")
 RX_STRIDE_FLAG = _rx(r"eval_stride:(\d+)")
+RX_DEVICE = _rx(r"device:(\S+) world_size:(\d+)")
+# The run header: train_gpt.py logs a separator line, then the interpreter's
+# version (the source's template has "{sys.version}", never a digit).
+RUN_SEPARATOR = "=" * 100
+RX_RUN_HEADER = re.compile(r"^Running Python \d+\.\d+")
 # Short final lines carry eval_time (and the stride for sliding window).
 RX_EVAL_SHORT = {
     "roundtrip": _rx(rf"final_int6_roundtrip val_loss:{_NUM} val_bpb:{_NUM} eval_time:{_NUM}ms"),
@@ -126,6 +138,13 @@ class RunLog:
     eval_stride: int | None = None
     short: dict[str, EvalLine] = field(default_factory=dict)
     exact: dict[str, EvalLine] = field(default_factory=dict)
+    device: str | None = None
+    world_size: int | None = None
+    # Integrity evidence (see integrity_problems).
+    run_headers: int = 0
+    once_counts: dict[str, int] = field(default_factory=dict)
+    step_backwards: tuple[int, int] | None = None
+    truncated: bool = False
 
     @property
     def train_steps(self) -> list[Step]:
@@ -158,16 +177,31 @@ def _num(text: str) -> float:
     return float(text)
 
 
+def _count_once(log: RunLog, kind: str) -> None:
+    """Count a line that one run logs exactly once."""
+    log.once_counts[kind] = log.once_counts.get(kind, 0) + 1
+
+
+def _add_step(log: RunLog, step: Step) -> None:
+    if log.steps and log.step_backwards is None and step.step < log.steps[-1].step:
+        log.step_backwards = (log.steps[-1].step, step.step)
+    log.steps.append(step)
+
+
 def _parse_line(log: RunLog, line: str) -> None:
     """Update ``log`` from one line; lines matching no pattern are ignored."""
     if m := RX_TRAIN_STEP.match(line):
         s, n, loss, t, avg = m.groups()
-        log.steps.append(Step("train", int(s), int(n), _num(loss), None, _num(t), _num(avg)))
+        _add_step(log, Step("train", int(s), int(n), _num(loss), None, _num(t), _num(avg)))
     elif m := RX_VAL_STEP.match(line):
         s, n, loss, bpb, t, avg = m.groups()
-        log.steps.append(Step("val", int(s), int(n), _num(loss), _num(bpb), _num(t), _num(avg)))
+        _add_step(log, Step("val", int(s), int(n), _num(loss), _num(bpb), _num(t), _num(avg)))
     elif m := RX_SEED.match(line):
         log.seed = int(m.group(1))
+        _count_once(log, "seed")
+    elif m := RX_DEVICE.match(line):
+        log.device, log.world_size = m.group(1), int(m.group(2))
+        _count_once(log, "device")
     elif RX_STOP_EARLY.match(line):
         log.stopped_early = True
     elif m := RX_PEAK_MEM.match(line):
@@ -178,10 +212,13 @@ def _parse_line(log: RunLog, line: str) -> None:
         log.model_bytes = int(m.group(1))
     elif m := RX_CODE_BYTES.match(line):
         log.code_bytes = int(m.group(1))
+        _count_once(log, "Code size")
     elif m := RX_QUANT_BYTES.match(line):
         log.quant_model_bytes = int(m.group(1))
+        _count_once(log, "Serialized model int6+lzma")
     elif m := RX_TOTAL_BYTES.match(line):
         log.total_bytes = int(m.group(1))
+        _count_once(log, "Total submission size int6+lzma")
     elif m := RX_OVER_LIMIT.match(line):
         log.over_limit = (int(m.group(1)), int(m.group(2)))
     elif m := RX_TTT_FLAG.match(line):
@@ -196,6 +233,7 @@ def _parse_eval_line(log: RunLog, line: str) -> None:
     for name, rx in RX_EVAL_EXACT.items():
         if m := rx.match(line):
             log.exact[name] = EvalLine(_num(m.group(1)), _num(m.group(2)))
+            _count_once(log, EVAL_PREFIXES[name] + "_exact")
             return
     for name, rx in RX_EVAL_SHORT.items():
         if m := rx.match(line):
@@ -204,14 +242,21 @@ def _parse_eval_line(log: RunLog, line: str) -> None:
                 log.short[name] = EvalLine(_num(g[0]), _num(g[1]), _num(g[3]), int(g[2]))
             else:
                 log.short[name] = EvalLine(_num(g[0]), _num(g[1]), _num(g[2]))
+            _count_once(log, EVAL_PREFIXES[name])
             return
 
 
 def parse_log_text(text: str, path: Path | str = "<text>") -> RunLog:
     """Parse the text of one training log."""
     log = RunLog(path=Path(path))
+    log.truncated = bool(text) and not text.endswith("\n")
+    previous = None
     for line in text.splitlines():
-        _parse_line(log, line.rstrip())
+        line = line.rstrip()
+        if previous == RUN_SEPARATOR and RX_RUN_HEADER.match(line):
+            log.run_headers += 1
+        _parse_line(log, line)
+        previous = line
     return log
 
 
@@ -242,7 +287,36 @@ def load_logs(folder: Path) -> list[RunLog]:
 
 
 # ---------------------------------------------------------------------------
-# Completeness
+# Integrity and completeness
+
+
+def multiple_runs_evidence(log: RunLog) -> str | None:
+    """Why ``log`` looks like two or more runs in one file, or None."""
+    if log.run_headers > 1:
+        return f"{log.run_headers} run headers ('Running Python ...' after the '=' separator)"
+    repeated = [(kind, n) for kind, n in log.once_counts.items() if n > 1]
+    if repeated:
+        kind, n = repeated[0]
+        more = f" (and {len(repeated) - 1} other once-per-run line(s))" if len(repeated) > 1 else ""
+        return f"'{kind}' line logged {n} times{more}"
+    if log.step_backwards is not None:
+        before, after = log.step_backwards
+        return f"step numbers go back from step:{before} to step:{after}"
+    return None
+
+
+def integrity_problems(log: RunLog) -> list[str]:
+    """Reasons the parsed values of ``log`` cannot be trusted at all."""
+    problems = []
+    evidence = multiple_runs_evidence(log)
+    if evidence is not None:
+        problems.append(
+            f"holds more than one run: {evidence}; a rerun appended to an old log?"
+            " Keep exactly one run per log"
+        )
+    if log.truncated:
+        problems.append("does not end with a newline: the log looks truncated (cut off mid-line)")
+    return problems
 
 
 def enabled_evals(log: RunLog) -> set[str]:
@@ -467,16 +541,41 @@ def _t_statistic(m: float, s: float, n: int, threshold: float) -> float:
 # Submission file
 
 
+def describe_json(value: object) -> str:
+    """A value as the JSON type and (short) value, for one-line messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, (int, float)):
+        text = repr(value)
+        return f"number {text if len(text) <= 40 else text[:37] + '...'}"
+    if isinstance(value, str):
+        text = json.dumps(value if len(value) <= 40 else value[:37] + "...", ensure_ascii=False)
+        return f"string {text}"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
 def load_submission(path: Path) -> dict:
-    """Read submission.json; raises RecordError with a readable message."""
+    """Read submission.json; raises RecordError with a one-line message."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RecordError("file is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RecordError(f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RecordError("not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, over-long integers
+        raise RecordError(f"not valid JSON: {' '.join(str(exc).split())}") from None
+    except OSError as exc:
+        raise RecordError(f"cannot read the file: {exc.strerror or exc}") from None
     if not isinstance(data, dict):
-        raise RecordError("top level must be a JSON object")
+        raise RecordError(f"top level must be a JSON object, got {describe_json(data)}")
     return data
 
 

@@ -45,6 +45,9 @@ final_int6_roundtrip_exact val_loss:{l:.8f} val_bpb:{b:.8f}
 legal_ttt_exact val_loss:{l:.8f} val_bpb:{b:.8f}
 ttt_enabled:{int(h.ttt_enabled)}
 eval_stride:{h.eval_stride}
+device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps}
+====================================================================================================
+Running Python {sys.version}
 """
 import os
 
@@ -78,6 +81,8 @@ def write_log(
     stride: int = 64,
     over_limit: bool = False,
     flags: bool = True,
+    device: str | None = "cuda:0",
+    world_size: int = 8,
     drop: tuple[str, ...] = (),
     extra_lines: tuple[str, ...] = (),
 ) -> Path:
@@ -85,11 +90,15 @@ def write_log(
 
     val_loss = bpb / RATIO, so bpb/val_loss of every result line is RATIO.
     ``drop`` removes lines starting with any of the given prefixes;
-    ``flags`` writes the ttt_enabled / eval_stride config lines.
+    ``flags`` writes the ttt_enabled / eval_stride config lines; ``device``
+    (None: no such line) and ``world_size`` fill the hardware line.
     """
     train_time_ms = steps * step_avg if train_time_ms is None else train_time_ms
     total_bytes = quant_bytes + code_bytes if total_bytes is None else total_bytes
     lines = [PREAMBLE, "=" * 100, "Running Python 3.11.7", "Running PyTorch 2.13.0+cu128", f"seed:{seed}"]
+    if device is not None:
+        lines.append(f"device:{device} world_size:{world_size} grad_accum_steps:{max(8 // world_size, 1)} "
+                     "attention_backend:fa3 compile:1")
     if flags:
         lines += [f"ttt_enabled:{int(ttt is not None)}", f"eval_stride:{stride if sliding else 0}"]
     lines += _step_lines(steps, iterations, step_avg, train_time_ms)
@@ -159,6 +168,8 @@ SEEDS = {
     2025: _seed(87.0, 6800, 1.1210, 1.1180, 420.0, 15_900_200),
 }
 META = ["--author", "Jane Doe", "--github-id", "janedoe", "--blurb", "Synthetic test record."]
+# A SOTA the three SEEDS beat significantly (p = 0.0099, see test_make_record_significance).
+SOTA = ("--sota-bpb", "1.1240")
 
 
 def make_folder(
@@ -259,6 +270,46 @@ def test_optional_evals_required_from_flags_or_lines(tmp_path):
     # Short line present without its _exact line, and no config lines at all.
     half = rl.parse_log(write_log(tmp_path / "h.log", flags=False, drop=("final_int6_sliding_window_exact",)))
     assert rl.missing_final_lines(half) == ["final_int6_sliding_window_exact"]
+
+
+def test_parser_reads_hardware_and_integrity_evidence(tmp_path):
+    """One run per file: the source preamble's templates (a separator, then
+    'Running Python {sys.version}', a device template) count for nothing."""
+    log = rl.parse_log(write_log(tmp_path / "a.log"))
+    assert (log.device, log.world_size) == ("cuda:0", 8)
+    assert log.run_headers == 1 and log.step_backwards is None and not log.truncated
+    assert log.once_counts and set(log.once_counts.values()) == {1}
+    assert rl.multiple_runs_evidence(log) is None and rl.integrity_problems(log) == []
+    cpu = rl.parse_log(write_log(tmp_path / "cpu.log", device="cpu", world_size=1))
+    assert (cpu.device, cpu.world_size) == ("cpu", 1)
+    assert rl.parse_log(write_log(tmp_path / "none.log", device=None)).device is None
+
+
+def _two_runs_full(first: str, second: str) -> str:
+    """A crashed first run (cut after its training), then a complete rerun."""
+    return first[: first.index("peak memory")] + second
+
+
+def _two_runs_results_only(first: str, second: str) -> str:
+    """Final lines appended again without a header (e.g. an eval-only rerun)."""
+    return first + second[second.index("Serialized model:"):]
+
+
+def _two_runs_steps_only(first: str, second: str) -> str:
+    """A second run's step lines appended without any other line."""
+    return first + "\n".join(ln for ln in second.splitlines() if ln.startswith("step:0/")) + "\n"
+
+
+@pytest.mark.parametrize("join, evidence", [
+    (_two_runs_full, "2 run headers ('Running Python ...' after the '=' separator)"),
+    (_two_runs_results_only, "'Code size' line logged 2 times (and "),
+    (_two_runs_steps_only, "step numbers go back from step:6900 to step:0"),
+])
+def test_parser_detects_two_runs_in_one_log(tmp_path, join, evidence):
+    first = write_log(tmp_path / "a.log", seed=42, **SEEDS[42]).read_text()
+    second = write_log(tmp_path / "b.log", seed=42, **SEEDS[1337]).read_text()
+    log = rl.parse_log_text(join(first, second), "train_seed42.log")
+    assert rl.multiple_runs_evidence(log).startswith(evidence)
 
 
 # ---------------------------------------------------------------------------
@@ -387,7 +438,7 @@ def test_make_record_metric_option(tmp_path, capsys):
     folder = make_full_record(tmp_path, "--metric", "roundtrip")
     sub = load_json(folder)
     assert sub["val_bpb_metric"] == "roundtrip" and sub["val_bpb"] == pytest.approx(1.142, abs=1e-9)
-    assert check_record.main([str(folder)]) == 0
+    assert check_record.main([str(folder), "--sota-bpb", "1.2"]) == 0
 
     bare = make_folder(tmp_path / "b", ttt=None)
     assert make_record.main([str(bare), *META, "--metric", "legal_ttt"]) == 2
@@ -463,14 +514,15 @@ def test_make_record_without_logs(tmp_path, capsys):
 
 def test_check_happy_path(tmp_path, capsys):
     folder = make_full_record(tmp_path)
-    rc, out = run_check(folder, capsys)
+    rc, out = run_check(folder, capsys, *SOTA)
     assert rc == 0, out
     assert out.startswith("OK: ") and "3 seed(s)" in out and "1.11700000" in out and "FAIL" not in out
+    assert out.splitlines()[1].startswith("RECORD: mean val_bpb 1.11700000 over 3 seed(s) beats SOTA 1.124")
 
 
 def test_check_happy_path_as_subprocess(tmp_path):
     folder = make_full_record(tmp_path)
-    cmd = [sys.executable, str(SCRIPTS / "check_record.py"), str(folder)]
+    cmd = [sys.executable, str(SCRIPTS / "check_record.py"), str(folder), *SOTA]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.startswith("OK: ")
     (folder / "README.md").unlink()
@@ -581,7 +633,7 @@ def test_check_val_bpb_mismatch(tmp_path, capsys):
         f"FAIL: {folder / 'submission.json'}: val_bpb 1.1171 != mean legal_ttt_exact of the logs 1.11700000"
     )
     set_json(folder, val_bpb=1.117 + 5e-7)  # within the 1e-6 tolerance
-    assert run_check(folder, capsys)[0] == 0
+    assert run_check(folder, capsys, *SOTA)[0] == 0
 
 
 def test_check_bytes_total_mismatch(tmp_path, capsys):
@@ -610,11 +662,11 @@ def test_check_submission_json_types(tmp_path, capsys):
     rc, out = run_check(folder, capsys)
     assert rc == 1
     for msg in (
-        "missing key 'author'",
-        "'val_bpb' must be a positive number",
-        "'bytes_total' must be a positive integer",
-        "'date' must be YYYY-MM-DD",
-        "'github_id' must be a non-empty string",
+        "missing field 'author'",
+        "field 'val_bpb' must be a positive number",
+        "field 'bytes_total' must be a positive integer",
+        "field 'date' must be YYYY-MM-DD",
+        "field 'github_id' must be a non-empty string",
     ):
         assert f"FAIL: {folder / 'submission.json'}: {msg}" in out
     (folder / "submission.json").write_text("{not json")
@@ -642,6 +694,226 @@ def test_check_no_logs(tmp_path, capsys):
 def test_check_not_a_folder(tmp_path, capsys):
     rc, out = run_check(tmp_path / "nope", capsys)
     assert rc == 1 and "not a directory" in out
+
+
+def test_check_refuses_log_holding_two_runs(tmp_path, capsys):
+    """A rerun with the same RUN_ID appended to the old log: make_record scores
+    the last run in the file, so the folder looked consistent and passed."""
+    folder = make_folder(tmp_path, track="track_non_record_16mb")
+    log = folder / "train_seed42.log"
+    crashed = log.read_text()
+    rerun = write_log(tmp_path / "rerun.log", seed=42, **dict(SEEDS[42], ttt=(1.1100, 400_000.0))).read_text()
+    log.write_text(_two_runs_full(crashed, rerun))
+    assert make_record.main([str(folder), *META]) == 0
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert out.splitlines() == [
+        f"FAIL: {log}: holds more than one run: 2 run headers ('Running Python ...' after the '=' separator);"
+        " a rerun appended to an old log? Keep exactly one run per log"
+    ]
+    # Results appended twice, without a second header, are refused as well.
+    log.write_text(_two_runs_results_only(crashed, rerun))
+    rc, out = run_check(folder, capsys)
+    assert rc == 1 and len(out.splitlines()) == 1
+    assert out.startswith(f"FAIL: {log}: holds more than one run: 'Code size' line logged 2 times")
+
+
+def test_check_refuses_truncated_log(tmp_path, capsys):
+    """Cut inside its last number, a log says legal_ttt_exact val_bpb:1.1
+    instead of 1.11700000; that score must not pass."""
+    folder = make_folder(tmp_path, track="track_non_record_16mb")
+    log = folder / "train_seed42.log"
+    text = log.read_text()
+    assert text.endswith("val_bpb:1.11700000\n")
+    log.write_text(text[: -len("1700000\n")])
+    assert make_record.main([str(folder), *META]) == 0
+    assert load_json(folder)["per_seed"][0]["val_bpb"] == 1.1
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert out.splitlines() == [
+        f"FAIL: {log}: does not end with a newline: the log looks truncated (cut off mid-line)"
+    ]
+
+
+BAD_SUBMISSIONS = [
+    # (file text, or a dict of changes to a good submission; expected lines after "FAIL: <path>: ")
+    ("[]", ["top level must be a JSON object, got an array"]),
+    ("null", ["top level must be a JSON object, got null"]),
+    ("NaN", ["top level must be a JSON object, got NaN"]),
+    ('"x"', ['top level must be a JSON object, got string "x"']),
+    ("", ["not valid JSON: Expecting value: line 1 column 1 (char 0)"]),
+    ('{"name": ', ["not valid JSON: Expecting value: line 1 column 10 (char 9)"]),
+    ("[" * 100_000, ["not valid JSON: nested too deeply"]),
+    (dict(val_bpb="1.117"), ["field 'val_bpb' must be a positive number, got string \"1.117\""]),
+    (dict(val_bpb=True), ["field 'val_bpb' must be a positive number, got true"]),
+    (dict(val_bpb=None), ["field 'val_bpb' must be a positive number, got null"]),
+    (dict(val_bpb=math.nan), ["field 'val_bpb' must be a positive number, got NaN"]),
+    (dict(val_bpb=-math.inf), ["field 'val_bpb' must be a positive number, got -Infinity"]),
+    (dict(val_bpb=[1.117]), ["field 'val_bpb' must be a positive number, got an array"]),
+    (dict(val_bpb=10**400), ["field 'val_bpb' must be a positive number, got number " + "1" + "0" * 36 + "..."]),
+    (dict(bytes_total=15_900_200.0), ["field 'bytes_total' must be a positive integer, got number 15900200.0"]),
+    (dict(bytes_total=False), ["field 'bytes_total' must be a positive integer, got false"]),
+    (dict(name=5, blurb={"a": 1}), ["field 'name' must be a non-empty string, got number 5",
+                                    "field 'blurb' must be a non-empty string, got an object"]),
+    (dict(date=20251121), ["field 'date' must be YYYY-MM-DD, got number 20251121"]),
+    (dict(val_bpb_metric=["legal_ttt"]),
+     ["field 'val_bpb_metric' must be one of legal_ttt, sliding, roundtrip, got an array"]),
+    (dict(val_bpb_metric=None), ["field 'val_bpb_metric' must be one of legal_ttt, sliding, roundtrip, got null"]),
+    (dict(val_bpb_std="0.001"), ["field 'val_bpb_std' must be a non-negative number or null, got string \"0.001\""]),
+    (dict(seeds=42), ["field 'seeds' must be an array of integers, got number 42"]),
+    (dict(seeds=[42, "1337", True]), ["field 'seeds[1]' must be a non-negative integer, got string \"1337\"",
+                                      "field 'seeds[2]' must be a non-negative integer, got true"]),
+    (dict(per_seed={"seed": 42}), ["field 'per_seed' must be an array of objects, got an object"]),
+    (dict(per_seed=[1, None]), ["field 'per_seed[0]' must be an object, got number 1",
+                                "field 'per_seed[1]' must be an object, got null"]),
+    (dict(per_seed=[{"seed": "42", "val_bpb": None, "steps": 1.5}]),
+     ["field 'per_seed[0].seed' must be a non-negative integer, got string \"42\"",
+      "field 'per_seed[0].val_bpb' must be a positive number, got null",
+      "field 'per_seed[0].steps' must be a non-negative integer or null, got number 1.5"]),
+    (dict(per_seed=[{"val_bpb": 1.117}]), ["missing field 'per_seed[0].seed'"]),
+    (dict(significance="yes"), ["field 'significance' must be an object, got string \"yes\""]),
+    (dict(significance={"sota_bpb": "1.12", "significant": 1, "p": 2}),
+     ["field 'significance.sota_bpb' must be a positive number, got string \"1.12\"",
+      "field 'significance.significant' must be true or false, got number 1",
+      "field 'significance.p' must be a number in [0, 1] or null, got number 2"]),
+]
+
+
+@pytest.mark.parametrize("bad, expected", BAD_SUBMISSIONS, ids=range(len(BAD_SUBMISSIONS)))
+def test_check_malformed_submission_json_one_line_each(tmp_path, capsys, bad, expected):
+    """Never a traceback: every malformed submission.json gives one FAIL line per problem."""
+    folder = make_full_record(tmp_path)
+    if isinstance(bad, dict):
+        set_json(folder, **bad)
+    else:
+        (folder / "submission.json").write_text(bad)
+    rc, out = run_check(folder, capsys, "--track", "non-record")
+    assert rc == 1
+    assert out.splitlines() == [f"FAIL: {folder / 'submission.json'}: {msg}" for msg in expected]
+
+
+def test_check_malformed_submission_json_in_a_subprocess(tmp_path):
+    folder = make_full_record(tmp_path)
+    cmd = [sys.executable, str(SCRIPTS / "check_record.py"), str(folder), "--track", "non-record"]
+    for text in (b"\xff\xfe{}", b'{"val_bpb": ' + b"9" * 5000 + b"}", json.dumps({"a": [None]}).encode()):
+        (folder / "submission.json").write_bytes(text)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+        assert proc.stdout and all(ln.startswith("FAIL: ") for ln in proc.stdout.splitlines())
+    (folder / "submission.json").unlink()
+    (folder / "submission.json").mkdir()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr == ""
+    assert proc.stdout.startswith(f"FAIL: {folder / 'submission.json'}: cannot read the file")
+
+
+def test_check_per_seed_and_std_must_match_the_logs(tmp_path, capsys):
+    folder = make_full_record(tmp_path)
+    data = load_json(folder)
+    data["per_seed"][1]["val_bpb"] = 1.1150
+    data["val_bpb_std"] = 0.002
+    (folder / "submission.json").write_text(json.dumps(data))
+    rc, out = run_check(folder, capsys, "--track", "non-record")
+    path = folder / "submission.json"
+    assert rc == 1
+    assert out.splitlines() == [
+        f"FAIL: {path}: val_bpb_std 0.002 != sample std of legal_ttt_exact over the logs 0.00100000",
+        f"FAIL: {path}: per_seed[1].val_bpb 1.115 != legal_ttt_exact 1.11600000 of seed 1337's log",
+    ]
+
+
+# ---------------------------------------------------------------------------
+# check_record: the 10-minute track's SOTA verdict and hardware
+
+
+def test_check_10min_track_without_sota_is_not_ok(tmp_path, capsys):
+    folder = make_full_record(tmp_path)
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    lines = out.splitlines()
+    assert len(lines) == 2 and not any(ln.startswith("OK") for ln in lines)
+    assert lines[0].startswith(f"WELL-FORMED: {folder} (10min track): 3 seed(s)")
+    assert lines[1] == (
+        "NOT CHECKED: whether it beats the current SOTA; a 10-minute record must beat it by >= 0.005 nats"
+        " at p < 0.01: pass --sota-bpb X (the current record's val_bpb)"
+    )
+
+
+def test_check_10min_track_sota_verdict(tmp_path, capsys):
+    """Same numbers as test_make_record_significance: vs 1.1240, t = -6.9932,
+    p = 1/2 (1 - 6.9932 / 7.13478) = 0.009921 < 0.01; vs 1.1205 the threshold
+    1.1175375 is only 0.0005 above the mean 1.117 (t = -0.93), not significant."""
+    folder = make_full_record(tmp_path)
+    rc, out = run_check(folder, capsys, *SOTA)
+    assert rc == 0
+    assert out.splitlines()[1] == (
+        "RECORD: mean val_bpb 1.11700000 over 3 seed(s) beats SOTA 1.124 by >= 0.005 nats (0.00296 bpb)"
+        " at p < 0.01 (t=-6.993, df=2, p=0.009921; threshold 1.12103750)"
+    )
+    rc, out = run_check(folder, capsys, "--sota-bpb", "1.1205")
+    assert rc == 1
+    lines = out.splitlines()
+    assert lines[0].startswith("WELL-FORMED: ") and len(lines) == 2
+    assert lines[1].startswith(
+        "NOT A RECORD: mean val_bpb 1.11700000 over 3 seed(s) does not beat SOTA 1.1205 by >= 0.005 nats"
+    )
+    # Worse than SOTA outright, and a single seed (no t-test possible).
+    assert run_check(folder, capsys, "--sota-bpb", "1.11")[0] == 1
+    one = make_full_record(tmp_path / "one", seeds={1337: SEEDS[1337]})
+    rc, out = run_check(one, capsys, "--sota-bpb", "1.2")
+    assert rc == 1 and out.splitlines()[1].startswith(
+        "NOT A RECORD: mean val_bpb 1.11600000 over 1 seed(s): cannot run the t-test with n=1 seed(s)"
+    )
+
+
+def test_check_non_record_track_sota_is_information(tmp_path, capsys):
+    folder = make_full_record(tmp_path, track="track_non_record_16mb")
+    rc, out = run_check(folder, capsys)
+    assert rc == 0 and len(out.splitlines()) == 1 and out.startswith("OK: ")
+    rc, out = run_check(folder, capsys, "--sota-bpb", "1.1205")
+    assert rc == 0 and out.startswith("OK: ")
+    assert out.splitlines()[1].startswith("INFO (non-record track, not required): NOT A RECORD: ")
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "-1", "0"])
+def test_check_sota_bpb_must_be_a_positive_number(tmp_path, capsys, value):
+    folder = make_full_record(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        check_record.main([str(folder), "--sota-bpb", value])
+    assert exc.value.code == 2 and "--sota-bpb: must be" in capsys.readouterr().err
+
+
+def test_check_10min_track_needs_8_gpus(tmp_path, capsys):
+    """The measured case: a CPU folder at 3.8 bpb printed a bare OK."""
+    cpu = dict(device="cpu", world_size=1, ttt=(3.8, 400_000.0))
+    folder = make_full_record(tmp_path, seeds={s: dict(SEEDS[s], **cpu) for s in SEEDS})
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert out.splitlines() == [
+        f"FAIL: {folder / name}: ran on device:cpu world_size:1, but the 10-minute track requires 8xH100"
+        " (device:cuda world_size:8)"
+        for name in ("train_seed42.log", "train_seed1337.log", "train_seed2025.log")
+    ]
+    assert run_check(folder, capsys, "--track", "non-record")[0] == 0
+
+    seeds = {1337: SEEDS[1337], 42: dict(SEEDS[42], world_size=4), 2025: dict(SEEDS[2025], device=None)}
+    folder = make_full_record(tmp_path / "b", seeds=seeds)
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert out.splitlines() == [
+        f"FAIL: {folder / 'train_seed42.log'}: ran on device:cuda:0 world_size:4, but the 10-minute track"
+        " requires 8xH100 (device:cuda world_size:8)",
+        f"FAIL: {folder / 'train_seed2025.log'}: no 'device:... world_size:N' line; cannot tell the hardware,"
+        " and the 10-minute track requires 8xH100 (device:cuda world_size:8)",
+    ]
+
+
+def test_check_worked_example_folder(capsys):
+    folder = REPO / "records" / "track_non_record_16mb" / "2026-11-21_CPU_SampleData_6L128"
+    if not folder.is_dir():
+        pytest.skip("worked example folder not present")
+    rc, out = run_check(folder, capsys)
+    assert rc == 0 and out.startswith("OK: ") and "(non-record track)" in out
 
 
 # ---------------------------------------------------------------------------
