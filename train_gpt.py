@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import glob
 import io
 import lzma
 import math
 import os
 import queue
+import stat
 import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,135 +43,155 @@ SIZE_CAP_BYTES = 16_000_000  # the competition's artifact cap: compressed model 
 
 
 class ConfigError(ValueError):
-    """A bad setting; the message names the environment variable (or file) and what is wrong."""
+    """A bad setting or input; the message names the environment variable (or file) and what is wrong."""
 
 
-def _env(name: str, default, kind=int):
-    """Read one environment variable as `kind` (int, float, str or bool '0'/'1')."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    raw = raw.strip()
-    if kind is bool:
-        if raw not in ("0", "1"):
-            raise ConfigError(f"{name}={raw!r} must be 0 or 1")
-        return raw == "1"
-    if kind is str:
-        return raw
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+GET_DATA = ("build the offline sample: python3 data/build_sample_data.py && bash scripts/sample_run.sh; "
+            "or download FineWeb: python3 data/cached_challenge_fineweb.py --variant sp1024")
 
 
-def _env_int_list(name: str, default: str) -> list[int]:
-    raw = _env(name, default, str)
-    try:
-        return [int(v) for v in raw.split(",") if v.strip() != ""]
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} must be a comma-separated list of integers") from None
+class RunError(RuntimeError):
+    """A run that cannot go on (diverged training, a failed evaluation); the message says where."""
 
 
 class Hyperparameters:
-    """Every setting of a run. Reads the environment when constructed and validates it.
+    """Every setting of a run. Reads the environment when constructed and validates it, before any work.
 
     torchrun's RANK / WORLD_SIZE / LOCAL_RANK are read here too, so that batch divisibility is checked
-    against the real world size before any work starts.
+    against the real world size before any work starts. `Hyperparameters({})` gives the defaults.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        self._environ = os.environ if environ is None else environ
+        self.settings: list[tuple[str, str]] = []  # (name, default) of every variable read, for --help
         # ---- run and data
-        self.data_path = _env("DATA_PATH", "./data/datasets/fineweb10B_sp1024", str)
-        self.tokenizer_path = _env("TOKENIZER_PATH", "./data/tokenizers/fineweb_1024_bpe.model", str)
-        self.run_id = _env("RUN_ID", str(uuid.uuid4()), str)
-        self.seed = _env("SEED", 1337)
-        self.device = _env("DEVICE", "", str)  # "" = CUDA when available, else CPU
-        self.compile = _env("COMPILE", None, bool)  # None = on for CUDA, off for CPU
+        self.data_path = self._env("DATA_PATH", "./data/datasets/fineweb10B_sp1024", str)
+        self.tokenizer_path = self._env("TOKENIZER_PATH", "./data/tokenizers/fineweb_1024_bpe.model", str)
+        self.run_id = self._env("RUN_ID", "", str)
+        self.run_id = self.run_id or str(uuid.uuid4())
+        self.seed = self._env("SEED", 1337)
+        self.device = self._env("DEVICE", "", str)
+        self.compile = self._env("COMPILE", None, bool)
+        self.autocast_dtype = self._env("AUTOCAST_DTYPE", "auto", str)
+        self.debug_traceback = self._env("DEBUG_TRACEBACK", False, bool)
         # ---- schedule
-        self.iterations = _env("ITERATIONS", 9000)
-        self.warmdown_iters = _env("WARMDOWN_ITERS", 3500)
-        self.warmup_steps = _env("WARMUP_STEPS", 20)
-        self.train_batch_tokens = _env("TRAIN_BATCH_TOKENS", 786432)
-        self.train_seq_len = _env("TRAIN_SEQ_LEN", 2048)
-        self.eval_seq_len = _env("EVAL_SEQ_LEN", 2048)
-        self.max_wallclock_seconds = _env("MAX_WALLCLOCK_SECONDS", 600.0, float)
-        self.val_batch_size = _env("VAL_BATCH_SIZE", 524288)
-        self.val_loss_every = _env("VAL_LOSS_EVERY", 4000)
-        self.train_log_every = _env("TRAIN_LOG_EVERY", 500)
-        self.grad_accum_override = _env("GRAD_ACCUM_STEPS", 0)
+        self.iterations = self._env("ITERATIONS", 9000)
+        self.warmdown_iters = self._env("WARMDOWN_ITERS", 3500)
+        self.warmup_steps = self._env("WARMUP_STEPS", 20)
+        self.train_batch_tokens = self._env("TRAIN_BATCH_TOKENS", 786432)
+        self.train_seq_len = self._env("TRAIN_SEQ_LEN", 2048)
+        self.eval_seq_len = self._env("EVAL_SEQ_LEN", 2048)
+        self.max_wallclock_seconds = self._env("MAX_WALLCLOCK_SECONDS", 600.0, float)
+        self.val_batch_size = self._env("VAL_BATCH_SIZE", 524288)
+        self.val_loss_every = self._env("VAL_LOSS_EVERY", 4000)
+        self.train_log_every = self._env("TRAIN_LOG_EVERY", 500)
+        self.grad_accum_override = self._env("GRAD_ACCUM_STEPS", 0)
         # ---- model
-        self.vocab_size = _env("VOCAB_SIZE", 1024)
-        self.num_layers = _env("NUM_LAYERS", 11)
-        self.model_dim = _env("MODEL_DIM", 512)
-        self.num_heads = _env("NUM_HEADS", 8)
-        self.num_kv_heads = _env("NUM_KV_HEADS", 4)
-        self.mlp_mult = _env("MLP_MULT", 3.0, float)
-        self.tie_embeddings = _env("TIE_EMBEDDINGS", True, bool)
-        self.rope_base = _env("ROPE_BASE", 10000.0, float)
-        self.rope_dims = _env("ROPE_DIMS", 16)
-        self.logit_softcap = _env("LOGIT_SOFTCAP", 30.0, float)
-        self.qk_gain_init = _env("QK_GAIN_INIT", 1.5, float)
-        self.tied_embed_init_std = _env("TIED_EMBED_INIT_STD", 0.005, float)
-        self.bigram_vocab_size = _env("BIGRAM_VOCAB_SIZE", 1536)
-        self.bigram_dim = _env("BIGRAM_DIM", 128)
-        self.xsa_last_n = _env("XSA_LAST_N", 4)
-        self.ln_scale = _env("LN_SCALE", True, bool)
-        self.ve_enabled = _env("VE_ENABLED", True, bool)
-        self.ve_dim = _env("VE_DIM", 128)
-        self.ve_layers = _env_int_list("VE_LAYERS", "9,10")
+        self.vocab_size = self._env("VOCAB_SIZE", 1024)
+        self.num_layers = self._env("NUM_LAYERS", 11)
+        self.model_dim = self._env("MODEL_DIM", 512)
+        self.num_heads = self._env("NUM_HEADS", 8)
+        self.num_kv_heads = self._env("NUM_KV_HEADS", 4)
+        self.mlp_mult = self._env("MLP_MULT", 3.0, float)
+        self.tie_embeddings = self._env("TIE_EMBEDDINGS", True, bool)
+        self.rope_base = self._env("ROPE_BASE", 10000.0, float)
+        self.rope_dims = self._env("ROPE_DIMS", 16)
+        self.logit_softcap = self._env("LOGIT_SOFTCAP", 30.0, float)
+        self.qk_gain_init = self._env("QK_GAIN_INIT", 1.5, float)
+        self.tied_embed_init_std = self._env("TIED_EMBED_INIT_STD", 0.005, float)
+        self.bigram_vocab_size = self._env("BIGRAM_VOCAB_SIZE", 1536)
+        self.bigram_dim = self._env("BIGRAM_DIM", 128)
+        self.xsa_last_n = self._env("XSA_LAST_N", 4)
+        self.ln_scale = self._env("LN_SCALE", True, bool)
+        self.ve_enabled = self._env("VE_ENABLED", True, bool)
+        self.ve_dim = self._env("VE_DIM", 128)
+        self.ve_layers = self._env_int_list("VE_LAYERS", "9,10")
         # ---- optimisers
-        self.embed_lr = _env("EMBED_LR", 0.6, float)
-        self.head_lr = _env("HEAD_LR", 0.008, float)
-        self.tied_embed_lr = _env("TIED_EMBED_LR", 0.035, float)
-        self.matrix_lr = _env("MATRIX_LR", 0.025, float)
-        self.scalar_lr = _env("SCALAR_LR", 0.025, float)
-        self.muon_momentum = _env("MUON_MOMENTUM", 0.99, float)
-        self.muon_backend_steps = _env("MUON_BACKEND_STEPS", 5)
-        self.muon_momentum_warmup_start = _env("MUON_MOMENTUM_WARMUP_START", 0.92, float)
-        self.muon_momentum_warmup_steps = _env("MUON_MOMENTUM_WARMUP_STEPS", 1500)
-        self.muon_wd = _env("MUON_WD", 0.04, float)
-        self.adam_wd = _env("ADAM_WD", 0.04, float)
-        self.beta1 = _env("BETA1", 0.9, float)
-        self.beta2 = _env("BETA2", 0.95, float)
-        self.adam_eps = _env("ADAM_EPS", 1e-8, float)
-        self.grad_clip_norm = _env("GRAD_CLIP_NORM", 0.3, float)
+        self.embed_lr = self._env("EMBED_LR", 0.6, float)
+        self.head_lr = self._env("HEAD_LR", 0.008, float)
+        self.tied_embed_lr = self._env("TIED_EMBED_LR", 0.035, float)
+        self.matrix_lr = self._env("MATRIX_LR", 0.025, float)
+        self.scalar_lr = self._env("SCALAR_LR", 0.025, float)
+        self.muon_momentum = self._env("MUON_MOMENTUM", 0.99, float)
+        self.muon_backend_steps = self._env("MUON_BACKEND_STEPS", 5)
+        self.muon_momentum_warmup_start = self._env("MUON_MOMENTUM_WARMUP_START", 0.92, float)
+        self.muon_momentum_warmup_steps = self._env("MUON_MOMENTUM_WARMUP_STEPS", 1500)
+        self.muon_wd = self._env("MUON_WD", 0.04, float)
+        self.adam_wd = self._env("ADAM_WD", 0.04, float)
+        self.beta1 = self._env("BETA1", 0.9, float)
+        self.beta2 = self._env("BETA2", 0.95, float)
+        self.adam_eps = self._env("ADAM_EPS", 1e-8, float)
+        self.grad_clip_norm = self._env("GRAD_CLIP_NORM", 0.3, float)
         # ---- weight averaging and quantisation-aware training
-        self.ema_enabled = _env("EMA_ENABLED", True, bool)
-        self.ema_decay = _env("EMA_DECAY", 0.997, float)
-        self.swa_enabled = _env("SWA_ENABLED", False, bool)
-        self.swa_every = _env("SWA_EVERY", 50)
-        self.late_qat_threshold = _env("LATE_QAT_THRESHOLD", 0.15, float)
-        self.qat_enabled = _env("QAT_ENABLED", False, bool)
+        self.ema_enabled = self._env("EMA_ENABLED", True, bool)
+        self.ema_decay = self._env("EMA_DECAY", 0.997, float)
+        self.swa_enabled = self._env("SWA_ENABLED", False, bool)
+        self.swa_every = self._env("SWA_EVERY", 50)
+        self.swa_apply = self._env("SWA_APPLY", False, bool)
+        self.late_qat_threshold = self._env("LATE_QAT_THRESHOLD", 0.15, float)
+        self.qat_enabled = self._env("QAT_ENABLED", False, bool)
         # ---- data path (SPEC 8)
-        self.train_loader = _env("TRAIN_LOADER", "stream", str)
-        self.train_prefetch = _env("TRAIN_PREFETCH", True, bool)
-        self.train_prefetch_queue = _env("TRAIN_PREFETCH_QUEUE", 2)
-        self.train_copy_stream = _env("TRAIN_COPY_STREAM", True, bool)
-        self.val_prefetch = _env("VAL_PREFETCH", True, bool)
-        self.val_copy_stream = _env("VAL_COPY_STREAM", True, bool)
-        self.val_bytecount_device = _env("VAL_BYTECOUNT_DEVICE", "cpu", str)
-        self.val_progress_log_every = _env("VAL_PROGRESS_LOG_EVERY", 0)
-        self.training_timing_breakdown = _env("TRAINING_TIMING_BREAKDOWN", False, bool)
-        self.training_timing_every = _env("TRAINING_TIMING_EVERY", 200)
-        self.profile = _env("PROFILE", False, bool)
-        self.profile_steps = _env("PROFILE_STEPS", "5:8", str)
+        self.train_loader = self._env("TRAIN_LOADER", "stream", str)
+        self.train_prefetch = self._env("TRAIN_PREFETCH", True, bool)
+        self.train_prefetch_queue = self._env("TRAIN_PREFETCH_QUEUE", 2)
+        self.train_copy_stream = self._env("TRAIN_COPY_STREAM", True, bool)
+        self.val_prefetch = self._env("VAL_PREFETCH", True, bool)
+        self.val_copy_stream = self._env("VAL_COPY_STREAM", True, bool)
+        self.val_bytecount_device = self._env("VAL_BYTECOUNT_DEVICE", "cpu", str)
+        self.val_progress_log_every = self._env("VAL_PROGRESS_LOG_EVERY", 0)
+        self.training_timing_breakdown = self._env("TRAINING_TIMING_BREAKDOWN", False, bool)
+        self.training_timing_every = self._env("TRAINING_TIMING_EVERY", 200)
+        self.profile = self._env("PROFILE", False, bool)
+        self.profile_steps = self._env("PROFILE_STEPS", "5:8", str)
         # ---- evaluation
-        self.eval_stride = _env("EVAL_STRIDE", 64)
-        self.eval_batch_seqs = _env("EVAL_BATCH_SEQS", 32)
-        self.eval_only = _env("EVAL_ONLY", "", str)
-        self.ttt_enabled = _env("TTT_ENABLED", True, bool)
-        self.ttt_lr = _env("TTT_LR", 0.002, float)
-        self.ttt_epochs = _env("TTT_EPOCHS", 3)
-        self.ttt_chunk_tokens = _env("TTT_CHUNK_TOKENS", 32768)
-        self.ttt_freeze_blocks = _env("TTT_FREEZE_BLOCKS", 0)
-        self.ttt_momentum = _env("TTT_MOMENTUM", 0.9, float)
-        self.ttt_batch_seqs = _env("TTT_BATCH_SEQS", 32)
-        self.ttt_grad_clip = _env("TTT_GRAD_CLIP", 1.0, float)
+        self.eval_stride = self._env("EVAL_STRIDE", 64)
+        self.eval_batch_seqs = self._env("EVAL_BATCH_SEQS", 32)
+        self.eval_only = self._env("EVAL_ONLY", "", str)
+        self.ttt_enabled = self._env("TTT_ENABLED", True, bool)
+        self.ttt_lr = self._env("TTT_LR", 0.002, float)
+        self.ttt_epochs = self._env("TTT_EPOCHS", 3)
+        self.ttt_chunk_tokens = self._env("TTT_CHUNK_TOKENS", 32768)
+        self.ttt_freeze_blocks = self._env("TTT_FREEZE_BLOCKS", 0)
+        self.ttt_momentum = self._env("TTT_MOMENTUM", 0.9, float)
+        self.ttt_batch_seqs = self._env("TTT_BATCH_SEQS", 32)
+        self.ttt_grad_clip = self._env("TTT_GRAD_CLIP", 1.0, float)
         # ---- distributed layout (set by torchrun)
-        self.rank = _env("RANK", 0)
-        self.world_size = _env("WORLD_SIZE", 1)
-        self.local_rank = _env("LOCAL_RANK", 0)
+        self.rank = self._env("RANK", 0)
+        self.world_size = self._env("WORLD_SIZE", 1)
+        self.local_rank = self._env("LOCAL_RANK", 0)
+        self.local_world_size = self._env("LOCAL_WORLD_SIZE", 1)
+        self.master_addr = self._env("MASTER_ADDR", "", str)
+        self.master_port = self._env("MASTER_PORT", "", str)
+        self.omp_num_threads = self._env("OMP_NUM_THREADS", 0)
+        self.dist_timeout_seconds = self._env("DIST_TIMEOUT_SECONDS", 600.0, float)
         self._validate()
+
+    def _env(self, name: str, default, kind=int):
+        """Read one environment variable as `kind` (int, float, str or bool '0'/'1'); floats must be finite."""
+        self.settings.append((name, {None: "auto", "": "-", True: "1", False: "0"}.get(default, str(default))))
+        raw = self._environ.get(name, "").strip()
+        if raw == "":
+            return default
+        if kind is bool:
+            if raw not in ("0", "1"):
+                raise ConfigError(f"{name}={raw!r} must be 0 or 1")
+            return raw == "1"
+        if kind is str:
+            return raw
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}={raw!r} must be a finite number")
+        return value
+
+    def _env_int_list(self, name: str, default: str) -> list[int]:
+        raw = self._env(name, default, str)
+        try:
+            return [int(v) for v in raw.split(",") if v.strip() != ""]
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} must be a comma-separated list of integers") from None
 
     # Derived values -------------------------------------------------------------------------------
     @property
@@ -217,10 +240,19 @@ class Hyperparameters:
         for name in ("TRAIN_BATCH_TOKENS", "TRAIN_SEQ_LEN", "EVAL_SEQ_LEN", "VAL_BATCH_SIZE", "VOCAB_SIZE",
                      "NUM_LAYERS", "MODEL_DIM", "NUM_HEADS", "NUM_KV_HEADS", "MUON_BACKEND_STEPS",
                      "BIGRAM_DIM", "VE_DIM", "SWA_EVERY", "EVAL_BATCH_SEQS", "TTT_CHUNK_TOKENS",
-                     "TTT_BATCH_SEQS", "WORLD_SIZE"):
+                     "TTT_BATCH_SEQS", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "DIST_TIMEOUT_SECONDS"):
             need(getattr(self, self._attr(name)) > 0, f"{name}={getattr(self, self._attr(name))} must be > 0")
-        for name in ("MLP_MULT", "LOGIT_SOFTCAP", "ROPE_BASE"):
+        for name in ("MLP_MULT", "LOGIT_SOFTCAP", "QK_GAIN_INIT"):
             need(getattr(self, self._attr(name)) > 0, f"{name}={getattr(self, self._attr(name))} must be > 0")
+        need(self.rope_base > 1, f"ROPE_BASE={self.rope_base} must be > 1")
+        need(0 <= self.seed < 2**32, f"SEED={self.seed} must be in [0, 2^32)")
+        need(self.omp_num_threads >= 0, f"OMP_NUM_THREADS={self.omp_num_threads} must be >= 0")
+        need(self.run_id not in (".", "..") and not any(c in self.run_id for c in "/\\\0"),
+             f"RUN_ID={self.run_id!r} must be a plain file name (no path separators): the log is logs/$RUN_ID.txt")
+        need(self.autocast_dtype in ("auto", "bf16", "fp32"),
+             f"AUTOCAST_DTYPE={self.autocast_dtype!r} must be auto, bf16 or fp32")
+        if self.eval_only:
+            need(os.path.isfile(self.eval_only), f"EVAL_ONLY={self.eval_only}: no such artifact file")
         for name in ("MAX_WALLCLOCK_SECONDS", "EMBED_LR", "HEAD_LR", "TIED_EMBED_LR", "MATRIX_LR", "SCALAR_LR",
                      "MUON_WD", "ADAM_WD", "GRAD_CLIP_NORM", "TTT_LR", "TTT_GRAD_CLIP", "ADAM_EPS",
                      "TIED_EMBED_INIT_STD", "LATE_QAT_THRESHOLD"):
@@ -271,6 +303,32 @@ class Hyperparameters:
              f"per rank and micro-step (world_size {self.world_size} x grad_accum {self.grad_accum_steps})")
         need(self.eval_stride <= self.eval_seq_len,
              f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
+        rope = self.rope_dims or self.head_dim
+        need(rope > 2 or max(self.train_seq_len, self.eval_seq_len) <= 1024,
+             f"ROPE_DIMS={self.rope_dims} (head dim {self.head_dim}): NTK scaling beyond 1024 tokens needs >= 4 "
+             "rotated dims")
+        if self.ttt_enabled:
+            need(self.eval_stride > 0, "TTT_ENABLED=1 needs EVAL_STRIDE > 0 (TTT scores sliding windows); "
+                                       "set TTT_ENABLED=0 to skip TTT")
+            need(self.ttt_chunk_tokens >= self.eval_seq_len,
+                 f"TTT_CHUNK_TOKENS={self.ttt_chunk_tokens} is shorter than EVAL_SEQ_LEN={self.eval_seq_len}: "
+                 "TTT would never train on a whole sequence")
+        if self.swa_apply:
+            need(self.swa_enabled, "SWA_APPLY=1 needs SWA_ENABLED=1 (the snapshots it averages)")
+            need(self.swa_snapshot_possible(),
+                 f"SWA_APPLY=1 but no SWA snapshot would be taken: the LR scale is never < 0.2 on a multiple of "
+                 f"SWA_EVERY={self.swa_every} within ITERATIONS={self.iterations} (WARMDOWN_ITERS={self.warmdown_iters})")
+
+    def swa_snapshot_possible(self) -> bool:
+        """Whether SWA can collect a snapshot. Exact without a wallclock cap (the schedule is by step);
+        under a cap the warmdown is timed, so only a warmdown at all can be checked before training."""
+        if self.warmdown_iters <= 0:
+            return False
+        if self.max_wallclock_ms is not None:
+            return True
+        start = max(self.iterations - self.warmdown_iters, 0)
+        return any((self.iterations - s) / self.warmdown_iters < 0.2 and (s + 1) % self.swa_every == 0
+                   for s in range(start, self.iterations))
 
     @staticmethod
     def _attr(env_name: str) -> str:
@@ -287,69 +345,149 @@ SHARD_HEADER_INTS = 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
 
 
-def read_shard_header(path: str | Path) -> int:
-    """Validate a shard's header and size; return its token count. Errors name the file."""
-    path = Path(path)
+def _open_shard(path: Path) -> tuple[int, int]:
+    """Open a shard and validate its header and size; return (file descriptor, token count)."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(SHARD_HEADER_BYTES)
+        # open() of a FIFO blocks until a writer appears (and a device may never end): refuse those first.
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ConfigError(f"shard {path}: not a regular file")
+        fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise ConfigError(f"shard {path}: cannot read ({e.strerror})") from None
-    if len(raw) < SHARD_HEADER_BYTES:
-        raise ConfigError(f"shard {path}: file is {size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte header")
-    header = np.frombuffer(raw, dtype="<i4")
-    if int(header[0]) != SHARD_MAGIC:
-        raise ConfigError(f"shard {path}: bad magic {int(header[0])} (expected {SHARD_MAGIC})")
-    if int(header[1]) != SHARD_VERSION:
-        raise ConfigError(f"shard {path}: unsupported version {int(header[1])} (expected {SHARD_VERSION})")
-    num_tokens = int(header[2])
-    expected = SHARD_HEADER_BYTES + 2 * num_tokens
-    if num_tokens < 0 or size != expected:
-        raise ConfigError(f"shard {path}: size mismatch: header says {num_tokens} tokens "
-                          f"({expected} bytes) but the file has {size} bytes")
+    try:
+        size = os.fstat(fd).st_size
+        raw = os.pread(fd, SHARD_HEADER_BYTES, 0)
+        if len(raw) < SHARD_HEADER_BYTES:
+            raise ConfigError(f"shard {path}: file is {size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte header")
+        header = np.frombuffer(raw, dtype="<i4")
+        if int(header[0]) != SHARD_MAGIC:
+            raise ConfigError(f"shard {path}: bad magic {int(header[0])} (expected {SHARD_MAGIC})")
+        if int(header[1]) != SHARD_VERSION:
+            raise ConfigError(f"shard {path}: unsupported version {int(header[1])} (expected {SHARD_VERSION})")
+        num_tokens = int(header[2])
+        expected = SHARD_HEADER_BYTES + 2 * num_tokens
+        if num_tokens < 0 or size != expected:
+            raise ConfigError(f"shard {path}: size mismatch: header says {num_tokens} tokens "
+                              f"({expected} bytes) but the file has {size} bytes")
+    except BaseException as e:
+        os.close(fd)
+        if isinstance(e, OSError):
+            raise ConfigError(f"shard {path}: cannot read ({e.strerror})") from None
+        raise
+    return fd, num_tokens
+
+
+def read_shard_header(path: str | Path) -> int:
+    """Validate a shard's header and size; return its token count. Errors name the file."""
+    fd, num_tokens = _open_shard(Path(path))
+    os.close(fd)
     return num_tokens
 
 
+class ShardReader:
+    """One validated shard, kept open and read with pread. Not a memory map: a map turns a file cut short
+    while in use into SIGBUS (the run dies without a word); here a short read is a ConfigError naming the
+    file. With vocab_size set, every range read is checked for ids >= vocab_size (a numpy max over what was
+    just read, in whichever thread reads: the prefetch thread when there is one)."""
+
+    def __init__(self, path: str | Path, vocab_size: int | None = None) -> None:
+        self.path, self.vocab_size, self.fd = Path(path), vocab_size, -1
+        self.fd, self.num_tokens = _open_shard(self.path)
+
+    def _pread(self, start: int, count: int) -> bytes:
+        nbytes, offset = 2 * count, SHARD_HEADER_BYTES + 2 * start
+        try:
+            data = os.pread(self.fd, nbytes, offset)
+            while len(data) < nbytes:  # a read may return less than asked; an empty one is the file's end
+                more = os.pread(self.fd, nbytes - len(data), offset + len(data))
+                if not more:
+                    raise ConfigError(f"shard {self.path}: truncated while in use (tokens {start}..{start + count} "
+                                      f"wanted, the file now has {os.fstat(self.fd).st_size} bytes; "
+                                      f"its header says {self.num_tokens} tokens)")
+                data += more
+        except OSError as e:
+            raise ConfigError(f"shard {self.path}: cannot read ({e.strerror})") from None
+        return data
+
+    def _check(self, tokens: np.ndarray) -> None:
+        if self.vocab_size is not None and tokens.size and int(tokens.max()) >= self.vocab_size:
+            raise ConfigError(f"shard {self.path}: token id {int(tokens.max())} >= VOCAB_SIZE={self.vocab_size}")
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start+count) as little-endian uint16 (read-only: a view of the bytes read)."""
+        tokens = np.frombuffer(self._pread(start, count), dtype="<u2")
+        self._check(tokens)
+        return tokens
+
+    def read_windows(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """(len(starts), width) uint16 rows, row i = tokens [starts[i], starts[i]+width): one pread each."""
+        out = np.empty((len(starts), width), dtype=np.uint16)
+        for row, s in zip(out, starts.tolist()):
+            row[:] = np.frombuffer(self._pread(s, width), dtype="<u2")
+        self._check(out)
+        return out
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit `os` may already be gone
+            self.close()
+
+
 def load_shard(path: str | Path) -> np.ndarray:
-    """Memory-map a validated shard's tokens as little-endian uint16 (no copy until sliced)."""
-    num_tokens = read_shard_header(path)
-    return np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES, shape=(num_tokens,))
+    """A validated shard's tokens, read into memory as little-endian uint16."""
+    reader = ShardReader(path)
+    try:
+        return reader.read(0, reader.num_tokens)
+    finally:
+        reader.close()
 
 
 def list_shards(pattern: str) -> list[str]:
     files = sorted(glob.glob(pattern))
     if not files:
-        raise ConfigError(f"DATA_PATH: no files match {pattern}")
+        raise ConfigError(f"DATA_PATH: no files match {pattern}; to get data, {GET_DATA}")
     return files
 
 
 class TokenStream:
     """One endless stream over the sorted shards, wrapping to the first after the last."""
 
-    def __init__(self, files: list[str]) -> None:
+    def __init__(self, files: list[str], vocab_size: int | None = None) -> None:
         if sum(read_shard_header(f) for f in files) == 0:
             raise ConfigError(f"DATA_PATH: the {len(files)} train shards ({files[0]} ...) hold no tokens")
-        self.files = files
+        self.files, self.vocab_size = files, vocab_size
         self.file_idx = 0
-        self.tokens = load_shard(files[0])
+        self.reader = ShardReader(files[0], vocab_size)
         self.pos = 0
 
-    def take(self, n: int) -> np.ndarray:
-        parts, remaining = [], n
-        while remaining > 0:
-            avail = self.tokens.size - self.pos
-            if avail <= 0:
+    def _advance(self, n: int, keep: bool) -> list[np.ndarray]:
+        parts = []
+        while n > 0:
+            avail = self.reader.num_tokens - self.pos
+            if avail <= 0:  # the next shard is opened (and its header re-checked) only when reached
                 self.file_idx = (self.file_idx + 1) % len(self.files)
-                self.tokens = load_shard(self.files[self.file_idx])
+                old, self.reader = self.reader, ShardReader(self.files[self.file_idx], self.vocab_size)
+                old.close()
                 self.pos = 0
                 continue
-            k = min(remaining, avail)
-            parts.append(self.tokens[self.pos:self.pos + k])
+            k = min(n, avail)
+            if keep:
+                parts.append(self.reader.read(self.pos, k))
             self.pos += k
-            remaining -= k
-        # A view of the memory map when the tokens lie in one shard: callers copy only the slice they keep.
+            n -= k
+        return parts
+
+    def take(self, n: int) -> np.ndarray:
+        parts = self._advance(n, keep=True)
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def skip(self, n: int) -> None:
+        """Advance past n tokens without reading them (other ranks' spans)."""
+        self._advance(n, keep=False)
 
 
 class DistributedTokenLoader:
@@ -357,16 +495,19 @@ class DistributedTokenLoader:
     consecutive tokens from one stream; rank r keeps span r. x and y are views of that one span."""
 
     def __init__(self, files: list[str], rank: int, world_size: int, device: torch.device,
-                 local_tokens: int, seq_len: int) -> None:
+                 local_tokens: int, seq_len: int, vocab_size: int | None = None) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.local_tokens, self.seq_len = local_tokens, seq_len
-        self.stream = TokenStream(files)
+        self.stream = TokenStream(files, vocab_size)
 
     def next_host(self) -> np.ndarray:
-        """This rank's local_tokens+1 tokens for the next micro-step, as uint16 on the host."""
+        """This rank's local_tokens+1 tokens for the next micro-step, as uint16 on the host. Only this
+        rank's span is read (and checked against VOCAB_SIZE); the other ranks' spans are skipped."""
         span = self.local_tokens + 1
-        chunk = self.stream.take(span * self.world_size)
-        return chunk[self.rank * span:(self.rank + 1) * span]
+        self.stream.skip(self.rank * span)
+        mine = self.stream.take(span)
+        self.stream.skip((self.world_size - 1 - self.rank) * span)
+        return mine
 
     def next_batch(self) -> tuple[Tensor, Tensor]:
         return host_to_device(self.next_host(), self.seq_len, self.device)
@@ -379,11 +520,11 @@ class ShuffledSequenceLoader:
     """Opt-in shuffled loader (TRAIN_LOADER=shuffled, SPEC 2): rank r owns shards [r::world_size]; each
     shard is cut at a random phase into L+1-token windows visited in random order; each sequence of a
     batch comes from a shard drawn with probability proportional to its remaining windows (sampling
-    without replacement); when all are used every shard is re-cut. Deterministic given (SEED, rank). Reads through numpy memmaps and
-    builds the whole batch in numpy."""
+    without replacement); when all are used every shard is re-cut. Deterministic given (SEED, rank). Reads
+    each window with one pread (ShardReader) and builds the whole batch in numpy."""
 
     def __init__(self, files: list[str], rank: int, world_size: int, device: torch.device,
-                 local_tokens: int, seq_len: int, seed: int) -> None:
+                 local_tokens: int, seq_len: int, seed: int, vocab_size: int | None = None) -> None:
         if len(files) < world_size:
             raise ConfigError(f"TRAIN_LOADER=shuffled needs at least one train shard per rank: "
                               f"{len(files)} shards for WORLD_SIZE={world_size}")
@@ -391,19 +532,20 @@ class ShuffledSequenceLoader:
         self.device, self.seq_len = device, seq_len
         self.batch_seqs = local_tokens // seq_len
         self.rng = np.random.default_rng([seed, rank])
-        self.shards = [load_shard(f) for f in self.files]
-        for f, mm in zip(self.files, self.shards):
-            if mm.size < seq_len + 1:
-                raise ConfigError(f"shard {f}: {mm.size} tokens, fewer than one sequence of {seq_len} plus one")
+        self.readers = [ShardReader(f, vocab_size) for f in self.files]
+        for r in self.readers:
+            if r.num_tokens < seq_len + 1:
+                raise ConfigError(f"shard {r.path}: {r.num_tokens} tokens, fewer than one sequence of {seq_len} "
+                                  f"plus one")
         self.starts: list[np.ndarray] = []
-        self.used = np.zeros(len(self.shards), dtype=np.int64)
+        self.used = np.zeros(len(self.readers), dtype=np.int64)
         self._recut()
 
     def _recut(self) -> None:
         L = self.seq_len
         self.starts = []
-        for mm in self.shards:
-            n = mm.size
+        for r in self.readers:
+            n = r.num_tokens
             max_phase = min(L - 1, n - L - 1)
             phase = int(self.rng.integers(max_phase + 1)) if max_phase > 0 else 0
             self.starts.append(phase + self.rng.permutation((n - 1 - phase) // L) * L)
@@ -425,12 +567,12 @@ class ShuffledSequenceLoader:
                 continue
             take = min(need, int(remaining.sum()))
             counts = self.rng.multivariate_hypergeometric(remaining, take)
-            labels = self.rng.permutation(np.repeat(np.arange(len(self.shards)), counts))
+            labels = self.rng.permutation(np.repeat(np.arange(len(self.readers)), counts))
             rows = np.empty((take, L + 1), dtype=np.uint16)
             for si in np.flatnonzero(counts):
                 starts = self.starts[si][self.used[si]:self.used[si] + counts[si]]
                 self.used[si] += counts[si]
-                rows[labels == si] = self.shards[si][starts[:, None] + np.arange(L + 1)]
+                rows[labels == si] = self.readers[si].read_windows(starts, L + 1)
             parts.append(rows)
             need -= take
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -612,7 +754,7 @@ class PrefetchingDistributedTokenLoader:
 def load_validation_tokens(pattern: str, seq_len: int, vocab_size: int) -> Tensor:
     """All val shards concatenated, truncated to a whole number of sequences plus one target token."""
     files = list_shards(pattern)
-    tokens = np.concatenate([np.asarray(load_shard(f)) for f in files])
+    tokens = np.concatenate([load_shard(f) for f in files])
     usable = ((tokens.size - 1) // seq_len) * seq_len
     if usable <= 0:
         raise ConfigError(f"DATA_PATH: validation shards {pattern} hold {tokens.size} tokens, "
@@ -645,8 +787,12 @@ def build_byte_luts(tokenizer_path: str, vocab_size: int) -> ByteLuts:
     import sentencepiece as spm
 
     if not os.path.isfile(tokenizer_path):
-        raise ConfigError(f"TOKENIZER_PATH: {tokenizer_path} does not exist")
-    sp = spm.SentencePieceProcessor(model_file=tokenizer_path)
+        raise ConfigError(f"TOKENIZER_PATH: {tokenizer_path} does not exist; to get data, {GET_DATA}")
+    try:
+        sp = spm.SentencePieceProcessor(model_file=tokenizer_path)
+    except (RuntimeError, OSError) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"TOKENIZER_PATH: {tokenizer_path} is not a SentencePiece model ({detail})") from None
     n = int(sp.vocab_size())
     if n != vocab_size:
         raise ConfigError(f"TOKENIZER_PATH: {tokenizer_path} has {n} pieces but VOCAB_SIZE={vocab_size}")
@@ -693,7 +839,7 @@ def select_attention_backend(device: torch.device) -> str:
 def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Causal GQA attention on (B, T, H, D) tensors; query head h reads KV head h // (H / Hkv)."""
     fn = _ATTENTION["fn"]
-    if fn is not None and q.is_cuda:
+    if fn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # flash: half types only
         out = fn(q, k, v, causal=True)
         return out[0] if isinstance(out, tuple) else out
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -703,6 +849,18 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 def rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
+
+
+class CastedEmbedding(nn.Embedding):
+    """A (bf16) embedding table whose looked-up rows are cast to `out_dtype` when it is set. Under bf16
+    autocast it stays None: bf16 rows, as in the record. In fp32 runs (CPUs without native bf16) it is
+    fp32, so the bf16 tables do not drag the residual stream into emulated bf16 arithmetic."""
+
+    out_dtype: torch.dtype | None = None
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = super().forward(ids)
+        return rows if self.out_dtype is None else rows.to(self.out_dtype)
 
 
 class CastedLinear(nn.Linear):
@@ -811,7 +969,7 @@ class BigramHash(nn.Module):
     def __init__(self, buckets: int, dim: int, model_dim: int) -> None:
         super().__init__()
         self.buckets = buckets
-        self.embed = nn.Embedding(buckets, dim)
+        self.embed = CastedEmbedding(buckets, dim)
         self.proj = CastedLinear(dim, model_dim)
         self.scale = nn.Parameter(torch.tensor(0.05, dtype=torch.float32))
 
@@ -845,7 +1003,9 @@ class ValueEmbedding(nn.Module):
 
     def __init__(self, vocab: int, dim: int, kv_dim: int) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
+        self.embed = CastedEmbedding(vocab, dim)
+        # Drawn here, at construction, as the record does: that fixes its place in the seed's random stream.
+        nn.init.normal_(self.embed.weight, std=0.01)
         self.proj = CastedLinear(dim, kv_dim)
         self.scale = nn.Parameter(torch.tensor(0.1, dtype=torch.float32))
 
@@ -862,7 +1022,7 @@ class GPT(nn.Module):
         n, d, kv = h.num_layers, h.model_dim, h.num_kv_heads * h.head_dim
         self.num_layers, self.logit_softcap = n, h.logit_softcap
         self.num_encoder = n // 2
-        self.tok_emb = nn.Embedding(h.vocab_size, d)
+        self.tok_emb = CastedEmbedding(h.vocab_size, d)
         self.bigram = BigramHash(h.bigram_vocab_size, h.bigram_dim, d) if h.bigram_vocab_size > 0 else None
         self.smear = SmearGate(d)
         self.skip_weights = nn.Parameter(torch.ones(min(self.num_encoder, n - self.num_encoder), d))
@@ -885,8 +1045,6 @@ class GPT(nn.Module):
         nn.init.normal_(self.tok_emb.weight, std=h.tied_embed_init_std)
         if self.bigram is not None:
             nn.init.zeros_(self.bigram.embed.weight)
-        if self.ve_shared is not None:
-            nn.init.normal_(self.ve_shared.embed.weight, std=0.01)
         for i in range(n):
             nn.init.orthogonal_(self.qo_bank[i])
             nn.init.orthogonal_(self.kv_bank[i])
@@ -908,10 +1066,19 @@ class GPT(nn.Module):
         return (self.qo_bank[i], self.kv_bank[i], self.kv_bank[n + i], self.qo_bank[n + i],
                 self.mlp_up_bank[i], self.mlp_down_bank[i])
 
+    def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
+        """None under autocast (embedding rows stay bf16); torch.float32 for fp32 runs."""
+        for m in self.modules():
+            if isinstance(m, CastedEmbedding):
+                m.out_dtype = dtype
+
     def set_qat(self, enabled: bool) -> None:
         for m in self.modules():
             if isinstance(m, CastedLinear):
                 m.qat = enabled
+
+    def qat_on(self) -> bool:
+        return any(m.qat for m in self.modules() if isinstance(m, CastedLinear))
 
     def forward_logits(self, ids: Tensor) -> Tensor:
         x = self.tok_emb(ids)
@@ -932,7 +1099,7 @@ class GPT(nn.Module):
             if i < self.num_encoder:
                 skips.append(x)
         x = rms_norm(x)
-        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight)
+        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight.to(x.dtype))
         return self.logit_softcap * torch.tanh(logits / self.logit_softcap)
 
     def forward(self, ids: Tensor, targets: Tensor) -> Tensor:
@@ -946,11 +1113,22 @@ EMBEDDING_NAMES = ("tok_emb.weight", "bigram.embed.weight", "ve_shared.embed.wei
 
 def build_model(h: Hyperparameters) -> GPT:
     """The GPT on CPU with the record's parameter dtypes (bf16 embedding tables, everything else fp32).
-    Initialisation is a pure function of SEED."""
-    torch.manual_seed(h.seed)
-    model = GPT(h)
+    Initialisation is a pure function of SEED and equals the record's bit for bit: the record casts the
+    whole model to bf16 after construction and then puts the non-embedding parameters back to fp32, so
+    they start bf16-rounded (bigram.scale is 0.050048828125, not 0.05)."""
+    threads = torch.get_num_threads()
+    # orthogonal_ runs a QR whose last bits depend on the thread count; the record initialised with one
+    # thread per rank (torchrun's OMP_NUM_THREADS=1), so one thread makes the init independent of the machine.
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(h.seed)
+        model = GPT(h)
+    finally:
+        torch.set_num_threads(threads)
     for name, p in model.named_parameters():
-        p.data = p.data.to(torch.bfloat16 if name in EMBEDDING_NAMES else torch.float32)
+        p.data = p.data.to(torch.bfloat16)
+        if name not in EMBEDDING_NAMES:
+            p.data = p.data.to(torch.float32)
     return model
 
 
@@ -1113,6 +1291,9 @@ class Runtime:
     distributed: bool
     is_main: bool
     log_path: Path | None
+    autocast_dtype: torch.dtype | None = None  # None: fp32, no autocast
+    precision_note: str = ""
+    threads_note: str = ""
 
     def __post_init__(self) -> None:
         # Effective data-path switches: copy streams need CUDA; the timing breakdown turns the overlap
@@ -1149,9 +1330,16 @@ class Runtime:
             torch.cuda.synchronize(self.device)
 
     def autocast(self):
-        # bf16 autocast on CUDA and CPU alike: the same numerics everywhere (the embedding tables are bf16
-        # anyway, so the residual stream is bf16 either way).
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        """bf16 autocast (CUDA, and CPUs with native bf16), or nothing: plain fp32 (see choose_precision)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def prepare_model(self, model: GPT) -> GPT:
+        """Move a model to this run's device and match its embedding outputs to the precision."""
+        model = model.to(self.device)
+        model.set_compute_dtype(None if self.autocast_dtype is not None else torch.float32)
+        return model
 
     def all_reduce(self, t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
         if self.distributed:
@@ -1170,26 +1358,77 @@ class Runtime:
             offset += t.numel()
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively here (AVX512-BF16 or AMX). Without it bf16 is emulated:
+    measured 59x slower than fp32 for a 512x512 matmul on an AVX2-only EPYC."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def choose_precision(h: Hyperparameters, device: torch.device) -> tuple[torch.dtype | None, str]:
+    """AUTOCAST_DTYPE: auto = bf16 autocast on CUDA (the record) and on CPUs with native bf16, plain fp32 on
+    other CPUs; bf16 / fp32 force it. Returns (autocast dtype or None for fp32, the reason, for the log)."""
+    if h.autocast_dtype == "bf16":
+        return torch.bfloat16, "bf16 autocast (AUTOCAST_DTYPE=bf16)"
+    if h.autocast_dtype == "fp32":
+        return None, "fp32, no autocast (AUTOCAST_DTYPE=fp32)"
+    if device.type == "cuda":
+        return torch.bfloat16, "bf16 autocast (CUDA)"
+    if cpu_has_native_bf16():
+        return torch.bfloat16, "bf16 autocast (this CPU runs bf16 natively)"
+    return None, "fp32, no autocast (this CPU has no native bf16; AUTOCAST_DTYPE=bf16 forces it)"
+
+
+def choose_cpu_threads(h: Hyperparameters) -> str:
+    """OMP_NUM_THREADS if given, else this process's cores divided among the ranks on this machine."""
+    if h.omp_num_threads > 0:
+        torch.set_num_threads(h.omp_num_threads)
+        return f"{h.omp_num_threads} (OMP_NUM_THREADS)"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // h.local_world_size)
+    torch.set_num_threads(threads)
+    return f"{threads} ({cores} cores / {h.local_world_size} local ranks)"
+
+
+def open_log(h: Hyperparameters) -> Path:
+    """Start logs/$RUN_ID.txt afresh: a rerun with the same RUN_ID replaces the old log, never appends to it."""
+    path = Path("logs") / f"{h.run_id}.txt"
+    try:
+        os.makedirs("logs", exist_ok=True)
+        replaced = path.exists()
+        path.write_text("", encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot write the log {path} ({e.strerror or e}); run from a writable directory") from None
+    if replaced:
+        print(f"note: {path} existed (an earlier run with RUN_ID={h.run_id}); it is replaced", flush=True)
+    return path
+
+
 def setup_runtime(h: Hyperparameters) -> Runtime:
     want = h.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("DEVICE=cuda but CUDA is not available on this machine")
     if h.val_bytecount_device == "cuda" and want != "cuda":
         raise ConfigError("VAL_BYTECOUNT_DEVICE=cuda but the run is on CPU (no CUDA device)")
+    distributed = h.world_size > 1
+    if distributed and not (h.master_addr and h.master_port):
+        raise ConfigError(f"WORLD_SIZE={h.world_size} but MASTER_ADDR/MASTER_PORT are not set: launch several "
+                          "processes with torchrun (torchrun --standalone --nproc_per_node=N train_gpt.py)")
     device = torch.device("cuda", h.local_rank) if want == "cuda" else torch.device("cpu")
+    threads = choose_cpu_threads(h)
+    log_path = open_log(h) if h.rank == 0 else None
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    distributed = h.world_size > 1
     if distributed:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    is_main = h.rank == 0
-    log_path = None
-    if is_main:
-        os.makedirs("logs", exist_ok=True)
-        log_path = Path("logs") / f"{h.run_id}.txt"
-    return Runtime(h, device, distributed, is_main, log_path)
+        # A collective that waits longer than this on a dead or stalled peer raises instead of hanging.
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=h.dist_timeout_seconds))
+    autocast_dtype, note = choose_precision(h, device)
+    return Runtime(h, device, distributed, h.rank == 0, log_path, autocast_dtype, note, threads)
 
 
 def log_environment(rt: Runtime) -> None:
@@ -1343,9 +1582,11 @@ def make_train_loader(rt: Runtime):
     local_tokens = h.train_batch_tokens // (h.world_size * h.grad_accum_steps)
     files = list_shards(h.train_files)
     if h.train_loader == "shuffled":
-        base = ShuffledSequenceLoader(files, h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len, h.seed)
+        base = ShuffledSequenceLoader(files, h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len, h.seed,
+                                      vocab_size=h.vocab_size)
     else:
-        base = DistributedTokenLoader(files, h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len)
+        base = DistributedTokenLoader(files, h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len,
+                                      vocab_size=h.vocab_size)
     if not (rt.train_prefetch or rt.train_copy_stream):
         return base
     return PrefetchingDistributedTokenLoader(lambda: (base.next_host(), None), h.train_seq_len, rt.device,
@@ -1368,7 +1609,10 @@ def warmup_and_restore(rt: Runtime, trainer: Trainer):
 
 
 class WeightAverager:
-    """EMA of every state-dict entry in fp32 (the record's final weights), plus opt-in SWA snapshots."""
+    """EMA of every state-dict entry in fp32 (the record's final weights), plus SWA snapshots.
+
+    SWA_ENABLED=1 only collects snapshots, as the record did (its README's run command sets it, and its
+    final weights are still the EMA); SWA_APPLY=1 makes their average the final weights."""
 
     def __init__(self, h: Hyperparameters, model: GPT) -> None:
         self.h, self.model = h, model
@@ -1391,12 +1635,12 @@ class WeightAverager:
             self.swa_count += 1
 
     @torch.no_grad()
-    def apply_final(self, rt: Runtime) -> str:
+    def apply_final(self) -> str:
         """Load the final weights into the model; returns which ones were used."""
-        if self.h.swa_enabled:
+        if self.h.swa_apply:
             if self.swa_count == 0:
-                raise RuntimeError("SWA_ENABLED=1 but no SWA snapshot was taken (the LR scale never went below "
-                                   "0.2 on a multiple of SWA_EVERY); lower SWA_EVERY or train longer")
+                raise RunError("SWA_APPLY=1 but no SWA snapshot was taken (the LR scale never went below 0.2 on a "
+                               "multiple of SWA_EVERY before the wallclock cap); no artifact written")
             averaged, source = {k: v / self.swa_count for k, v in self.swa.items()}, f"swa({self.swa_count})"
         elif self.ema is not None:
             averaged, source = self.ema, "ema"
@@ -1404,6 +1648,8 @@ class WeightAverager:
             return "raw"
         current = self.model.state_dict()
         self.model.load_state_dict({k: averaged[k].to(current[k].dtype) for k in current}, strict=True)
+        if self.h.swa_enabled and not self.h.swa_apply:
+            source += f" (swa snapshots collected: {self.swa_count}, not applied; SWA_APPLY=1 applies them)"
         return source
 
 
@@ -1504,17 +1750,23 @@ def _train_loop(rt: Runtime, trainer: Trainer, loader, val_tokens: Tensor, luts:
             timer.end_step()
             if step <= 10 or step % h.training_timing_every == 0:
                 rt.log(timer.pop_line(step))
-        if cap_ms is not None and stop_after is None:
-            reached = torch.tensor(int(approx_ms >= cap_ms), device=rt.device)
-            if bool(rt.all_reduce(reached, op=dist.ReduceOp.MAX).item()):
-                stop_after = step
+        # One small all-reduce per step, agreed by every rank: a non-finite loss anywhere stops the run, and
+        # the wallclock cap stops training at the same step everywhere.
+        flags = torch.stack((~torch.isfinite(train_loss.detach()),
+                             torch.tensor(cap_ms is not None and approx_ms >= cap_ms, device=rt.device)))
+        diverged, reached = rt.all_reduce(flags.to(torch.int32), op=dist.ReduceOp.MAX).tolist()
+        if diverged:
+            raise RunError(f"training loss is not finite at step {step}; stopped, no artifact written (lower the "
+                           "learning rates: MATRIX_LR, SCALAR_LR, TIED_EMBED_LR)")
+        if reached and stop_after is None:
+            stop_after = step
     profiler.finish()
     rt.log(f"data_wait: total_ms:{wait_total:.1f} mean_ms_per_step:{wait_total / max(step, 1):.3f} "
            f"max_step_ms:{wait_max:.3f}")
     if rt.device.type == "cuda":
         rt.log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    source = averager.apply_final(rt)
+    source = averager.apply_final()
     rt.log(f"final_weights:{source}")
     return qat_on
 
@@ -1605,6 +1857,12 @@ def quantize_state_dict(flat: dict[str, Tensor]) -> tuple[dict[str, Tensor], dic
 
 
 def dequantize_state_dict(w: dict[str, Tensor], meta: dict, template: dict[str, Tensor], source: str) -> dict:
+    missing, extra = [k for k in template if k not in meta], [k for k in meta if k not in template]
+    if missing or extra:
+        layers = {int(k.split(".")[1]) for k in meta if k.startswith("blocks.")}
+        raise ConfigError(f"{source}: artifact was built with other model settings: {len(extra)} entries the model "
+                          f"lacks (e.g. {extra[:2]}), {len(missing)} it needs are missing (e.g. {missing[:2]}); "
+                          f"the artifact has {len(layers)} blocks, NUM_LAYERS={template_layers(template)}")
     out = {}
     for name, ref in template.items():
         info = meta.get(name)
@@ -1621,16 +1879,33 @@ def dequantize_state_dict(w: dict[str, Tensor], meta: dict, template: dict[str, 
     return out
 
 
-def save_artifact(path: str, model: GPT) -> int:
-    """Unbank, quantise, torch.save, lzma preset 6. Returns the file's size in bytes."""
+def template_layers(template: dict[str, Tensor]) -> int:
+    return len({int(k.split(".")[1]) for k in template if k.startswith("blocks.")})
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Write to path.tmp, then rename: a failed write (disk full) never leaves a partial file that looks complete."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def save_artifact(path: str, model: GPT, late_qat: bool) -> int:
+    """Unbank, quantise, torch.save, lzma preset 6. Returns the file's size in bytes.
+
+    `late_qat` records whether late QAT was on when training ended: the run's own TTT trains with it, so
+    EVAL_ONLY must too to give the run's numbers."""
     w, meta = quantize_state_dict(unbank_state_dict(model.state_dict(), model.num_layers))
     buf = io.BytesIO()
-    torch.save({"w": w, "m": meta}, buf)
+    torch.save({"w": w, "m": meta, "late_qat": late_qat}, buf)
     blob = lzma.compress(buf.getvalue(), preset=6)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(blob)
-    os.replace(tmp, path)  # never leave a partial artifact that looks complete
+    write_atomically(path, blob)
     return len(blob)
 
 
@@ -1665,6 +1940,8 @@ def load_artifact(path: str, h: Hyperparameters) -> GPT:
     template = unbank_state_dict(model.state_dict(), model.num_layers)
     flat = dequantize_state_dict(obj["w"], obj["m"], template, path)
     model.load_state_dict(rebank_state_dict(flat, model.num_layers), strict=True)
+    # The record's artifacts carry no flag; its runs always end with late QAT on (the LR scale reaches 0).
+    model.set_qat(bool(obj.get("late_qat", True)))
     return model
 
 
@@ -1784,6 +2061,12 @@ def score_windows(rt: Runtime, logits_fn, val_tokens: Tensor, windows: list[tupl
     return sums
 
 
+def eval_batch_rows(h: Hyperparameters, window_counts: list[int]) -> int:
+    """Rows per scoring forward: EVAL_BATCH_SEQS, but never more than the most windows any one call scores
+    (padding every batch to a huge EVAL_BATCH_SEQS would make evaluation crawl)."""
+    return max(1, min(h.eval_batch_seqs, max(window_counts, default=1)))
+
+
 def rank_slice(items: list, rank: int, world_size: int) -> list:
     n = len(items)
     return items[n * rank // world_size: n * (rank + 1) // world_size]
@@ -1792,11 +2075,10 @@ def rank_slice(items: list, rank: int, world_size: int) -> list:
 def eval_sliding(rt: Runtime, model: GPT, logits_fn, val_tokens: Tensor, luts: ByteLuts,
                  per_token: Tensor | None = None) -> tuple[float, float]:
     h = rt.h
-    windows = sliding_windows(val_tokens.numel() - 1, h.eval_seq_len, h.eval_stride)
+    mine = rank_slice(sliding_windows(val_tokens.numel() - 1, h.eval_seq_len, h.eval_stride), h.rank, h.world_size)
     model.eval()
     with torch.inference_mode():
-        sums = score_windows(rt, logits_fn, val_tokens, rank_slice(windows, h.rank, h.world_size), luts,
-                             h.eval_batch_seqs, per_token)
+        sums = score_windows(rt, logits_fn, val_tokens, mine, luts, eval_batch_rows(h, [len(mine)]), per_token)
     return finish_loss_bpb(rt, sums)
 
 
@@ -1821,6 +2103,7 @@ def eval_ttt(rt: Runtime, model: GPT, logits_fn, loss_fn, val_tokens: Tensor, lu
     chunk_windows: list[list[tuple[int, int]]] = [[] for _ in range(num_chunks)]
     for start, first in windows:
         chunk_windows[min((start + first) // C, num_chunks - 1)].append((start, first))
+    batch_rows = eval_batch_rows(h, [len(rank_slice(w, h.rank, h.world_size)) for w in chunk_windows])
 
     frozen_prefixes = tuple(f"blocks.{i}." for i in range(h.ttt_freeze_blocks))
     frozen_rows = frozen_bank_rows(h) if h.ttt_freeze_blocks > 0 else {}
@@ -1836,7 +2119,7 @@ def eval_ttt(rt: Runtime, model: GPT, logits_fn, loss_fn, val_tokens: Tensor, lu
         model.eval()
         with torch.inference_mode():
             sums += score_windows(rt, logits_fn, val_tokens, rank_slice(chunk_windows[ci], h.rank, h.world_size),
-                                  luts, h.eval_batch_seqs, per_token)
+                                  luts, batch_rows, per_token)
         if ci == num_chunks - 1 or h.ttt_epochs == 0:
             continue
         lr = h.ttt_lr * 0.5 * (1.0 + math.cos(math.pi * ci / max(num_chunks - 1, 1)))
@@ -1885,18 +2168,30 @@ def ttt_train_batch(rt: Runtime, model: GPT, loss_fn, opt, params, frozen_rows, 
 # MAIN
 # =====================================================================================================
 
+# What the run is doing now: a failure's one-line error names it.
+_STAGE = ["start-up"]
+
+
+def stage(name: str) -> None:
+    _STAGE[0] = name
+
+
 def evaluate_artifact(rt: Runtime, model: GPT, val_tokens: Tensor, luts: ByteLuts) -> None:
     """Round-trip, sliding-window and legal-TTT evaluation of a model loaded from the artifact file."""
     h = rt.h
-    model = model.to(rt.device)
+    model = rt.prepare_model(model)
     forward = maybe_compile(model, rt)
     logits_fn = maybe_compile(model.forward_logits, rt)
 
     def timed(label: str, fn, extra: str = "") -> None:
+        stage(f"evaluation ({label})")
         rt.sync()
         t0 = time.perf_counter()
         loss, bpb = fn()
         rt.sync()
+        if not math.isfinite(loss):
+            hint = "TTT diverged: lower TTT_LR" if label == "legal_ttt" else "the artifact's weights are broken"
+            raise RunError(f"{label}: val_loss is {loss} ({hint})")
         ms = 1000.0 * (time.perf_counter() - t0)
         rt.log(f"{label} val_loss:{loss:.4f} val_bpb:{bpb:.4f}{extra} eval_time:{ms:.0f}ms")
         rt.log(f"{label}_exact val_loss:{loss:.8f} val_bpb:{bpb:.8f}")
@@ -1906,73 +2201,143 @@ def evaluate_artifact(rt: Runtime, model: GPT, val_tokens: Tensor, luts: ByteLut
         timed("final_int6_sliding_window", lambda: eval_sliding(rt, model, logits_fn, val_tokens, luts),
               f" stride:{h.eval_stride}")
     if h.ttt_enabled:
-        if h.eval_stride == 0:
-            raise ConfigError("TTT_ENABLED=1 needs EVAL_STRIDE > 0 (TTT scores sliding windows)")
         timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts))
 
 
-def run(h: Hyperparameters) -> None:
-    rt = setup_runtime(h)
+OUTPUT_FILES = ("final_model.pt", "final_model.int6.ptz")
+
+
+def remove_stale_outputs(rt: Runtime) -> None:
+    """Remove an earlier run's outputs, so that a run that fails leaves nothing that looks finished."""
+    for name in OUTPUT_FILES:
+        if rt.is_main and os.path.exists(name):
+            os.remove(name)
+            rt.log(f"removed {name} of an earlier run")
+
+
+def write_outputs(rt: Runtime, model: GPT, late_qat: bool) -> None:
+    """Rank 0 writes the raw state dict and the int6+lzma artifact, and logs the byte accounting."""
+    if not rt.is_main:
+        return
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    write_atomically("final_model.pt", buf.getvalue())
+    rt.log(f"Serialized model: {os.path.getsize('final_model.pt')} bytes")
+    for line in size_report(save_artifact("final_model.int6.ptz", model, late_qat), len(Path(__file__).read_bytes())):
+        rt.log(line)
+
+
+def run(rt: Runtime) -> None:
+    h = rt.h
     log_environment(rt)
     backend = select_attention_backend(rt.device)
     rt.log(f"seed:{h.seed}")
     rt.log(f"device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps} "
            f"attention_backend:{backend} compile:{int(compile_enabled(rt))}")
+    rt.log(f"precision: {rt.precision_note}")
     if rt.device.type == "cpu":
+        rt.log(f"cpu_threads: {rt.threads_note}")
         rt.log("cpu: FlashAttention and CUDA copy streams need CUDA; torch.compile is off unless COMPILE=1")
     rt.log(rt.describe_data_path())
     rt.log(f"eval_stride:{h.eval_stride}")
     rt.log(f"ttt_enabled:{int(h.ttt_enabled)}")
     torch.manual_seed(h.seed)
     np.random.seed(h.seed)
+    stage("reading the tokenizer and validation data")
     luts = build_byte_luts(h.tokenizer_path, h.vocab_size)
     val_tokens = load_validation_tokens(h.val_files, max(h.train_seq_len, h.eval_seq_len), h.vocab_size)
     rt.log(f"val_tokens:{val_tokens.numel() - 1}")
 
     if h.eval_only:
+        stage("loading the EVAL_ONLY artifact")
         model = load_artifact(h.eval_only, h)
-        rt.log(f"eval_only artifact:{h.eval_only} bytes:{os.path.getsize(h.eval_only)}")
+        rt.log(f"eval_only artifact:{h.eval_only} bytes:{os.path.getsize(h.eval_only)} late_qat:{int(model.qat_on())}")
         evaluate_artifact(rt, model, val_tokens, luts)
         return
 
-    model = build_model(h).to(rt.device)
+    stage("checking the training shards")
+    for f in list_shards(h.train_files):
+        read_shard_header(f)
+    remove_stale_outputs(rt)
+    stage("building the model")
+    model = rt.prepare_model(build_model(h))
     rt.log(f"model_params:{sum(p.numel() for p in model.parameters())}")
+    stage("training")
     qat_on = train(rt, model, val_tokens, luts)
 
+    stage("evaluating the final weights")
     t0 = time.perf_counter()
     loss, bpb = eval_val(rt, model, val_tokens, luts)
+    if not math.isfinite(loss):
+        raise RunError(f"the final weights give val_loss {loss}; no artifact written")
     rt.log(f"DIAGNOSTIC post_ema val_loss:{loss:.4f} val_bpb:{bpb:.4f} "
            f"eval_time:{1000.0 * (time.perf_counter() - t0):.0f}ms")
-    if rt.is_main:
-        torch.save(model.state_dict(), "final_model.pt")
-        rt.log(f"Serialized model: {os.path.getsize('final_model.pt')} bytes")
-        for line in size_report(save_artifact("final_model.int6.ptz", model), len(Path(__file__).read_bytes())):
-            rt.log(line)
+    stage("writing the artifact")
+    write_outputs(rt, model, qat_on)
     if rt.distributed:
         dist.barrier()
-    # Evaluate what a user would submit: a fresh model read back from the file on disk.
+    # Evaluate what a user would submit: a fresh model read back from the file on disk (it carries the
+    # late-QAT state, which TTT training uses, as the record's class-wide QAT flag did).
     eval_model = load_artifact("final_model.int6.ptz", h)
-    eval_model.set_qat(qat_on)  # the record's class-wide QAT flag stays on for TTT training
     evaluate_artifact(rt, eval_model, val_tokens, luts)
 
 
+def fail(rt: Runtime | None, message: str) -> None:
+    """Print one error line (prefixed with the rank when there are several) and put it in the log."""
+    if rt is not None and rt.distributed:
+        message = f"{message} [rank {rt.h.rank}]"
+    print(message, file=sys.stderr, flush=True)
+    if rt is not None and rt.log_path is not None:
+        with contextlib.suppress(OSError):
+            with open(rt.log_path, "a", encoding="utf-8") as f:
+                print(message, file=f)
+
+
 def main() -> None:
-    try:
-        run(Hyperparameters())
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        rows = "\n".join(f"  {n:<28}{d}" for n, d in Hyperparameters({}).settings)
+        print(f"usage: [VAR=VALUE ...] python3 train_gpt.py  (or: torchrun --standalone --nproc_per_node=8 "
+              f"train_gpt.py)\nSettings are environment variables (meanings: README.md, Settings). No data? "
+              f"{GET_DATA}\n\n  {'variable':<28}default\n{rows}")
+        return
+    if len(sys.argv) > 1:
+        print(f"error: unexpected argument {sys.argv[1]!r}: settings are environment variables (see --help)",
+              file=sys.stderr)
         sys.exit(2)
-    if dist.is_initialized():
+    h, rt, code = None, None, 0
+    try:
+        h = Hyperparameters()
+        rt = setup_runtime(h)
+        run(rt)
+    except ConfigError as e:
+        fail(rt, f"error: {e}")
+        code = 2
+    except RunError as e:
+        fail(rt, f"error: {e}")
+        code = 1
+    except KeyboardInterrupt:
+        fail(rt, f"interrupted (Ctrl-C) during {_STAGE[0]}")
+        code = 130
+    except Exception as e:  # anything unexpected: one line naming what failed, the traceback on request
+        if h is not None and h.debug_traceback:
+            traceback.print_exc()
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        fail(rt, f"error: {_STAGE[0]} failed: {type(e).__name__}: {detail}"
+                 + ("" if h is not None and h.debug_traceback else " (DEBUG_TRACEBACK=1 shows the traceback)"))
+        code = 1
+    if not dist.is_initialized():
+        sys.exit(code)
+    if code == 0:
         # Leave together: a rank that exits while a peer still holds gloo connections can abort it.
         # (Only on success: after an error a barrier could wait forever for a rank stuck elsewhere.)
         dist.barrier()
         dist.destroy_process_group()
-        # Everything is written (the log is closed after every line). Leave without interpreter teardown:
-        # with gloo, static destructors at exit sometimes abort a finished run ("terminate called without
-        # an active exception", exit -6, about one 2-rank CPU run in ten on PyTorch 2.13).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    # Everything is written (the log is closed after every line). Leave without interpreter teardown:
+    # with gloo, static destructors at exit sometimes abort a process ("terminate called without an
+    # active exception", exit -6, about one 2-rank CPU run in ten on PyTorch 2.13).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ For each loader (stream, shuffled) x mode (plain, prefetch, prefetch+copy stream
     how long next_batch blocks per step (mean, p99, max) and the worst call that crossed into a new shard
     (stream) or re-cut the shards (shuffled);
   - bytes moved host->device per step: the compact int32 span (4*(n+1)) vs the record's int64 x and y (2*8*n).
+Then, per loader, the cost of the host reads alone (next_host of the rank-0 base loader: pread of the shard
+ranges) without and with the check of every span read against VOCAB_SIZE.
 
 Run: python scripts/bench_loader.py [--quick] [--device auto|cpu|cuda] [--all-ranks]
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import platform
 import shutil
@@ -105,9 +108,9 @@ def traced():
     recut = tg.ShuffledSequenceLoader._recut
 
     def stream_next_traced(self):
-        before = self.stream.tokens
+        before = self.stream.reader
         out = stream_next(self)
-        _TRACE.crossed.append(self.stream.tokens is not before)
+        _TRACE.crossed.append(self.stream.reader is not before)
         return out
 
     def shuffled_next_traced(self):
@@ -268,6 +271,32 @@ def production_rate(kind: str, data_dir: Path, device: torch.device, rank: int, 
         loader.shutdown()
 
 
+def host_read_us(kind: str, data_dir: Path, args) -> tuple[float, float]:
+    """Microseconds per next_host of the rank-0 base loader (no prefetch, no device copy): the shard reads
+    (pread) without and with the check of every span read against VOCAB_SIZE=1024. The two loaders take
+    turns, five rounds, best round each, so that a busy machine shows less in the difference."""
+    files = tg.list_shards(str(data_dir / "fineweb_train_*.bin"))
+    cpu = torch.device("cpu")
+    loaders = []
+    for vocab_size in (None, 1024):
+        if kind == "stream":
+            loaders.append(tg.DistributedTokenLoader(files, 0, WORLD_SIZE, cpu, LOCAL_TOKENS, SEQ_LEN,
+                                                     vocab_size=vocab_size))
+        else:
+            loaders.append(tg.ShuffledSequenceLoader(files, 0, WORLD_SIZE, cpu, LOCAL_TOKENS, SEQ_LEN, 1337,
+                                                     vocab_size=vocab_size))
+    best = [math.inf, math.inf]
+    for _ in range(5):
+        for i, base in enumerate(loaders):
+            for _ in range(args.warmup):
+                base.next_host()
+            t0 = time.perf_counter()
+            for _ in range(args.prod_steps):
+                base.next_host()
+            best[i] = min(best[i], (time.perf_counter() - t0) / args.prod_steps)
+    return 1e6 * best[0], 1e6 * best[1]
+
+
 # ---------------------------------------------------------------------------------------- report
 
 def machine_lines(device: torch.device, consumer: Consumer) -> list[str]:
@@ -367,6 +396,8 @@ def main() -> int:
                 for kind, data_dir in (("stream", stream_dir), ("shuffled", shuffled_dir)):
                     for rank in range(WORLD_SIZE):
                         all_ranks.append((kind, rank, production_rate(kind, data_dir, device, rank, args)))
+        host_reads = {kind: host_read_us(kind, data_dir, args)
+                      for kind, data_dir in (("stream", stream_dir), ("shuffled", shuffled_dir))}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -386,6 +417,12 @@ def main() -> int:
           f"4*B*(L+1) = {4 * BATCH_SEQS * (SEQ_LEN + 1):,}) vs the record's int64 x and y = 2*8*n = "
           f"{record_bytes:,} bytes ({record_bytes / (4 * (LOCAL_TOKENS + 1)):.1f}x more)"
           + ("; on CPU there is no copy, the widening to int64 happens in host memory" if device.type == "cpu" else ""))
+    print()
+    for kind, data_dir in (("stream", stream_dir), ("shuffled", shuffled_dir)):
+        off, on = host_reads[kind]
+        print(f"host reads ({kind}, rank 0, next_host only): {off:.1f} us/batch without the VOCAB_SIZE check, "
+              f"{on:.1f} us with it ({on - off:+.1f} us, {100.0 * (on - off) / (1000.0 * args.step_ms):+.3f}% "
+              f"of the {args.step_ms:g} ms step)")
     if args.all_ranks:
         print()
         print("| loader | rank | plain tokens/s |")

@@ -77,4 +77,4 @@ for seed in "$@"; do
   echo "run_seeds: wrote $folder/train_seed${seed}.log" >&2
 done
 
-echo "run_seeds: done; next: python scripts/make_record.py $folder && python scripts/check_record.py $folder" >&2
+echo "run_seeds: done; next: python scripts/make_record.py $folder && python scripts/check_record.py $folder --sota-bpb <current record bpb>" >&2

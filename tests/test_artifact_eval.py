@@ -399,14 +399,14 @@ def test_artifact_round_trip_and_fresh_process_eval(tiny_env, monkeypatch, tmp_p
     h = hparams(monkeypatch, MODEL_DIM=128, MLP_MULT=5)
     model = perturbed_model(h, seed=11, scale=0.02, bank_scale=0.6)
     path = tmp_path / "model.int6.ptz"
-    size = tg.save_artifact(str(path), model)
+    size = tg.save_artifact(str(path), model, late_qat=False)
     assert size == path.stat().st_size
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.int6.ptz"]  # no temporary left behind
     blob = path.read_bytes()
     payload = lzma.decompress(blob)
     assert lzma.compress(payload, preset=6) == blob  # lzma, preset 6
     obj = torch.load(io.BytesIO(payload), map_location="cpu")
-    assert set(obj) == {"w", "m"}
+    assert set(obj) == {"w", "m", "late_qat"} and obj["late_qat"] is False
     kinds = set(classify(obj["m"]).values())
     assert kinds == {"int6", "int8", "passthrough"}, kinds
     assert classify(obj["m"])["blocks.0.mlp.fc.weight"] == "int6"
@@ -636,7 +636,7 @@ def trained_run(run_env, tmp_path_factory):
     """One full tiny CPU run (4 training steps, TTT on)."""
     cwd = tmp_path_factory.mktemp("trained")
     code_bytes = len(SCRIPT.read_bytes())
-    proc = run_training({**run_env, "RUN_ID": "trained"}, cwd)
+    proc = run_training({**run_env, "RUN_ID": "trained", "LATE_QAT_THRESHOLD": "0.6"}, cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"cwd": cwd, "log": read_log(cwd, "trained"), "code_bytes": code_bytes, "proc": proc}
 
@@ -706,17 +706,37 @@ def test_two_processes_evaluate_like_one(run_env, tmp_path):
 
 
 def test_eval_only_reproduces_the_training_run(trained_run, run_env, tmp_path):
+    """All three results, legal TTT included: the artifact records that late QAT was on at the end of
+    training (trained_run switches it on at step 3), and EVAL_ONLY's TTT trains with it as the run did."""
+    assert "late_qat:enabled step:3" in trained_run["log"]
     artifact = trained_run["cwd"] / "final_model.int6.ptz"
-    proc = run_training({**run_env, "RUN_ID": "evalonly", "EVAL_ONLY": str(artifact), "TTT_ENABLED": "0",
-                         "ITERATIONS": "1000"}, tmp_path)
+    proc = run_training({**run_env, "RUN_ID": "evalonly", "EVAL_ONLY": str(artifact), "ITERATIONS": "1000"},
+                        tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     tail = run_output(read_log(tmp_path, "evalonly"))
     assert not re.search(r"^step:", tail, re.M) and "warmup_step" not in tail
     assert "Serialized model" not in tail and not (tmp_path / "final_model.int6.ptz").exists()
     assert f"eval_only artifact:{artifact} bytes:{artifact.stat().st_size}" in tail
-    for label in ("final_int6_roundtrip", "final_int6_sliding_window"):
+    assert "late_qat:1" in tail
+    for label in ("final_int6_roundtrip", "final_int6_sliding_window", "legal_ttt"):
         assert _exact_line(tail, label) == _exact_line(trained_run["log"], label)
-    assert "legal_ttt" not in tail
+
+
+def test_late_qat_changes_what_ttt_learns(ttt_setup):
+    """Why the artifact carries the late-QAT flag: TTT trains through the fake-quantised small projections
+    when it is on, so its result differs from TTT without it (bigram and value-embedding paths made strong
+    enough here that the int6 rounding of their projections shows in bf16)."""
+    h, val, luts = ttt_setup["h"], ttt_setup["val"][:2 * TTT_CHUNK + 1], ttt_setup["luts"]
+    init = {k: v.clone() for k, v in ttt_setup["init"].items()}
+    init["bigram.scale"].fill_(1.0)
+    init["ve_shared.scale"].fill_(1.0)
+    results = []
+    for qat in (False, True):
+        model = tg.build_model(h)
+        model.load_state_dict(init, strict=True)
+        model.set_qat(qat)
+        results.append(tg.eval_ttt(cpu_runtime(h), model, model.forward_logits, model, val, luts))
+    assert results[0] != results[1]
 
 
 def _lzma_garbage(path: Path) -> None:

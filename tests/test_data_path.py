@@ -71,8 +71,9 @@ def set_env(monkeypatch, base: dict | None = None, **over) -> None:
 
 
 def loader_env(data_dir: Path, **over) -> dict:
+    # make_shards' ids run past 1024 (each id names its position); the loaders check ids < VOCAB_SIZE.
     env = {"DATA_PATH": str(data_dir), "TRAIN_SEQ_LEN": SEQ, "EVAL_SEQ_LEN": SEQ, "TRAIN_BATCH_TOKENS": 8 * LOCAL,
-           "VAL_BATCH_SIZE": 64 * SEQ, "EVAL_STRIDE": SEQ, "SEED": 1337}
+           "VAL_BATCH_SIZE": 64 * SEQ, "EVAL_STRIDE": SEQ, "SEED": 1337, "VOCAB_SIZE": 2**16}
     env.update(over)
     return env
 
@@ -373,10 +374,11 @@ def _truncation_data(tmp_path: Path, sample_data) -> tuple[Path, dict, np.ndarra
     return data, env, train0
 
 
-def _assert_one_line_shard_error(stderr: str) -> None:
+def _assert_one_line_shard_error(stderr: str, pattern: str = r"error: shard .*/fineweb_train_000001\.bin: "
+                                                              r"size mismatch: .*") -> None:
     assert "Traceback" not in stderr, stderr[-3000:]
     last = [line for line in stderr.splitlines() if line.strip()][-1]
-    assert re.fullmatch(r"error: shard .*/fineweb_train_000001\.bin: size mismatch: .*", last), last
+    assert re.fullmatch(pattern, last), last
 
 
 def test_truncated_shard_at_start_stops_before_training(tmp_path, sample_data):
@@ -430,6 +432,148 @@ def test_empty_train_shards_do_not_hang(tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail("the stream loader spins forever on train shards without tokens")
     assert proc.returncode == 0 and "config-error" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------- 4b. shards changed or not shards
+
+HEADER_BYTES = 256 * 4
+
+
+def draw_until_error(loader, limit: int = 1000) -> tuple[list, Exception]:
+    """Batches until the loader raises (under a watchdog); returns (the batches, the error)."""
+    got = []
+
+    def consume():
+        for _ in range(limit):
+            got.append(loader.next_batch())
+
+    try:
+        call_with_timeout(consume)
+    except Exception as e:  # the error under test
+        return got, e
+    pytest.fail(f"no error within {limit} batches")
+
+
+def assert_windows_of_positions(batches) -> None:
+    """Shuffled batches over make_shards' first shard (id = position): each row is an intact window."""
+    for x, y in batches:
+        w = torch.cat([x, y[:, -1:]], dim=1).numpy()
+        assert np.array_equal(w, w[:, :1] + np.arange(SEQ + 1))
+
+
+@pytest.mark.parametrize("loader_kind", ["stream", "shuffled"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_shard_truncated_while_in_use_is_a_one_line_error(tmp_path, monkeypatch, loader_kind, prefetch):
+    """Cutting short the shard being read killed a memory-mapped run with SIGBUS (exit 135, no message):
+    the loader must raise a one-line ConfigError naming the file, through the prefetch thread too."""
+    (shard,) = make_shards(tmp_path, (3000,))
+    path = tmp_path / "fineweb_train_000000.bin"
+    before = prefetch_threads()
+    rt = cpu_runtime(monkeypatch, **loader_env(tmp_path, TRAIN_LOADER=loader_kind, TRAIN_PREFETCH=prefetch))
+    loader = tg.make_train_loader(rt)
+    keep = 1500
+    try:
+        assert isinstance(loader, tg.PrefetchingDistributedTokenLoader) == bool(prefetch)
+        got = [call_with_timeout(loader.next_batch)]
+        os.truncate(path, HEADER_BYTES + 2 * keep)
+        more, err = draw_until_error(loader)
+        got += more
+    finally:
+        loader.shutdown()
+    assert type(err) is tg.ConfigError, repr(err)
+    assert re.fullmatch(rf"shard {re.escape(str(path))}: truncated while in use \([^\n]*\)", str(err)), str(err)
+    assert prefetch_threads() - before == set()
+    if loader_kind == "stream":  # every batch before the cut comes out, in order; the one past it fails
+        want = spec_stream_batches([shard], 1, 0, LOCAL, SEQ, keep // (LOCAL + 1))
+        assert_same_batches(got, [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in want], "before the cut")
+    else:
+        assert_windows_of_positions(got)
+
+
+def test_shard_truncated_in_use_mid_training_exits_2_with_one_line(tmp_path, sample_data):
+    """End to end: shard 0 is cut short while the run reads it (valid at start)."""
+    data, env, train0 = _truncation_data(tmp_path, sample_data)
+    shard0 = data / "fineweb_train_000000.bin"
+    per_step = 8 * (1024 // 8 + 1)
+    full = {**clean_environ(), **env, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py")], cwd=tmp_path, env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = []
+        for line in proc.stdout:  # the stream is within step 2 here (prefetch runs a few micro-steps ahead)
+            out.append(line)
+            if line.startswith("step:1/1000 train_loss:"):
+                os.truncate(shard0, HEADER_BYTES + 2 * 3 * per_step)  # room for 3 steps of 6
+                break
+        rest, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stdout = "".join(out) + rest
+    assert proc.returncode == 2, f"exit {proc.returncode} (135 or -7: SIGBUS): {stderr[-3000:]}"
+    assert re.search(r"^step:3/1000 train_loss:", stdout, re.M), stdout[-2000:]
+    _assert_one_line_shard_error(stderr, r"error: shard .*/fineweb_train_000000\.bin: truncated while in use \(.*\)")
+
+
+@pytest.mark.parametrize("loader_kind", ["stream", "shuffled"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_train_token_past_vocab_is_a_one_line_error(tmp_path, monkeypatch, loader_kind, prefetch):
+    """Train ids >= VOCAB_SIZE went unnoticed until an embedding lookup crashed; each span read is checked."""
+    rng = np.random.default_rng(0)
+    shards = [rng.integers(0, 1024, 500), rng.integers(0, 1024, 700)]
+    shards[1][300] = 1500  # stream position 800
+    for i, toks in enumerate(shards):
+        write_shard(tmp_path / f"fineweb_train_{i:06d}.bin", toks)
+    rt = cpu_runtime(monkeypatch, **loader_env(tmp_path, TRAIN_LOADER=loader_kind, TRAIN_PREFETCH=prefetch,
+                                               VOCAB_SIZE=1024))
+    loader = tg.make_train_loader(rt)
+    try:
+        got, err = draw_until_error(loader)
+    finally:
+        loader.shutdown()
+    assert type(err) is tg.ConfigError, repr(err)
+    assert str(err) == f"shard {tmp_path / 'fineweb_train_000001.bin'}: token id 1500 >= VOCAB_SIZE=1024"
+    if loader_kind == "stream":
+        want = spec_stream_batches(shards, 1, 0, LOCAL, SEQ, 800 // (LOCAL + 1))
+        assert_same_batches(got, [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in want], "before the bad id")
+    else:
+        assert all(int(x.max()) < 1024 and int(y.max()) < 1024 for x, y in got)
+
+
+def test_train_token_past_vocab_stops_the_run_with_one_line(tmp_path, sample_data):
+    data, env, train0 = _truncation_data(tmp_path, sample_data)
+    bad = train0[:6 * 8 * 129 + 50].copy()
+    bad[200] = 1024  # in the second micro-batch of the first (warmup) step
+    write_shard(data / "fineweb_train_000000.bin", bad)
+    proc = run_training(env, tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    _assert_one_line_shard_error(proc.stderr,
+                                 r"error: shard .*/fineweb_train_000000\.bin: token id 1024 >= VOCAB_SIZE=1024")
+
+
+def test_non_regular_shards_are_refused_without_hanging(tmp_path, monkeypatch):
+    """open() of a FIFO blocks until a writer comes: a FIFO shard hung the run. Refused before opening."""
+    make_shards(tmp_path, (400,))
+    fifo = tmp_path / "fineweb_train_000001.bin"
+    os.mkfifo(fifo)
+    want = rf"^shard {re.escape(str(fifo))}: not a regular file$"
+    with pytest.raises(tg.ConfigError, match=want):
+        call_with_timeout(lambda: tg.read_shard_header(fifo), timeout=10)
+    for kind in ("stream", "shuffled"):
+        rt = cpu_runtime(monkeypatch, **loader_env(tmp_path, TRAIN_LOADER=kind, TRAIN_PREFETCH=1))
+        with pytest.raises(tg.ConfigError, match=want):
+            call_with_timeout(lambda: tg.make_train_loader(rt), timeout=10)
+    val_fifo = tmp_path / "fineweb_val_000000.bin"
+    os.mkfifo(val_fifo)
+    with pytest.raises(tg.ConfigError, match=rf"^shard {re.escape(str(val_fifo))}: not a regular file$"):
+        call_with_timeout(lambda: tg.load_validation_tokens(str(tmp_path / "fineweb_val_*.bin"), SEQ, 2**16),
+                          timeout=10)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(tg.ConfigError, match=r"dir: not a regular file$"):
+        tg.read_shard_header(tmp_path / "dir")
+    # A symlink to a regular shard is a shard.
+    os.symlink(tmp_path / "fineweb_train_000000.bin", tmp_path / "link.bin")
+    assert tg.read_shard_header(tmp_path / "link.bin") == 400
 
 
 # ------------------------------------------------------------------------------- 5. shutdown

@@ -12,7 +12,11 @@ README = (REPO / "README.md").read_text(encoding="utf-8")
 
 def env_vars_read_by_script() -> set[str]:
     src = SCRIPT.read_text(encoding="utf-8")
-    return set(re.findall(r'_env(?:_int_list)?\("([A-Z0-9_]+)"', src)) - {"RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    return set(re.findall(r'_env(?:_int_list)?\("([A-Z0-9_]+)"', src)) - TORCHRUN_VARS
+
+
+# Set by torchrun, not by users.
+TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
 def readme_table() -> dict[str, str]:

@@ -69,7 +69,7 @@ def test_default_model_matches_the_record(monkeypatch):
     n = 11
     assert torch.count_nonzero(sd["qo_bank"][n:]) == 0 and torch.count_nonzero(sd["mlp_down_bank"]) == 0
     q0 = sd["qo_bank"][0]
-    assert torch.allclose(q0 @ q0.T, torch.eye(512), atol=1e-4)
+    assert torch.allclose(q0 @ q0.T, torch.eye(512), atol=1e-2)  # orthogonal up to the bf16 rounding of the init
     assert torch.all(sd["blocks.0.attn.q_gain"] == 1.5)
     assert torch.count_nonzero(sd["bigram.embed.weight"]) == 0
 
@@ -130,6 +130,19 @@ def test_shard_errors_name_the_file_and_problem(tmp_path):
     (tmp_path / "short.bin").write_bytes(b"\x00" * 100)
     with pytest.raises(tg.ConfigError, match=r"short\.bin: file is 100 bytes, shorter than the 1024-byte header"):
         tg.read_shard_header(tmp_path / "short.bin")
+
+
+def test_missing_train_shards_say_how_to_get_data(tmp_path):
+    with pytest.raises(tg.ConfigError) as err:
+        tg.list_shards(str(tmp_path / "fineweb_train_*.bin"))
+    msg = str(err.value)
+    assert "\n" not in msg
+    commands = {"python3 data/build_sample_data.py": "data/build_sample_data.py",
+                "bash scripts/sample_run.sh": "scripts/sample_run.sh",
+                "python3 data/cached_challenge_fineweb.py --variant sp1024": "data/cached_challenge_fineweb.py"}
+    for command, script in commands.items():
+        assert command in msg, msg
+        assert (REPO / script).is_file(), script  # the hint names scripts that exist
 
 
 def test_bad_shard_stops_the_run_with_one_line(tmp_path, sample_data):
