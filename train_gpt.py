@@ -1,10 +1,7 @@
-"""Parameter Golf training script: 11-layer GPT, LeakyReLU^2 MLP, Parallel Muon, int6+lzma artifact,
-legal score-first test-time training, and a prefetching data path.
+"""Parameter Golf: 11-layer GPT, LeakyReLU^2 MLP, Parallel Muon, int6+lzma artifact, legal score-first TTT.
 
-Run:  torchrun --standalone --nproc_per_node=8 train_gpt.py
-Every knob is an environment variable, read in one place (`Hyperparameters`). The defaults reproduce the
-2026-03-23 record "LeakyReLU^2 + legal score-first TTT + Parallel Muon"; improvements sit behind toggles.
-Sections, in pipeline order: config, data, model, optimiser, training, artifact, evaluation, main.
+Run: torchrun --standalone --nproc_per_node=8 train_gpt.py   (settings: environment variables, see --help)
+Defaults reproduce the 2026-03-23 record; improvements sit behind toggles. Sections in pipeline order.
 """
 
 from __future__ import annotations
@@ -35,23 +32,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-# =====================================================================================================
+# ==================================================
 # CONFIG
-# =====================================================================================================
+# ==================================================
 
 SIZE_CAP_BYTES = 16_000_000  # the competition's artifact cap: compressed model + code, decimal bytes
-
-
-class ConfigError(ValueError):
-    """A bad setting or input; the message names the environment variable (or file) and what is wrong."""
-
-
 GET_DATA = ("build the offline sample: python3 data/build_sample_data.py && bash scripts/sample_run.sh; "
             "or download FineWeb: python3 data/cached_challenge_fineweb.py --variant sp1024")
 
 
+class ConfigError(ValueError):
+    """A bad setting or input (exit 2); the message names the variable or file and what is wrong."""
+
+
 class RunError(RuntimeError):
-    """A run that cannot go on (diverged training, a failed evaluation); the message says where."""
+    """A run that cannot go on, e.g. diverged training (exit 1)."""
 
 
 class Hyperparameters:
@@ -61,7 +56,7 @@ class Hyperparameters:
     against the real world size before any work starts. `Hyperparameters({})` gives the defaults.
     """
 
-    def __init__(self, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, environ=None):
         self._environ = os.environ if environ is None else environ
         self.settings: list[tuple[str, str]] = []  # (name, default) of every variable read, for --help
         # ---- run and data
@@ -166,7 +161,7 @@ class Hyperparameters:
         self.dist_timeout_seconds = self._env("DIST_TIMEOUT_SECONDS", 600.0, float)
         self._validate()
 
-    def _env(self, name: str, default, kind=int):
+    def _env(self, name, default, kind=int):
         """Read one environment variable as `kind` (int, float, str or bool '0'/'1'); floats must be finite."""
         self.settings.append((name, {None: "auto", "": "-", True: "1", False: "0"}.get(default, str(default))))
         raw = self._environ.get(name, "").strip()
@@ -186,38 +181,38 @@ class Hyperparameters:
             raise ConfigError(f"{name}={raw!r} must be a finite number")
         return value
 
-    def _env_int_list(self, name: str, default: str) -> list[int]:
+    def _env_int_list(self, name, default):
         raw = self._env(name, default, str)
         try:
             return [int(v) for v in raw.split(",") if v.strip() != ""]
         except ValueError:
             raise ConfigError(f"{name}={raw!r} must be a comma-separated list of integers") from None
 
-    # Derived values -------------------------------------------------------------------------------
+    # Derived values
     @property
-    def train_files(self) -> str:
+    def train_files(self):
         return os.path.join(self.data_path, "fineweb_train_*.bin")
 
     @property
-    def val_files(self) -> str:
+    def val_files(self):
         return os.path.join(self.data_path, "fineweb_val_*.bin")
 
     @property
-    def grad_accum_steps(self) -> int:
+    def grad_accum_steps(self):
         if self.grad_accum_override > 0:
             return self.grad_accum_override
         return 8 // self.world_size if self.world_size <= 8 else 1
 
     @property
-    def mlp_hidden(self) -> int:
+    def mlp_hidden(self):
         return int(self.mlp_mult * self.model_dim)
 
     @property
-    def head_dim(self) -> int:
+    def head_dim(self):
         return self.model_dim // self.num_heads
 
     @property
-    def profile_range(self) -> tuple[int, int] | None:
+    def profile_range(self):
         try:
             a, b = (int(v) for v in self.profile_steps.split(":"))
         except ValueError:
@@ -225,51 +220,39 @@ class Hyperparameters:
         return (a, b) if 0 < a < b else None
 
     @property
-    def max_wallclock_ms(self) -> float | None:
+    def max_wallclock_ms(self):
         return 1000.0 * self.max_wallclock_seconds if self.max_wallclock_seconds > 0 else None
 
-    def _validate(self) -> None:
-        def need(ok: bool, msg: str) -> None:
+    def _validate(self):
+        def need(ok, msg):
             if not ok:
                 raise ConfigError(msg)
 
-        for name in ("ITERATIONS", "WARMUP_STEPS", "WARMDOWN_ITERS", "VAL_LOSS_EVERY", "TRAIN_LOG_EVERY",
-                     "GRAD_ACCUM_STEPS", "XSA_LAST_N", "ROPE_DIMS", "BIGRAM_VOCAB_SIZE", "EVAL_STRIDE",
-                     "TTT_EPOCHS", "TTT_FREEZE_BLOCKS", "MUON_MOMENTUM_WARMUP_STEPS", "RANK", "LOCAL_RANK"):
-            need(getattr(self, self._attr(name)) >= 0, f"{name}={getattr(self, self._attr(name))} must be >= 0")
-        for name in ("TRAIN_BATCH_TOKENS", "TRAIN_SEQ_LEN", "EVAL_SEQ_LEN", "VAL_BATCH_SIZE", "VOCAB_SIZE",
-                     "NUM_LAYERS", "MODEL_DIM", "NUM_HEADS", "NUM_KV_HEADS", "MUON_BACKEND_STEPS",
-                     "BIGRAM_DIM", "VE_DIM", "SWA_EVERY", "EVAL_BATCH_SEQS", "TTT_CHUNK_TOKENS",
-                     "TTT_BATCH_SEQS", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "DIST_TIMEOUT_SECONDS"):
-            need(getattr(self, self._attr(name)) > 0, f"{name}={getattr(self, self._attr(name))} must be > 0")
-        for name in ("MLP_MULT", "LOGIT_SOFTCAP", "QK_GAIN_INIT"):
-            need(getattr(self, self._attr(name)) > 0, f"{name}={getattr(self, self._attr(name))} must be > 0")
+        for names, ok, rule in (
+                ("ITERATIONS WARMUP_STEPS WARMDOWN_ITERS VAL_LOSS_EVERY TRAIN_LOG_EVERY GRAD_ACCUM_STEPS XSA_LAST_N "
+                 "ROPE_DIMS BIGRAM_VOCAB_SIZE EVAL_STRIDE TTT_EPOCHS TTT_FREEZE_BLOCKS MUON_MOMENTUM_WARMUP_STEPS "
+                 "RANK LOCAL_RANK OMP_NUM_THREADS VAL_PROGRESS_LOG_EVERY MAX_WALLCLOCK_SECONDS EMBED_LR HEAD_LR "
+                 "TIED_EMBED_LR MATRIX_LR SCALAR_LR MUON_WD ADAM_WD GRAD_CLIP_NORM TTT_LR TTT_GRAD_CLIP ADAM_EPS "
+                 "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD", lambda v: v >= 0, ">= 0"),
+                ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
+                 "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
+                 "TTT_CHUNK_TOKENS TTT_BATCH_SEQS WORLD_SIZE LOCAL_WORLD_SIZE DIST_TIMEOUT_SECONDS MLP_MULT "
+                 "LOGIT_SOFTCAP QK_GAIN_INIT TRAIN_PREFETCH_QUEUE TRAINING_TIMING_EVERY", lambda v: v > 0, "> 0"),
+                ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM", lambda v: 0 <= v < 1,
+                 "in [0, 1)")):
+            for name in names.split():
+                v = getattr(self, self._attr(name))
+                need(ok(v), f"{name}={v} must be {rule}")
+        for name, choices in (("DEVICE", ("", "cpu", "cuda")), ("TRAIN_LOADER", ("stream", "shuffled")),
+                              ("VAL_BYTECOUNT_DEVICE", ("cpu", "cuda")), ("AUTOCAST_DTYPE", ("auto", "bf16", "fp32"))):
+            v = getattr(self, name.lower())
+            need(v in choices, f"{name}={v!r} must be {' or '.join(c for c in choices if c)}")
         need(self.rope_base > 1, f"ROPE_BASE={self.rope_base} must be > 1")
         need(0 <= self.seed < 2**32, f"SEED={self.seed} must be in [0, 2^32)")
-        need(self.omp_num_threads >= 0, f"OMP_NUM_THREADS={self.omp_num_threads} must be >= 0")
         need(self.run_id not in (".", "..") and not any(c in self.run_id for c in "/\\\0"),
-             f"RUN_ID={self.run_id!r} must be a plain file name (no path separators): the log is logs/$RUN_ID.txt")
-        need(self.autocast_dtype in ("auto", "bf16", "fp32"),
-             f"AUTOCAST_DTYPE={self.autocast_dtype!r} must be auto, bf16 or fp32")
-        if self.eval_only:
-            need(os.path.isfile(self.eval_only), f"EVAL_ONLY={self.eval_only}: no such artifact file")
-        for name in ("MAX_WALLCLOCK_SECONDS", "EMBED_LR", "HEAD_LR", "TIED_EMBED_LR", "MATRIX_LR", "SCALAR_LR",
-                     "MUON_WD", "ADAM_WD", "GRAD_CLIP_NORM", "TTT_LR", "TTT_GRAD_CLIP", "ADAM_EPS",
-                     "TIED_EMBED_INIT_STD", "LATE_QAT_THRESHOLD"):
-            need(getattr(self, self._attr(name)) >= 0, f"{name}={getattr(self, self._attr(name))} must be >= 0")
-        for name in ("MUON_MOMENTUM", "MUON_MOMENTUM_WARMUP_START", "BETA1", "BETA2", "EMA_DECAY", "TTT_MOMENTUM"):
-            v = getattr(self, self._attr(name))
-            need(0 <= v < 1, f"{name}={v} must be in [0, 1)")
-        need(self.device in ("", "cpu", "cuda"), f"DEVICE={self.device!r} must be cpu or cuda")
-        need(self.train_loader in ("stream", "shuffled"),
-             f"TRAIN_LOADER={self.train_loader!r} must be stream or shuffled")
-        need(self.train_prefetch_queue >= 1, f"TRAIN_PREFETCH_QUEUE={self.train_prefetch_queue} must be >= 1")
-        need(self.val_bytecount_device in ("cpu", "cuda"),
-             f"VAL_BYTECOUNT_DEVICE={self.val_bytecount_device!r} must be cpu or cuda")
-        need(self.val_progress_log_every >= 0, f"VAL_PROGRESS_LOG_EVERY={self.val_progress_log_every} must be >= 0")
-        need(self.training_timing_every > 0, f"TRAINING_TIMING_EVERY={self.training_timing_every} must be > 0")
-        need(self.profile_range is not None,
-             f"PROFILE_STEPS={self.profile_steps!r} must be START:END with 0 < START < END (training steps)")
+             f"RUN_ID={self.run_id!r} must be a plain file name (the log is logs/$RUN_ID.txt)")
+        need(not self.eval_only or os.path.isfile(self.eval_only), f"EVAL_ONLY={self.eval_only}: no such artifact file")
+        need(self.profile_range is not None, f"PROFILE_STEPS={self.profile_steps!r} must be START:END, 0 < START < END")
         need(self.model_dim % self.num_heads == 0,
              f"NUM_HEADS={self.num_heads} must divide MODEL_DIM={self.model_dim}")
         need(self.num_heads % self.num_kv_heads == 0,
@@ -277,6 +260,8 @@ class Hyperparameters:
         need(self.head_dim % 2 == 0, f"MODEL_DIM/NUM_HEADS={self.head_dim} must be even for rotary embeddings")
         need(self.rope_dims % 2 == 0 and self.rope_dims <= self.head_dim,
              f"ROPE_DIMS={self.rope_dims} must be even and <= head dim {self.head_dim} (0 = full head dim)")
+        need((self.rope_dims or self.head_dim) > 2 or max(self.train_seq_len, self.eval_seq_len) <= 1024,
+             f"ROPE_DIMS={self.rope_dims}: NTK scaling beyond 1024 tokens needs >= 4 rotated dims")
         need(self.mlp_hidden > 0, f"MLP_MULT={self.mlp_mult} gives an empty MLP")
         need(self.xsa_last_n <= self.num_layers, f"XSA_LAST_N={self.xsa_last_n} exceeds NUM_LAYERS={self.num_layers}")
         need(self.bigram_vocab_size != 1, "BIGRAM_VOCAB_SIZE=1 leaves no hash bucket (use 0 to disable, or >= 2)")
@@ -303,25 +288,17 @@ class Hyperparameters:
              f"per rank and micro-step (world_size {self.world_size} x grad_accum {self.grad_accum_steps})")
         need(self.eval_stride <= self.eval_seq_len,
              f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
-        rope = self.rope_dims or self.head_dim
-        need(rope > 2 or max(self.train_seq_len, self.eval_seq_len) <= 1024,
-             f"ROPE_DIMS={self.rope_dims} (head dim {self.head_dim}): NTK scaling beyond 1024 tokens needs >= 4 "
-             "rotated dims")
         if self.ttt_enabled:
-            need(self.eval_stride > 0, "TTT_ENABLED=1 needs EVAL_STRIDE > 0 (TTT scores sliding windows); "
-                                       "set TTT_ENABLED=0 to skip TTT")
+            need(self.eval_stride > 0, "TTT_ENABLED=1 needs EVAL_STRIDE > 0 (TTT scores sliding windows)")
             need(self.ttt_chunk_tokens >= self.eval_seq_len,
-                 f"TTT_CHUNK_TOKENS={self.ttt_chunk_tokens} is shorter than EVAL_SEQ_LEN={self.eval_seq_len}: "
-                 "TTT would never train on a whole sequence")
+                 f"TTT_CHUNK_TOKENS={self.ttt_chunk_tokens} is shorter than EVAL_SEQ_LEN={self.eval_seq_len}")
         if self.swa_apply:
             need(self.swa_enabled, "SWA_APPLY=1 needs SWA_ENABLED=1 (the snapshots it averages)")
-            need(self.swa_snapshot_possible(),
-                 f"SWA_APPLY=1 but no SWA snapshot would be taken: the LR scale is never < 0.2 on a multiple of "
-                 f"SWA_EVERY={self.swa_every} within ITERATIONS={self.iterations} (WARMDOWN_ITERS={self.warmdown_iters})")
+            need(self.swa_snapshot_possible(), f"SWA_APPLY=1 but no SWA snapshot would be taken (no step with LR "
+                                               f"scale < 0.2 on a multiple of SWA_EVERY={self.swa_every})")
 
-    def swa_snapshot_possible(self) -> bool:
-        """Whether SWA can collect a snapshot. Exact without a wallclock cap (the schedule is by step);
-        under a cap the warmdown is timed, so only a warmdown at all can be checked before training."""
+    def swa_snapshot_possible(self):
+        """Exact without a wallclock cap; under one the warmdown is timed, so only its presence is checked."""
         if self.warmdown_iters <= 0:
             return False
         if self.max_wallclock_ms is not None:
@@ -331,13 +308,13 @@ class Hyperparameters:
                    for s in range(start, self.iterations))
 
     @staticmethod
-    def _attr(env_name: str) -> str:
+    def _attr(env_name):
         return {"GRAD_ACCUM_STEPS": "grad_accum_override"}.get(env_name, env_name.lower())
 
 
-# =====================================================================================================
+# ==================================================
 # DATA
-# =====================================================================================================
+# ==================================================
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -345,16 +322,14 @@ SHARD_HEADER_INTS = 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
 
 
-def _open_shard(path: Path) -> tuple[int, int]:
-    """Open a shard and validate its header and size; return (file descriptor, token count)."""
+def _open_shard(path):
+    """Open and validate a shard; return (fd, token count)."""
+    fd = -1
     try:
-        # open() of a FIFO blocks until a writer appears (and a device may never end): refuse those first.
+        # open() of a FIFO would block: refuse non-regular files first.
         if not stat.S_ISREG(os.stat(path).st_mode):
             raise ConfigError(f"shard {path}: not a regular file")
         fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise ConfigError(f"shard {path}: cannot read ({e.strerror})") from None
-    try:
         size = os.fstat(fd).st_size
         raw = os.pread(fd, SHARD_HEADER_BYTES, 0)
         if len(raw) < SHARD_HEADER_BYTES:
@@ -370,35 +345,34 @@ def _open_shard(path: Path) -> tuple[int, int]:
             raise ConfigError(f"shard {path}: size mismatch: header says {num_tokens} tokens "
                               f"({expected} bytes) but the file has {size} bytes")
     except BaseException as e:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         if isinstance(e, OSError):
             raise ConfigError(f"shard {path}: cannot read ({e.strerror})") from None
         raise
     return fd, num_tokens
 
 
-def read_shard_header(path: str | Path) -> int:
-    """Validate a shard's header and size; return its token count. Errors name the file."""
+def read_shard_header(path):
+    """Validate a shard; return its token count."""
     fd, num_tokens = _open_shard(Path(path))
     os.close(fd)
     return num_tokens
 
 
 class ShardReader:
-    """One validated shard, kept open and read with pread. Not a memory map: a map turns a file cut short
-    while in use into SIGBUS (the run dies without a word); here a short read is a ConfigError naming the
-    file. With vocab_size set, every range read is checked for ids >= vocab_size (a numpy max over what was
-    just read, in whichever thread reads: the prefetch thread when there is one)."""
+    """A validated shard read with pread: a file cut short in use is a ConfigError naming it, where a memory
+    map would die of SIGBUS. With vocab_size set, token ids are checked."""
 
-    def __init__(self, path: str | Path, vocab_size: int | None = None) -> None:
+    def __init__(self, path, vocab_size=None):
         self.path, self.vocab_size, self.fd = Path(path), vocab_size, -1
         self.fd, self.num_tokens = _open_shard(self.path)
 
-    def _pread(self, start: int, count: int) -> bytes:
+    def _pread(self, start, count):
         nbytes, offset = 2 * count, SHARD_HEADER_BYTES + 2 * start
         try:
             data = os.pread(self.fd, nbytes, offset)
-            while len(data) < nbytes:  # a read may return less than asked; an empty one is the file's end
+            while len(data) < nbytes:  # reads may come up short; an empty one is EOF
                 more = os.pread(self.fd, nbytes - len(data), offset + len(data))
                 if not more:
                     raise ConfigError(f"shard {self.path}: truncated while in use (tokens {start}..{start + count} "
@@ -409,36 +383,33 @@ class ShardReader:
             raise ConfigError(f"shard {self.path}: cannot read ({e.strerror})") from None
         return data
 
-    def _check(self, tokens: np.ndarray) -> None:
+    def _check(self, tokens):
         if self.vocab_size is not None and tokens.size and int(tokens.max()) >= self.vocab_size:
             raise ConfigError(f"shard {self.path}: token id {int(tokens.max())} >= VOCAB_SIZE={self.vocab_size}")
 
-    def read(self, start: int, count: int) -> np.ndarray:
-        """Tokens [start, start+count) as little-endian uint16 (read-only: a view of the bytes read)."""
+    def read(self, start, count):
         tokens = np.frombuffer(self._pread(start, count), dtype="<u2")
         self._check(tokens)
         return tokens
 
-    def read_windows(self, starts: np.ndarray, width: int) -> np.ndarray:
-        """(len(starts), width) uint16 rows, row i = tokens [starts[i], starts[i]+width): one pread each."""
+    def read_windows(self, starts, width):
         out = np.empty((len(starts), width), dtype=np.uint16)
         for row, s in zip(out, starts.tolist()):
             row[:] = np.frombuffer(self._pread(s, width), dtype="<u2")
         self._check(out)
         return out
 
-    def close(self) -> None:
+    def close(self):
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
-    def __del__(self) -> None:
+    def __del__(self):
         with contextlib.suppress(Exception):  # at interpreter exit `os` may already be gone
             self.close()
 
 
-def load_shard(path: str | Path) -> np.ndarray:
-    """A validated shard's tokens, read into memory as little-endian uint16."""
+def load_shard(path):
     reader = ShardReader(path)
     try:
         return reader.read(0, reader.num_tokens)
@@ -446,7 +417,7 @@ def load_shard(path: str | Path) -> np.ndarray:
         reader.close()
 
 
-def list_shards(pattern: str) -> list[str]:
+def list_shards(pattern):
     files = sorted(glob.glob(pattern))
     if not files:
         raise ConfigError(f"DATA_PATH: no files match {pattern}; to get data, {GET_DATA}")
@@ -454,21 +425,19 @@ def list_shards(pattern: str) -> list[str]:
 
 
 class TokenStream:
-    """One endless stream over the sorted shards, wrapping to the first after the last."""
+    """One endless stream over the sorted shards, wrapping after the last."""
 
-    def __init__(self, files: list[str], vocab_size: int | None = None) -> None:
+    def __init__(self, files, vocab_size=None):
         if sum(read_shard_header(f) for f in files) == 0:
             raise ConfigError(f"DATA_PATH: the {len(files)} train shards ({files[0]} ...) hold no tokens")
-        self.files, self.vocab_size = files, vocab_size
-        self.file_idx = 0
+        self.files, self.vocab_size, self.file_idx, self.pos = files, vocab_size, 0, 0
         self.reader = ShardReader(files[0], vocab_size)
-        self.pos = 0
 
-    def _advance(self, n: int, keep: bool) -> list[np.ndarray]:
+    def _advance(self, n, keep):
         parts = []
         while n > 0:
             avail = self.reader.num_tokens - self.pos
-            if avail <= 0:  # the next shard is opened (and its header re-checked) only when reached
+            if avail <= 0:  # open (and re-check) the next shard only when reached
                 self.file_idx = (self.file_idx + 1) % len(self.files)
                 old, self.reader = self.reader, ShardReader(self.files[self.file_idx], self.vocab_size)
                 old.close()
@@ -481,55 +450,52 @@ class TokenStream:
             n -= k
         return parts
 
-    def take(self, n: int) -> np.ndarray:
+    def take(self, n):
         parts = self._advance(n, keep=True)
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
-    def skip(self, n: int) -> None:
-        """Advance past n tokens without reading them (other ranks' spans)."""
+    def skip(self, n):
         self._advance(n, keep=False)
 
 
-class DistributedTokenLoader:
-    """Record-faithful sequential loader (SPEC 2): every micro-step takes world_size spans of local+1
-    consecutive tokens from one stream; rank r keeps span r. x and y are views of that one span."""
+class _HostLoader:
+    """next_batch() for an unthreaded loader."""
 
-    def __init__(self, files: list[str], rank: int, world_size: int, device: torch.device,
-                 local_tokens: int, seq_len: int, vocab_size: int | None = None) -> None:
+    def next_batch(self):
+        return host_to_device(self.next_host(), self.seq_len, self.device)
+
+    def shutdown(self):
+        pass
+
+
+class DistributedTokenLoader(_HostLoader):
+    """Record-faithful sequential loader (SPEC 2): each micro-step takes world_size spans of local+1 tokens
+    from one stream; rank r keeps span r."""
+
+    def __init__(self, files, rank, world_size, device, local_tokens, seq_len, vocab_size=None):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.local_tokens, self.seq_len = local_tokens, seq_len
         self.stream = TokenStream(files, vocab_size)
 
-    def next_host(self) -> np.ndarray:
-        """This rank's local_tokens+1 tokens for the next micro-step, as uint16 on the host. Only this
-        rank's span is read (and checked against VOCAB_SIZE); the other ranks' spans are skipped."""
+    def next_host(self):
+        """This rank's span; the others are skipped, not read."""
         span = self.local_tokens + 1
         self.stream.skip(self.rank * span)
         mine = self.stream.take(span)
         self.stream.skip((self.world_size - 1 - self.rank) * span)
         return mine
 
-    def next_batch(self) -> tuple[Tensor, Tensor]:
-        return host_to_device(self.next_host(), self.seq_len, self.device)
 
-    def shutdown(self) -> None:
-        pass
+class ShuffledSequenceLoader(_HostLoader):
+    """TRAIN_LOADER=shuffled (SPEC 2): rank r owns shards [r::world_size], each cut at a random phase into
+    L+1-token windows in random order, drawn without replacement across shards and all re-cut when used
+    up. Deterministic given (SEED, rank)."""
 
-
-class ShuffledSequenceLoader:
-    """Opt-in shuffled loader (TRAIN_LOADER=shuffled, SPEC 2): rank r owns shards [r::world_size]; each
-    shard is cut at a random phase into L+1-token windows visited in random order; each sequence of a
-    batch comes from a shard drawn with probability proportional to its remaining windows (sampling
-    without replacement); when all are used every shard is re-cut. Deterministic given (SEED, rank). Reads
-    each window with one pread (ShardReader) and builds the whole batch in numpy."""
-
-    def __init__(self, files: list[str], rank: int, world_size: int, device: torch.device,
-                 local_tokens: int, seq_len: int, seed: int, vocab_size: int | None = None) -> None:
+    def __init__(self, files, rank, world_size, device, local_tokens, seq_len, seed, vocab_size=None):
         if len(files) < world_size:
             raise ConfigError(f"TRAIN_LOADER=shuffled needs at least one train shard per rank: "
                               f"{len(files)} shards for WORLD_SIZE={world_size}")
-        self.files = files[rank::world_size]
-        self.device, self.seq_len = device, seq_len
+        self.files, self.device, self.seq_len = files[rank::world_size], device, seq_len
         self.batch_seqs = local_tokens // seq_len
         self.rng = np.random.default_rng([seed, rank])
         self.readers = [ShardReader(f, vocab_size) for f in self.files]
@@ -537,27 +503,19 @@ class ShuffledSequenceLoader:
             if r.num_tokens < seq_len + 1:
                 raise ConfigError(f"shard {r.path}: {r.num_tokens} tokens, fewer than one sequence of {seq_len} "
                                   f"plus one")
-        self.starts: list[np.ndarray] = []
-        self.used = np.zeros(len(self.readers), dtype=np.int64)
         self._recut()
 
-    def _recut(self) -> None:
-        L = self.seq_len
-        self.starts = []
+    def _recut(self):
+        L, self.starts = self.seq_len, []
         for r in self.readers:
-            n = r.num_tokens
-            max_phase = min(L - 1, n - L - 1)
+            max_phase = min(L - 1, r.num_tokens - L - 1)
             phase = int(self.rng.integers(max_phase + 1)) if max_phase > 0 else 0
-            self.starts.append(phase + self.rng.permutation((n - 1 - phase) // L) * L)
-        self.used[:] = 0
+            self.starts.append(phase + self.rng.permutation((r.num_tokens - 1 - phase) // L) * L)
+        self.used = np.zeros(len(self.readers), dtype=np.int64)
 
-    def next_host(self) -> np.ndarray:
-        """(batch_seqs, L+1) uint16 windows: x = [:, :-1], y = [:, 1:].
-
-        Drawing each sequence's shard with probability proportional to its remaining windows, one by one,
-        is sampling without replacement; done here in one go (multivariate hypergeometric counts, then a
-        random order of the shard labels) so the prefetch thread holds the GIL for microseconds, not for
-        a Python loop per sequence."""
+    def next_host(self):
+        """(batch_seqs, L+1) windows, drawn in one go (hypergeometric counts, then a random order) so the
+        prefetch thread holds the GIL only for microseconds."""
         L = self.seq_len
         parts, need = [], self.batch_seqs
         while need > 0:
@@ -577,69 +535,51 @@ class ShuffledSequenceLoader:
             need -= take
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def next_batch(self) -> tuple[Tensor, Tensor]:
-        return host_to_device(self.next_host(), self.seq_len, self.device)
 
-    def shutdown(self) -> None:
-        pass
-
-
-def host_to_device(host, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Move compact host tokens to the device, widen to int64 there, and cut x, y as views of one buffer:
-    a 1-D (n+1)-token span becomes (n/L, L) rows; 2-D (B, L+1) windows become their first/last L."""
+def host_to_device(host, seq_len, device):
+    """Copy compact host tokens to the device, widen to int64 there, cut (x, y)."""
     if isinstance(host, np.ndarray):
         host = torch.from_numpy(host.astype(np.int32))
-    wide = host.to(device).to(torch.int64)
-    return cut_batch(wide, seq_len)
+    return cut_batch(host.to(device).to(torch.int64), seq_len)
 
 
-def cut_batch(wide: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+def cut_batch(wide, seq_len):
+    """x, y views: a 1-D (n+1)-token span gives (n/L, L) rows; (B, L+1) windows their first/last L."""
     if wide.ndim == 1:
         return wide[:-1].view(-1, seq_len), wide[1:].view(-1, seq_len)
     return wide[:, :-1], wide[:, 1:]
 
 
+@dataclass
 class _WorkerFailure:
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
+    """An exception from the worker thread, re-raised in the consumer."""
+    exc: BaseException
 
 
 _END_OF_DATA = object()
 
 
 class PrefetchingDistributedTokenLoader:
-    """Keeps the device fed (SPEC 8). `produce()` returns the next host batch as (array, aux) or None at
-    the end of a finite source; aux rides along untouched (validation uses it for byte counts).
+    """Keeps the device fed (SPEC 8). `produce()` gives (host array, aux), or None at the end. threaded: a
+    daemon thread runs it ahead into a bounded queue of pinned int32 buffers (CPU: int64 tensors); its
+    failure is re-raised here. copy_stream (CUDA): handing out batch k starts batch k+1's copy on a side
+    stream, overlapping step k."""
 
-    threaded: a daemon thread runs produce() ahead and fills a small ring of pinned host buffers
-      (compact int32) into a bounded queue; a failure there is re-raised in the caller. On CPU there is
-      no bus to cross: the thread hands over ready int64 tensors instead.
-    copy_stream (CUDA): host-to-device copies run on a side stream; handing out batch k issues the copy
-      of batch k+1 at once, so it overlaps step k's compute. The compute stream waits on an event and
-      the batch is marked with record_stream so the allocator cannot reuse its memory early. A pinned
-      buffer is refilled only after the event of the copy that read it has completed.
-    Batches come out in exactly the order produce() made them.
-    """
-
-    def __init__(self, produce, seq_len: int, device: torch.device, queue_size: int = 2,
-                 threaded: bool = True, copy_stream: bool = True, name: str = "loader") -> None:
+    def __init__(self, produce, seq_len, device, queue_size=2, threaded=True, copy_stream=True, name="loader"):
         self.produce, self.seq_len, self.device = produce, seq_len, device
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if copy_stream and self.cuda else None
-        self._ring: list[list] = []  # [pinned int32 buffer, event of the copy that last read it]
+        self._ring = []  # [pinned int32 buffer, event of the copy that last read it]
         self._ring_size = queue_size + 3  # queued + one being filled + one in flight + one in use
-        self._next_slot = 0
-        self._pending = None
-        self._exhausted = False
-        self._queue: queue.Queue | None = queue.Queue(maxsize=queue_size) if threaded else None
+        self._next_slot, self._pending, self._exhausted = 0, None, False
+        self._queue = queue.Queue(maxsize=queue_size) if threaded else None
         self._stop = threading.Event()
         self._thread = None
         if threaded:
             self._thread = threading.Thread(target=self._work, name=f"prefetch-{name}", daemon=True)
             self._thread.start()
 
-    # ---- producer side (the worker thread, or the caller when not threaded)
-    def _fill_slot(self, host: np.ndarray) -> int:
+    def _fill_slot(self, host):
         idx = self._next_slot
         self._next_slot = (idx + 1) % self._ring_size
         if idx == len(self._ring):
@@ -657,21 +597,21 @@ class PrefetchingDistributedTokenLoader:
         if item is None:
             return _END_OF_DATA
         host, aux = item
-        if not self.cuda:  # no bus to cross: widen here, off the consumer's path, into a fresh tensor
+        if not self.cuda:  # no bus to cross: widen here, off the consumer's path
             return torch.from_numpy(np.asarray(host, dtype=np.int64)), aux
         return self._fill_slot(host), aux
 
-    def _work(self) -> None:
+    def _work(self):
         try:
             while not self._stop.is_set():
                 item = self._produce_one()
                 self._put(item)
                 if item is _END_OF_DATA:
                     return
-        except BaseException as e:  # surfaced to the consumer, which re-raises it
+        except BaseException as e:  # re-raised by the consumer
             self._put(_WorkerFailure(e))
 
-    def _put(self, item) -> None:
+    def _put(self, item):
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.05)
@@ -679,7 +619,6 @@ class PrefetchingDistributedTokenLoader:
             except queue.Full:
                 continue
 
-    # ---- consumer side
     def _take(self):
         if self._exhausted:
             return _END_OF_DATA
@@ -693,68 +632,56 @@ class PrefetchingDistributedTokenLoader:
         return item
 
     def _copy(self, item):
-        """Start the host-to-device copy of a taken item; returns (device int64 tokens, aux, event)."""
+        """Start a taken item's copy; returns (device int64 tokens, aux, event)."""
         if item is _END_OF_DATA:
             return item
         idx, aux = item
         if not self.cuda:
-            return idx, aux, None  # already the int64 tensor (see _produce_one)
-        host = self._ring[idx][0]
+            return idx, aux, None  # the int64 tensor from _produce_one
         event = torch.cuda.Event()
-        if self.copy_stream is not None:
-            with torch.cuda.stream(self.copy_stream):
-                wide = host.to(self.device, non_blocking=True).to(torch.int64)
-                event.record(self.copy_stream)
-        else:
-            wide = host.to(self.device, non_blocking=True).to(torch.int64)
-            event.record()
+        with torch.cuda.stream(self.copy_stream):  # a no-op when None
+            wide = self._ring[idx][0].to(self.device, non_blocking=True).to(torch.int64)
+        event.record(self.copy_stream)  # None: the current stream
         self._ring[idx][1] = event
         return wide, aux, event
 
-    def next(self) -> tuple[Tensor, Tensor, object]:
+    def next(self):
         """(x, y, aux) of the next batch; raises StopIteration at the end of a finite source."""
-        if self.copy_stream is None:
-            current = self._copy(self._take())
-        else:
-            current = self._pending if self._pending is not None else self._copy(self._take())
-            self._pending = None
-            if isinstance(current, _WorkerFailure):
-                raise current.exc
-            if current is not _END_OF_DATA:
-                compute = torch.cuda.current_stream(self.device)
-                compute.wait_event(current[2])
-                current[0].record_stream(compute)
-                try:
-                    self._pending = self._copy(self._take())  # overlaps the step that uses `current`
-                except BaseException as e:  # hand out the good batch first; the error comes next call
-                    self._pending = _WorkerFailure(e)
+        current = self._pending if self._pending is not None else self._copy(self._take())
+        self._pending = None
+        if isinstance(current, _WorkerFailure):
+            raise current.exc
         if current is _END_OF_DATA:
             raise StopIteration
+        if self.copy_stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(current[2])
+            current[0].record_stream(compute)  # the allocator must not reuse it while the step runs
+            try:
+                self._pending = self._copy(self._take())  # overlaps the step that uses `current`
+            except BaseException as e:  # hand out the good batch first; the error comes next call
+                self._pending = _WorkerFailure(e)
         x, y = cut_batch(current[0], self.seq_len)
         return x, y, current[1]
 
-    def next_batch(self) -> tuple[Tensor, Tensor]:
-        x, y, _ = self.next()
-        return x, y
+    def next_batch(self):
+        return self.next()[:2]
 
-    def shutdown(self) -> None:
-        """Stop and join the worker (so the stream does not advance in the background)."""
+    def shutdown(self):
+        """Stop and join the worker, so the stream does not advance in the background."""
         self._stop.set()
         if self._thread is not None:
             while self._thread.is_alive():
-                try:
+                with contextlib.suppress(queue.Empty):
                     self._queue.get_nowait()
-                except queue.Empty:
-                    pass
                 self._thread.join(timeout=0.05)
             self._thread = None
         self._pending = None
 
 
-def load_validation_tokens(pattern: str, seq_len: int, vocab_size: int) -> Tensor:
-    """All val shards concatenated, truncated to a whole number of sequences plus one target token."""
-    files = list_shards(pattern)
-    tokens = np.concatenate([load_shard(f) for f in files])
+def load_validation_tokens(pattern, seq_len, vocab_size):
+    """All val shards concatenated, cut to whole sequences plus one target token."""
+    tokens = np.concatenate([load_shard(f) for f in list_shards(pattern)])
     usable = ((tokens.size - 1) // seq_len) * seq_len
     if usable <= 0:
         raise ConfigError(f"DATA_PATH: validation shards {pattern} hold {tokens.size} tokens, "
@@ -768,14 +695,14 @@ def load_validation_tokens(pattern: str, seq_len: int, vocab_size: int) -> Tenso
 @dataclass
 class ByteLuts:
     """Per-token byte accounting for bits-per-byte (SPEC 7)."""
-    base_bytes: Tensor        # int16: UTF-8 bytes of the piece without its leading space marker
-    has_leading_space: Tensor  # bool: the piece starts with the SentencePiece space marker
-    is_boundary: Tensor       # bool: control / unknown / unused ids (count 0 bytes, reset the space rule)
+    base_bytes: Tensor  # int16: UTF-8 bytes of the piece without its leading space marker
+    has_leading_space: Tensor  # bool
+    is_boundary: Tensor  # bool: control / unknown / unused ids (0 bytes, reset the space rule)
 
-    def to(self, device: torch.device) -> "ByteLuts":
+    def to(self, device):
         return ByteLuts(self.base_bytes.to(device), self.has_leading_space.to(device), self.is_boundary.to(device))
 
-    def count(self, prev_ids: Tensor, tgt_ids: Tensor) -> Tensor:
+    def count(self, prev_ids, tgt_ids):
         """Bytes of each target token given its predecessor, as float64."""
         prev_ids, tgt_ids = prev_ids.long(), tgt_ids.long()
         nbytes = self.base_bytes[tgt_ids].to(torch.int32)
@@ -783,7 +710,7 @@ class ByteLuts:
         return nbytes.to(torch.float64)
 
 
-def build_byte_luts(tokenizer_path: str, vocab_size: int) -> ByteLuts:
+def build_byte_luts(tokenizer_path, vocab_size):
     import sentencepiece as spm
 
     if not os.path.isfile(tokenizer_path):
@@ -796,9 +723,7 @@ def build_byte_luts(tokenizer_path: str, vocab_size: int) -> ByteLuts:
     n = int(sp.vocab_size())
     if n != vocab_size:
         raise ConfigError(f"TOKENIZER_PATH: {tokenizer_path} has {n} pieces but VOCAB_SIZE={vocab_size}")
-    base = np.zeros(n, dtype=np.int16)
-    lead = np.zeros(n, dtype=np.bool_)
-    boundary = np.ones(n, dtype=np.bool_)
+    base, lead, boundary = np.zeros(n, dtype=np.int16), np.zeros(n, dtype=np.bool_), np.ones(n, dtype=np.bool_)
     for i in range(n):
         if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i):
             continue
@@ -814,21 +739,21 @@ def build_byte_luts(tokenizer_path: str, vocab_size: int) -> ByteLuts:
     return ByteLuts(torch.from_numpy(base), torch.from_numpy(lead), torch.from_numpy(boundary))
 
 
-# =====================================================================================================
+# ==================================================
 # MODEL
-# =====================================================================================================
+# ==================================================
 
-# Which attention kernel `causal_attention` uses; chosen once by select_attention_backend() in main.
+# causal_attention's kernel, set by select_attention_backend().
 _ATTENTION = {"name": "sdpa", "fn": None}
 
 
-def select_attention_backend(device: torch.device) -> str:
-    """FlashAttention 3, else FlashAttention 2, else PyTorch SDPA. Flash kernels exist only on CUDA."""
+def select_attention_backend(device):
+    """FlashAttention 3, else 2 (CUDA only), else PyTorch SDPA."""
     _ATTENTION.update(name="sdpa", fn=None)
     if device.type == "cuda":
         for name, module in (("flash_attn_3", "flash_attn_interface"), ("flash_attn_2", "flash_attn")):
             try:
-                fn = getattr(__import__(module), "flash_attn_func")
+                fn = __import__(module).flash_attn_func
             except (ImportError, AttributeError):
                 continue
             _ATTENTION.update(name=name, fn=fn)
@@ -836,8 +761,8 @@ def select_attention_backend(device: torch.device) -> str:
     return _ATTENTION["name"]
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal GQA attention on (B, T, H, D) tensors; query head h reads KV head h // (H / Hkv)."""
+def causal_attention(q, k, v):
+    """Causal GQA attention on (B, T, H, D) tensors."""
     fn = _ATTENTION["fn"]
     if fn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # flash: half types only
         out = fn(q, k, v, causal=True)
@@ -847,31 +772,30 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return y.transpose(1, 2)
 
 
-def rms_norm(x: Tensor) -> Tensor:
+def rms_norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
 class CastedEmbedding(nn.Embedding):
-    """A (bf16) embedding table whose looked-up rows are cast to `out_dtype` when it is set. Under bf16
-    autocast it stays None: bf16 rows, as in the record. In fp32 runs (CPUs without native bf16) it is
-    fp32, so the bf16 tables do not drag the residual stream into emulated bf16 arithmetic."""
+    """Rows cast to `out_dtype` when set: None (bf16 rows, as in the record) under autocast; fp32 in fp32
+    runs, so bf16 tables do not drag the residual stream into emulated bf16."""
 
-    out_dtype: torch.dtype | None = None
+    out_dtype = None
 
-    def forward(self, ids: Tensor) -> Tensor:
+    def forward(self, ids):
         rows = super().forward(ids)
         return rows if self.out_dtype is None else rows.to(self.out_dtype)
 
 
 class CastedLinear(nn.Linear):
-    """fp32 weights, cast to the activation dtype at use. With `qat` on (late QAT) the weight is
-    fake-quantised to int6 per row in training mode, gradients passing straight through."""
+    """fp32 weights cast to the activation dtype; with `qat` on (late QAT), fake-quantised to int6 per row in
+    training mode, straight-through."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features, out_features):
         super().__init__(in_features, out_features, bias=False)
         self.qat = False
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x):
         w = self.weight.to(x.dtype)
         if self.qat and self.training:
             with torch.no_grad():
@@ -882,24 +806,17 @@ class CastedLinear(nn.Linear):
         return F.linear(x, w)
 
 
-class Rotary(nn.Module):
-    """Partial RoPE tables with NTK base scaling beyond a 1024-token training length. Computed once per
-    forward (cheap, and free of caches that torch.compile or inference_mode would trip over)."""
-
-    def __init__(self, rope_dims: int, base: float, train_len: int = 1024) -> None:
-        super().__init__()
-        self.rope_dims, self.base, self.train_len = rope_dims, base, train_len
-
-    def forward(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        rd, base = self.rope_dims, self.base
-        if seq_len > self.train_len:
-            base = base * (seq_len / self.train_len) ** (rd / (rd - 2))
-        inv_freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
-        freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
-        return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+def rotary_tables(seq_len, rd, base, device, train_len=1024):
+    """(cos, sin) for partial RoPE on rd dims, NTK-scaled beyond train_len tokens. Rebuilt each forward:
+    cheap, and no cache for torch.compile or inference_mode to trip over."""
+    if seq_len > train_len:
+        base = base * (seq_len / train_len) ** (rd / (rd - 2))
+    inv_freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int) -> Tensor:
+def apply_rotary(x, cos, sin, rope_dims):
     """Rotate-half RoPE on the first rope_dims of the head dim; the rest pass through."""
     half = rope_dims // 2
     a, b, rest = x[..., :half], x[..., half:rope_dims], x[..., rope_dims:]
@@ -907,15 +824,17 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int) -> Tensor:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, h: Hyperparameters, use_xsa: bool) -> None:
+    """GQA attention with QK-norm, partial RoPE, a per-head query gain and optional XSA."""
+
+    def __init__(self, h, use_xsa):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = h.num_heads, h.num_kv_heads, h.head_dim
         self.rope_dims = h.rope_dims or h.head_dim
         self.q_gain = nn.Parameter(torch.full((h.num_heads,), h.qk_gain_init, dtype=torch.float32))
         self.use_xsa = use_xsa
 
-    def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, out_w: Tensor,
-                v_embed: Tensor | None, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, x, w, v_embed, rope):
+        q_w, k_w, v_w, out_w = w
         B, T, D = x.shape
         q = F.linear(x, q_w.to(x.dtype)).view(B, T, self.num_heads, self.head_dim)
         k = F.linear(x, k_w.to(x.dtype)).view(B, T, self.num_kv_heads, self.head_dim)
@@ -925,15 +844,14 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         q, k = rms_norm(q), rms_norm(k)
         cos, sin = rope[0].to(q.dtype), rope[1].to(q.dtype)
-        q = apply_rotary(q, cos, sin, self.rope_dims)
-        k = apply_rotary(k, cos, sin, self.rope_dims)
+        q, k = apply_rotary(q, cos, sin, self.rope_dims), apply_rotary(k, cos, sin, self.rope_dims)
         q = q * self.q_gain.to(q.dtype)[None, None, :, None]
         y = causal_attention(q, k, v)
         if self.use_xsa:
             y = self._exclude_self_value(y, v)
         return F.linear(y.reshape(B, T, D), out_w.to(x.dtype))
 
-    def _exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
+    def _exclude_self_value(self, y, v):
         """XSA: remove from each head's output its component along its own position's unit value."""
         B, T, H, Dh = y.shape
         group = H // self.num_kv_heads
@@ -943,7 +861,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, h: Hyperparameters, layer_idx: int) -> None:
+    """x0 residual mix, then attention and a leaky-ReLU^2 MLP, each with a per-channel output scale.
+    w: the block's six bank slices (GPT.block_weights)."""
+
+    def __init__(self, h, layer_idx):
         super().__init__()
         d = h.model_dim
         self.attn = CausalSelfAttention(h, use_xsa=layer_idx >= h.num_layers - h.xsa_last_n)
@@ -952,13 +873,11 @@ class Block(nn.Module):
         self.resid_mix = nn.Parameter(torch.stack((torch.ones(d), torch.zeros(d))).float())
         self.ln_scale = 1.0 / math.sqrt(layer_idx + 1) if h.ln_scale else 1.0
 
-    def forward(self, x: Tensor, x0: Tensor, w: tuple[Tensor, ...], v_embed: Tensor | None,
-                rope: tuple[Tensor, Tensor]) -> Tensor:
-        q_w, k_w, v_w, out_w, up_w, down_w = w
+    def forward(self, x, x0, w, v_embed, rope):
+        up_w, down_w = w[4:]
         mix = self.resid_mix.to(x.dtype)
         x = mix[0] * x + mix[1] * x0
-        x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x) * self.ln_scale, q_w, k_w, v_w, out_w,
-                                                        v_embed, rope)
+        x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x) * self.ln_scale, w[:4], v_embed, rope)
         hidden = F.leaky_relu(F.linear(rms_norm(x) * self.ln_scale, up_w.to(x.dtype)), 0.5)
         return x + self.mlp_scale.to(x.dtype) * F.linear(hidden.square(), down_w.to(x.dtype))
 
@@ -966,21 +885,21 @@ class Block(nn.Module):
 class BigramHash(nn.Module):
     """Embedding of a hash of (previous, current) token, projected to the model width."""
 
-    def __init__(self, buckets: int, dim: int, model_dim: int) -> None:
+    def __init__(self, buckets, dim, model_dim):
         super().__init__()
         self.buckets = buckets
         self.embed = CastedEmbedding(buckets, dim)
         self.proj = CastedLinear(dim, model_dim)
         self.scale = nn.Parameter(torch.tensor(0.05, dtype=torch.float32))
 
-    def hash(self, ids: Tensor) -> Tensor:
+    def hash(self, ids):
         t = ids.to(torch.int32)
         mod = self.buckets - 1
         out = torch.full_like(t, mod)  # position 0 has no predecessor: its own bucket
         out[..., 1:] = torch.bitwise_xor(36313 * t[..., 1:], 27191 * t[..., :-1]) % mod
         return out.long()
 
-    def forward(self, ids: Tensor) -> Tensor:
+    def forward(self, ids):
         h = self.proj(self.embed(self.hash(ids)))
         return h * self.scale.to(h.dtype)
 
@@ -988,11 +907,11 @@ class BigramHash(nn.Module):
 class SmearGate(nn.Module):
     """Blend each position with its predecessor through a learned per-channel sigmoid gate."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim):
         super().__init__()
         self.gate = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x):
         g = torch.sigmoid(self.gate.to(x.dtype))
         prev = torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), dim=1)
         return (1 - g) * x + g * prev
@@ -1001,15 +920,15 @@ class SmearGate(nn.Module):
 class ValueEmbedding(nn.Module):
     """A token embedding added to the attention values of selected layers."""
 
-    def __init__(self, vocab: int, dim: int, kv_dim: int) -> None:
+    def __init__(self, vocab, dim, kv_dim):
         super().__init__()
         self.embed = CastedEmbedding(vocab, dim)
-        # Drawn here, at construction, as the record does: that fixes its place in the seed's random stream.
+        # Drawn here, as in the record: that fixes its place in the seed's random stream.
         nn.init.normal_(self.embed.weight, std=0.01)
         self.proj = CastedLinear(dim, kv_dim)
         self.scale = nn.Parameter(torch.tensor(0.1, dtype=torch.float32))
 
-    def forward(self, ids: Tensor) -> Tensor:
+    def forward(self, ids):
         h = self.proj(self.embed(ids))
         return h * self.scale.to(h.dtype)
 
@@ -1017,11 +936,10 @@ class ValueEmbedding(nn.Module):
 class GPT(nn.Module):
     """U-Net of blocks whose matrices live in four banks (one Muon-optimised tensor per kind)."""
 
-    def __init__(self, h: Hyperparameters) -> None:
+    def __init__(self, h):
         super().__init__()
         n, d, kv = h.num_layers, h.model_dim, h.num_kv_heads * h.head_dim
-        self.num_layers, self.logit_softcap = n, h.logit_softcap
-        self.num_encoder = n // 2
+        self.num_layers, self.num_encoder, self.logit_softcap = n, n // 2, h.logit_softcap
         self.tok_emb = CastedEmbedding(h.vocab_size, d)
         self.bigram = BigramHash(h.bigram_vocab_size, h.bigram_dim, d) if h.bigram_vocab_size > 0 else None
         self.smear = SmearGate(d)
@@ -1031,7 +949,7 @@ class GPT(nn.Module):
         self.mlp_up_bank = nn.Parameter(torch.empty(n, h.mlp_hidden, d))
         self.mlp_down_bank = nn.Parameter(torch.empty(n, d, h.mlp_hidden))
         self.blocks = nn.ModuleList([Block(h, i) for i in range(n)])
-        self.rotary = Rotary(h.rope_dims or h.head_dim, h.rope_base)
+        self.rope_dims, self.rope_base = h.rope_dims or h.head_dim, h.rope_base
         self.ve_layers = list(h.ve_layers) if h.ve_enabled else []
         self.ve_shared = ValueEmbedding(h.vocab_size, h.ve_dim, kv) if self.ve_layers else None
         self.ve_layer_scales = nn.ParameterList(
@@ -1040,61 +958,54 @@ class GPT(nn.Module):
         self._init_weights(h)
 
     @torch.no_grad()
-    def _init_weights(self, h: Hyperparameters) -> None:
+    def _init_weights(self, h):
         n = self.num_layers
         nn.init.normal_(self.tok_emb.weight, std=h.tied_embed_init_std)
         if self.bigram is not None:
             nn.init.zeros_(self.bigram.embed.weight)
         for i in range(n):
-            nn.init.orthogonal_(self.qo_bank[i])
-            nn.init.orthogonal_(self.kv_bank[i])
-            nn.init.orthogonal_(self.kv_bank[n + i])
-            nn.init.orthogonal_(self.mlp_up_bank[i])
+            for w in (self.qo_bank[i], self.kv_bank[i], self.kv_bank[n + i], self.mlp_up_bank[i]):
+                nn.init.orthogonal_(w)
         nn.init.zeros_(self.qo_bank[n:])
         nn.init.zeros_(self.mlp_down_bank)
-        # The small projections start orthogonal, as in the record (its generic re-init of every
-        # Linear with both sides >= 64 overrides their zero init). A zero bigram.proj next to the
-        # zero bigram.embed would leave both with zero gradient forever.
+        # Orthogonal as in the record (its re-init of all Linears >= 64 wide overrode zero init); a zero
+        # bigram.proj beside the zero bigram.embed would leave both with zero gradient forever.
         for lin in (getattr(self.bigram, "proj", None), getattr(self.ve_shared, "proj", None)):
             if lin is not None:
                 nn.init.orthogonal_(lin.weight)
         if self.lm_head is not None:
             nn.init.zeros_(self.lm_head.weight)
 
-    def block_weights(self, i: int) -> tuple[Tensor, ...]:
+    def block_weights(self, i):
         n = self.num_layers
         return (self.qo_bank[i], self.kv_bank[i], self.kv_bank[n + i], self.qo_bank[n + i],
                 self.mlp_up_bank[i], self.mlp_down_bank[i])
 
-    def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
-        """None under autocast (embedding rows stay bf16); torch.float32 for fp32 runs."""
+    def set_compute_dtype(self, dtype):
         for m in self.modules():
             if isinstance(m, CastedEmbedding):
                 m.out_dtype = dtype
 
-    def set_qat(self, enabled: bool) -> None:
+    def set_qat(self, enabled):
         for m in self.modules():
             if isinstance(m, CastedLinear):
                 m.qat = enabled
 
-    def qat_on(self) -> bool:
+    def qat_on(self):
         return any(m.qat for m in self.modules() if isinstance(m, CastedLinear))
 
-    def forward_logits(self, ids: Tensor) -> Tensor:
+    def forward_logits(self, ids):
         x = self.tok_emb(ids)
         if self.bigram is not None:
             x = x + self.bigram(ids)
-        x = self.smear(rms_norm(x))
-        x0 = x
+        x0 = x = self.smear(rms_norm(x))
         ve = self.ve_shared(ids) if self.ve_shared is not None else None
-        rope = self.rotary(ids.size(1), ids.device)
+        rope = rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device)
         skips = []
         for i, block in enumerate(self.blocks):
             if i >= self.num_encoder and skips:
                 x = x + self.skip_weights[i - self.num_encoder].to(x.dtype) * skips.pop()
-            v_embed = None
-            if i in self.ve_layers:
-                v_embed = ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype)
+            v_embed = ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype) if i in self.ve_layers else None
             x = block(x, x0, self.block_weights(i), v_embed, rope)
             if i < self.num_encoder:
                 skips.append(x)
@@ -1102,23 +1013,20 @@ class GPT(nn.Module):
         logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight.to(x.dtype))
         return self.logit_softcap * torch.tanh(logits / self.logit_softcap)
 
-    def forward(self, ids: Tensor, targets: Tensor) -> Tensor:
+    def forward(self, ids, targets):
         logits = self.forward_logits(ids)
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="mean")
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 BANK_NAMES = ("qo_bank", "kv_bank", "mlp_up_bank", "mlp_down_bank")
 EMBEDDING_NAMES = ("tok_emb.weight", "bigram.embed.weight", "ve_shared.embed.weight")
 
 
-def build_model(h: Hyperparameters) -> GPT:
-    """The GPT on CPU with the record's parameter dtypes (bf16 embedding tables, everything else fp32).
-    Initialisation is a pure function of SEED and equals the record's bit for bit: the record casts the
-    whole model to bf16 after construction and then puts the non-embedding parameters back to fp32, so
-    they start bf16-rounded (bigram.scale is 0.050048828125, not 0.05)."""
+def build_model(h):
+    """The GPT on CPU (bf16 embedding tables, all else fp32), initialised from SEED bit for bit as the
+    record, which casts it to bf16 and the non-embeddings back to fp32, so those start bf16-rounded."""
     threads = torch.get_num_threads()
-    # orthogonal_ runs a QR whose last bits depend on the thread count; the record initialised with one
-    # thread per rank (torchrun's OMP_NUM_THREADS=1), so one thread makes the init independent of the machine.
+    # orthogonal_'s QR depends on the thread count in its last bits; the record used one thread per rank.
     torch.set_num_threads(1)
     try:
         torch.manual_seed(h.seed)
@@ -1132,11 +1040,11 @@ def build_model(h: Hyperparameters) -> GPT:
     return model
 
 
-# =====================================================================================================
+# ==================================================
 # OPTIMISER
-# =====================================================================================================
+# ==================================================
 
-def zeropower_via_newtonschulz5(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+def zeropower_via_newtonschulz5(g, steps=5, eps=1e-7):
     """Approximately orthogonalise each trailing matrix of g (quintic Newton-Schulz, bf16)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.bfloat16()
@@ -1155,42 +1063,28 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon on banked matrices, sharded over ranks (Parallel Muon, SPEC 4).
+    """Muon on banked matrices (Parallel Muon, SPEC 4). `launch_reduce_scatters()` starts async bf16
+    reduce-scatters after backward; `step()` then, bank by bank, runs momentum + Newton-Schulz on this
+    rank's shard, starts its all-gather and applies the previous bank's update."""
 
-    Single process: momentum + Newton-Schulz on the whole bank. Distributed: `launch_reduce_scatters()`
-    right after backward starts async bf16 reduce-scatters (largest bank first); `step()` then, bank by
-    bank, waits for its shard, runs momentum + Newton-Schulz on the local matrices only, launches an
-    async all-gather, and applies the previous bank's gathered update while the next one computes.
-    The momentum buffer (bf16, this rank's shard) lives in the optimiser state, so state_dict() and
-    load_state_dict() save and restore it.
-    """
+    def __init__(self, params, lr, momentum, backend_steps, weight_decay):
+        super().__init__(params, dict(lr=lr, momentum=momentum, backend_steps=backend_steps, weight_decay=weight_decay))
+        self._meta = self._pending = None
 
-    def __init__(self, params, lr: float, momentum: float, backend_steps: int, weight_decay: float) -> None:
-        super().__init__(params, dict(lr=lr, momentum=momentum, backend_steps=backend_steps,
-                                      weight_decay=weight_decay))
-        self._meta: list[dict] | None = None
-        self._pending: list | None = None
-
-    def _build(self) -> None:
-        ws = dist.get_world_size() if dist.is_initialized() else 1
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self._ws, self._rank = ws, rank
+    def _build(self):
+        self._ws = ws = dist.get_world_size() if dist.is_initialized() else 1
         meta = []
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
-                rows = p.shape[0]
-                shard = -(-rows // ws)  # ceil: the bank is zero-padded along dim 0 to ws * shard
-                m = dict(p=p, group_index=self.param_groups.index(group), rows=rows, shard=shard,
-                         scale=max(1.0, p.shape[-2] / p.shape[-1]) ** 0.5)
+                shard = -(-p.shape[0] // ws)  # ceil: the bank is zero-padded along dim 0 to ws * shard
+                m = dict(p=p, group_index=gi, rows=p.shape[0], scale=max(1.0, p.shape[-2] / p.shape[-1]) ** 0.5)
                 if ws > 1:
-                    m["padded"] = torch.zeros(shard * ws, *p.shape[1:], device=p.device, dtype=torch.bfloat16)
-                    m["recv"] = torch.zeros(shard, *p.shape[1:], device=p.device, dtype=torch.bfloat16)
-                    m["gathered"] = torch.zeros(shard * ws, *p.shape[1:], device=p.device, dtype=torch.bfloat16)
+                    for key, n in (("padded", shard * ws), ("recv", shard), ("gathered", shard * ws)):
+                        m[key] = torch.zeros(n, *p.shape[1:], device=p.device, dtype=torch.bfloat16)
                 meta.append(m)
-        meta.sort(key=lambda m: -m["p"].numel())  # biggest communication first
-        self._meta = meta
+        self._meta = sorted(meta, key=lambda m: -m["p"].numel())  # biggest communication first
 
-    def launch_reduce_scatters(self) -> None:
+    def launch_reduce_scatters(self):
         if self._meta is None:
             self._build()
         if self._ws == 1:
@@ -1200,8 +1094,8 @@ class Muon(torch.optim.Optimizer):
             m["padded"][:m["rows"]].copy_(m["p"].grad)
             self._pending.append(_reduce_scatter(m["recv"], m["padded"], op=dist.ReduceOp.AVG, async_op=True))
 
-    def _apply(self, m: dict, update: Tensor) -> None:
-        # Groups are looked up on every use: load_state_dict() replaces the group dicts.
+    def _apply(self, m, update):
+        # Looked up on every use: load_state_dict() replaces the group dicts.
         p, group = m["p"], self.param_groups[m["group_index"]]
         lr, wd = group["lr"], group["weight_decay"]
         if wd > 0:
@@ -1209,13 +1103,13 @@ class Muon(torch.optim.Optimizer):
         p.add_(update.to(p.dtype), alpha=-lr * m["scale"])
 
     @torch.no_grad()
-    def step(self, closure=None) -> None:
+    def step(self, closure=None):
         if self._meta is None:
             self._build()
         distributed = self._ws > 1
         if distributed and self._pending is None:
             self.launch_reduce_scatters()
-        previous = None  # (meta, all-gather handle) of the bank whose update is in flight
+        previous = None  # (meta, handle) of the bank whose all-gather is in flight
         for i, m in enumerate(self._meta):
             group = self.param_groups[m["group_index"]]
             if distributed:
@@ -1226,62 +1120,56 @@ class Muon(torch.optim.Optimizer):
             state = self.state[m["p"]]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g)
-            buf = state["momentum_buffer"]
             mom = group["momentum"]
-            buf.mul_(mom).add_(g)
+            buf = state["momentum_buffer"].mul_(mom).add_(g)
             update = zeropower_via_newtonschulz5(g.add(buf, alpha=mom), steps=group["backend_steps"])
             if not distributed:
                 self._apply(m, update)
                 continue
             handle = _all_gather(m["gathered"], update.contiguous(), async_op=True)
             if previous is not None:
-                previous[1].wait()
-                self._apply(previous[0], previous[0]["gathered"][:previous[0]["rows"]])
+                self._apply_gathered(*previous)
             previous = (m, handle)
         if previous is not None:
-            previous[1].wait()
-            self._apply(previous[0], previous[0]["gathered"][:previous[0]["rows"]])
+            self._apply_gathered(*previous)
         self._pending = None
 
+    def _apply_gathered(self, m, handle):
+        handle.wait()
+        self._apply(m, m["gathered"][:m["rows"]])
 
-def split_param_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
-    """Which optimiser owns which parameter: banks (Muon), embeddings, scalars/small projections, head."""
-    groups: dict[str, list[nn.Parameter]] = {"banks": [], "embed": [], "scalar": [], "head": []}
+
+def build_optimizers(h, model):
+    """Muon for the banks; AdamW for embeddings, scalars and (untied) head. Returns (muon, adams)."""
+    banks, embed, scalar, head = [], [], [], []
     for name, p in model.named_parameters():
         if name in BANK_NAMES:
-            groups["banks"].append(p)
+            banks.append(p)
         elif name in EMBEDDING_NAMES:
-            groups["embed"].append(p)
+            embed.append(p)
         elif name == "lm_head.weight":
-            groups["head"].append(p)
+            head.append(p)
         else:  # control tensors, ndim<2 params, bigram.proj, ve_shared.proj
-            groups["scalar"].append(p)
-    return groups
-
-
-def build_optimizers(h: Hyperparameters, model: GPT) -> tuple[Muon, list[torch.optim.Optimizer]]:
-    """Muon for the banks; AdamW for embeddings, scalars and (untied) head. Returns (muon, adams)."""
-    groups = split_param_groups(model)
+            scalar.append(p)
     fused = next(model.parameters()).is_cuda
 
     def adam(params, lr):
         return torch.optim.AdamW([dict(params=params, lr=lr, base_lr=lr)], betas=(h.beta1, h.beta2),
                                  eps=h.adam_eps, weight_decay=h.adam_wd, fused=fused)
 
-    adams = [adam(groups["embed"], h.tied_embed_lr if h.tie_embeddings else h.embed_lr),
-             adam(groups["scalar"], h.scalar_lr)]
-    if groups["head"]:
-        adams.append(adam(groups["head"], h.head_lr))
-    muon = Muon(groups["banks"], lr=h.matrix_lr, momentum=h.muon_momentum, backend_steps=h.muon_backend_steps,
+    adams = [adam(embed, h.tied_embed_lr if h.tie_embeddings else h.embed_lr), adam(scalar, h.scalar_lr)]
+    if head:
+        adams.append(adam(head, h.head_lr))
+    muon = Muon(banks, lr=h.matrix_lr, momentum=h.muon_momentum, backend_steps=h.muon_backend_steps,
                 weight_decay=h.muon_wd)
     for g in muon.param_groups:
         g["base_lr"] = h.matrix_lr
     return muon, adams
 
 
-# =====================================================================================================
+# ==================================================
 # TRAINING
-# =====================================================================================================
+# ==================================================
 
 @dataclass
 class Runtime:
@@ -1295,28 +1183,25 @@ class Runtime:
     precision_note: str = ""
     threads_note: str = ""
 
-    def __post_init__(self) -> None:
-        # Effective data-path switches: copy streams need CUDA; the timing breakdown turns the overlap
-        # features off so that its per-phase figures mean what they say.
-        h, cuda, plain = self.h, self.device.type == "cuda", self.h.training_timing_breakdown
-        self.train_prefetch = h.train_prefetch and not plain
-        self.train_copy_stream = h.train_copy_stream and cuda and not plain
-        self.val_prefetch = h.val_prefetch and not plain
-        self.val_copy_stream = h.val_copy_stream and cuda and not plain
+    def __post_init__(self):
+        # The timing breakdown turns overlap off; copy streams need CUDA.
+        h, overlap = self.h, not self.h.training_timing_breakdown
+        streams = overlap and self.device.type == "cuda"
+        self.train_prefetch, self.train_copy_stream = h.train_prefetch and overlap, h.train_copy_stream and streams
+        self.val_prefetch, self.val_copy_stream = h.val_prefetch and overlap, h.val_copy_stream and streams
 
-    def describe_data_path(self) -> str:
-        h = self.h
-        notes = []
+    def describe_data_path(self):
+        h, note = self.h, ""
         if h.training_timing_breakdown:
-            notes.append("TRAINING_TIMING_BREAKDOWN=1 turns prefetch and copy streams off")
+            note = " (TRAINING_TIMING_BREAKDOWN=1 turns prefetch and copy streams off)"
         elif self.device.type != "cuda" and (h.train_copy_stream or h.val_copy_stream):
-            notes.append("copy streams need CUDA: off")
+            note = " (copy streams need CUDA: off)"
         return (f"data_path: loader:{h.train_loader} train_prefetch:{int(self.train_prefetch)} "
                 f"queue:{h.train_prefetch_queue} train_copy_stream:{int(self.train_copy_stream)} "
                 f"val_prefetch:{int(self.val_prefetch)} val_copy_stream:{int(self.val_copy_stream)} "
-                f"val_bytecount:{h.val_bytecount_device}" + (f" ({'; '.join(notes)})" if notes else ""))
+                f"val_bytecount:{h.val_bytecount_device}{note}")
 
-    def log(self, msg: str, console: bool = True) -> None:
+    def log(self, msg, console=True):
         if not self.is_main:
             return
         if console:
@@ -1325,51 +1210,45 @@ class Runtime:
             with open(self.log_path, "a", encoding="utf-8") as f:
                 print(msg, file=f)
 
-    def sync(self) -> None:
+    def sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def autocast(self):
-        """bf16 autocast (CUDA, and CPUs with native bf16), or nothing: plain fp32 (see choose_precision)."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def prepare_model(self, model: GPT) -> GPT:
-        """Move a model to this run's device and match its embedding outputs to the precision."""
+    def prepare_model(self, model):
         model = model.to(self.device)
         model.set_compute_dtype(None if self.autocast_dtype is not None else torch.float32)
         return model
 
-    def all_reduce(self, t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
+    def all_reduce(self, t, op=dist.ReduceOp.SUM):
         if self.distributed:
             dist.all_reduce(t, op=op)
         return t
 
-    def all_reduce_coalesced(self, tensors: list[Tensor]) -> None:
-        """Sum many tensors in one fp32 collective (one launch instead of one per parameter)."""
+    def all_reduce_coalesced(self, tensors):
+        """Sum tensors in one fp32 collective, not one per tensor."""
         if not self.distributed:
             return
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
         dist.all_reduce(flat)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(part.view_as(t))
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 matmuls natively here (AVX512-BF16 or AMX). Without it bf16 is emulated:
-    measured 59x slower than fp32 for a 512x512 matmul on an AVX2-only EPYC."""
+def cpu_has_native_bf16():
+    """Whether oneDNN runs bf16 natively (AVX512-BF16/AMX); emulated, it measured 59x slower than fp32."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
 
 
-def choose_precision(h: Hyperparameters, device: torch.device) -> tuple[torch.dtype | None, str]:
-    """AUTOCAST_DTYPE: auto = bf16 autocast on CUDA (the record) and on CPUs with native bf16, plain fp32 on
-    other CPUs; bf16 / fp32 force it. Returns (autocast dtype or None for fp32, the reason, for the log)."""
+def choose_precision(h, device):
+    """AUTOCAST_DTYPE (auto: bf16 on CUDA and native-bf16 CPUs, else fp32) -> (dtype or None, reason)."""
     if h.autocast_dtype == "bf16":
         return torch.bfloat16, "bf16 autocast (AUTOCAST_DTYPE=bf16)"
     if h.autocast_dtype == "fp32":
@@ -1381,8 +1260,7 @@ def choose_precision(h: Hyperparameters, device: torch.device) -> tuple[torch.dt
     return None, "fp32, no autocast (this CPU has no native bf16; AUTOCAST_DTYPE=bf16 forces it)"
 
 
-def choose_cpu_threads(h: Hyperparameters) -> str:
-    """OMP_NUM_THREADS if given, else this process's cores divided among the ranks on this machine."""
+def choose_cpu_threads(h):
     if h.omp_num_threads > 0:
         torch.set_num_threads(h.omp_num_threads)
         return f"{h.omp_num_threads} (OMP_NUM_THREADS)"
@@ -1392,8 +1270,8 @@ def choose_cpu_threads(h: Hyperparameters) -> str:
     return f"{threads} ({cores} cores / {h.local_world_size} local ranks)"
 
 
-def open_log(h: Hyperparameters) -> Path:
-    """Start logs/$RUN_ID.txt afresh: a rerun with the same RUN_ID replaces the old log, never appends to it."""
+def open_log(h):
+    """Start logs/$RUN_ID.txt afresh (a rerun replaces, never appends)."""
     path = Path("logs") / f"{h.run_id}.txt"
     try:
         os.makedirs("logs", exist_ok=True)
@@ -1406,7 +1284,7 @@ def open_log(h: Hyperparameters) -> Path:
     return path
 
 
-def setup_runtime(h: Hyperparameters) -> Runtime:
+def setup_runtime(h):
     want = h.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("DEVICE=cuda but CUDA is not available on this machine")
@@ -1414,8 +1292,8 @@ def setup_runtime(h: Hyperparameters) -> Runtime:
         raise ConfigError("VAL_BYTECOUNT_DEVICE=cuda but the run is on CPU (no CUDA device)")
     distributed = h.world_size > 1
     if distributed and not (h.master_addr and h.master_port):
-        raise ConfigError(f"WORLD_SIZE={h.world_size} but MASTER_ADDR/MASTER_PORT are not set: launch several "
-                          "processes with torchrun (torchrun --standalone --nproc_per_node=N train_gpt.py)")
+        raise ConfigError(f"WORLD_SIZE={h.world_size} but MASTER_ADDR/MASTER_PORT are not set: launch with "
+                          "torchrun --standalone --nproc_per_node=N train_gpt.py")
     device = torch.device("cuda", h.local_rank) if want == "cuda" else torch.device("cpu")
     threads = choose_cpu_threads(h)
     log_path = open_log(h) if h.rank == 0 else None
@@ -1424,108 +1302,94 @@ def setup_runtime(h: Hyperparameters) -> Runtime:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if distributed:
-        # A collective that waits longer than this on a dead or stalled peer raises instead of hanging.
+        # With a timeout, a collective stuck on a dead peer raises instead of hanging.
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=h.dist_timeout_seconds))
-    autocast_dtype, note = choose_precision(h, device)
-    return Runtime(h, device, distributed, h.rank == 0, log_path, autocast_dtype, note, threads)
+    return Runtime(h, device, distributed, h.rank == 0, log_path, *choose_precision(h, device), threads)
 
 
-def log_environment(rt: Runtime) -> None:
+def log_environment(rt):
     """The log starts with this script's source, then versions and the GPU listing (SPEC 5)."""
-    rt.log(Path(__file__).read_text(encoding="utf-8"), console=False)
-    rt.log("=" * 100, console=False)
-    rt.log(f"Running Python {sys.version}", console=False)
-    rt.log(f"Running PyTorch {torch.__version__}", console=False)
+    for msg in (Path(__file__).read_text(encoding="utf-8"), "=" * 100, f"Running Python {sys.version}",
+                f"Running PyTorch {torch.__version__}"):
+        rt.log(msg, console=False)
     if rt.device.type == "cuda":
-        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, check=False).stdout
-        rt.log(smi, console=False)
+        rt.log(subprocess.run(["nvidia-smi"], capture_output=True, text=True, check=False).stdout, console=False)
     else:
         rt.log(f"no GPU: running on CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)",
                console=False)
     rt.log("=" * 100, console=False)
 
 
-def lr_multiplier(h: Hyperparameters, step: int, elapsed_ms: float) -> float:
+def lr_multiplier(h, step, elapsed_ms):
     """1 until warmdown, then linear to 0: by step without a wallclock cap, by time with one."""
     if h.warmdown_iters <= 0:
         return 1.0
-    cap = h.max_wallclock_ms
-    if cap is None:
+    if h.max_wallclock_ms is None:
         start = max(h.iterations - h.warmdown_iters, 0)
         return max((h.iterations - step) / h.warmdown_iters, 0.0) if start <= step < h.iterations else 1.0
     warmdown_ms = h.warmdown_iters * (elapsed_ms / max(step, 1))
-    remaining = max(cap - elapsed_ms, 0.0)
+    remaining = max(h.max_wallclock_ms - elapsed_ms, 0.0)
     return remaining / max(warmdown_ms, 1e-9) if remaining <= warmdown_ms else 1.0
 
 
-def muon_momentum_at(h: Hyperparameters, step: int) -> float:
+def muon_momentum_at(h, step):
     frac = min(step / h.muon_momentum_warmup_steps, 1.0) if h.muon_momentum_warmup_steps > 0 else 1.0
     return (1 - frac) * h.muon_momentum_warmup_start + frac * h.muon_momentum
 
 
-def maybe_compile(fn, rt: Runtime):
+def maybe_compile(fn, rt):
     return torch.compile(fn, dynamic=False, fullgraph=True) if compile_enabled(rt) else fn
 
 
-def compile_enabled(rt: Runtime) -> bool:
+def compile_enabled(rt):
     return rt.h.compile if rt.h.compile is not None else rt.device.type == "cuda"
 
 
 class StepTimer:
-    """TRAINING_TIMING_BREAKDOWN: milliseconds per phase, each phase bracketed by device syncs."""
+    """TRAINING_TIMING_BREAKDOWN: ms per phase, each bracketed by device syncs."""
 
     PHASES = ("batch_cpu", "h2d", "forward", "backward", "clip", "optimizer", "val")
 
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
-        self.ms = dict.fromkeys(self.PHASES, 0.0)
-        self.steps = 0
+    def __init__(self, rt):
+        self.rt, self.ms, self.steps = rt, dict.fromkeys(self.PHASES, 0.0), 0
 
     @contextlib.contextmanager
-    def __call__(self, phase: str):
+    def __call__(self, phase):
         self.rt.sync()
         t0 = time.perf_counter()
         yield
         self.rt.sync()
         self.ms[phase] += 1000.0 * (time.perf_counter() - t0)
 
-    def end_step(self) -> None:
-        self.steps += 1
-
-    def pop_line(self, step: int) -> str:
-        """Per-step averages since the last line (validation time is spread over those steps)."""
+    def pop_line(self, step):
+        """Per-step averages since the last line (validation time spread over them)."""
         n = max(self.steps, 1)
         line = f"timing step:{step} steps:{n} " + " ".join(f"{k}_ms:{v / n:.2f}" for k, v in self.ms.items())
         self.ms, self.steps = dict.fromkeys(self.PHASES, 0.0), 0
         return line
 
 
-def _untimed(phase: str):
-    return contextlib.nullcontext()
-
-
 class Trainer:
-    """One optimiser step = grad_accum micro-batches, clip, then the overlapped Parallel Muon step.
-    `data_wait_ms` accumulates the wall time the step spent blocked on the loader."""
+    """A step: grad_accum micro-batches, clip, overlapped Parallel Muon; data_wait_ms: time blocked on data."""
 
-    def __init__(self, rt: Runtime, model: GPT) -> None:
+    def __init__(self, rt, model):
         self.rt, self.h, self.model = rt, rt.h, model
         self.forward = maybe_compile(model, rt)
         self.muon, self.adams = build_optimizers(self.h, model)
-        self.optimizers: list[torch.optim.Optimizer] = [*self.adams, self.muon]
+        self.optimizers = [*self.adams, self.muon]
         bank_ids = {id(p) for p in self.muon.param_groups[0]["params"]}
-        # Everything that is not a bank is replicated and all-reduced (no DDP wrapper).
+        # Non-bank parameters are replicated and all-reduced (no DDP wrapper).
         self.replicated = [p for p in model.parameters() if id(p) not in bank_ids]
         self.data_wait_ms = 0.0
 
-    def zero_grad(self) -> None:
+    def zero_grad(self):
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
 
-    def step(self, loader, lr_scale: float, momentum: float, timer: StepTimer | None = None) -> Tensor:
+    def step(self, loader, lr_scale, momentum, timer=None):
         h, rt = self.h, self.rt
-        phase = timer or _untimed
+        phase = timer or contextlib.nullcontext  # nullcontext(name) times nothing
         for opt in self.optimizers:
             for g in opt.param_groups:
                 g["lr"] = g["base_lr"] * lr_scale
@@ -1538,7 +1402,7 @@ class Trainer:
             t0 = time.perf_counter()
             if timer is None:
                 x, y = loader.next_batch()
-            else:  # the plain loader: time host-side batch building and the copy separately
+            else:  # the plain loader: time batch building and the copy separately
                 with phase("batch_cpu"):
                     host = loader.next_host()
                 with phase("h2d"):
@@ -1551,7 +1415,7 @@ class Trainer:
                 (loss * (1.0 / accum)).backward()
         with phase("clip"):
             if h.grad_clip_norm > 0:
-                # The record clips each rank's local gradients before any communication; kept as default.
+                # As the record: clip each rank's local gradients, before any communication.
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip_norm)
         with phase("optimizer"):
             self.muon.launch_reduce_scatters()
@@ -1564,29 +1428,16 @@ class Trainer:
         self.zero_grad()
         return total / accum
 
-    def snapshot(self) -> tuple[dict, list[dict]]:
-        return ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                [copy.deepcopy(opt.state_dict()) for opt in self.optimizers])
 
-    def restore(self, snap: tuple[dict, list[dict]]) -> None:
-        self.model.load_state_dict(snap[0], strict=True)
-        for opt, state in zip(self.optimizers, snap[1]):
-            opt.load_state_dict(state)
-        self.zero_grad()
-
-
-def make_train_loader(rt: Runtime):
-    """The one place the training loader is built from the settings (TRAIN_LOADER, TRAIN_PREFETCH*,
-    TRAIN_COPY_STREAM). Whatever the options, the batches are the same."""
+def make_train_loader(rt):
+    """TRAIN_LOADER's loader; TRAIN_PREFETCH* and TRAIN_COPY_STREAM never change the batches."""
     h = rt.h
     local_tokens = h.train_batch_tokens // (h.world_size * h.grad_accum_steps)
-    files = list_shards(h.train_files)
+    args = (list_shards(h.train_files), h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len)
     if h.train_loader == "shuffled":
-        base = ShuffledSequenceLoader(files, h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len, h.seed,
-                                      vocab_size=h.vocab_size)
+        base = ShuffledSequenceLoader(*args, h.seed, vocab_size=h.vocab_size)
     else:
-        base = DistributedTokenLoader(files, h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len,
-                                      vocab_size=h.vocab_size)
+        base = DistributedTokenLoader(*args, vocab_size=h.vocab_size)
     if not (rt.train_prefetch or rt.train_copy_stream):
         return base
     return PrefetchingDistributedTokenLoader(lambda: (base.next_host(), None), h.train_seq_len, rt.device,
@@ -1594,34 +1445,33 @@ def make_train_loader(rt: Runtime):
                                              copy_stream=rt.train_copy_stream, name="train")
 
 
-def warmup_and_restore(rt: Runtime, trainer: Trainer):
-    """WARMUP_STEPS real steps to compile and warm kernels and collectives, then restore the initial
-    weights and optimiser state and return a loader restarted from the first token."""
-    h = rt.h
-    snap = trainer.snapshot()
+def warmup_and_restore(rt, trainer):
+    """WARMUP_STEPS real steps (compile, kernels), then restore the initial state; returns a fresh loader."""
+    h, model = rt.h, trainer.model
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt_states = [copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers]
     loader = make_train_loader(rt)
     for i in range(h.warmup_steps):
         trainer.step(loader, 1.0, muon_momentum_at(h, 0))
         rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}")
-    loader.shutdown()  # before the rewind: its thread must not advance the stream in the background
-    trainer.restore(snap)
+    loader.shutdown()  # first: its thread must not advance the stream during the rewind
+    model.load_state_dict(weights, strict=True)
+    for opt, state in zip(trainer.optimizers, opt_states):
+        opt.load_state_dict(state)
+    trainer.zero_grad()
     return make_train_loader(rt)
 
 
 class WeightAverager:
-    """EMA of every state-dict entry in fp32 (the record's final weights), plus SWA snapshots.
+    """fp32 EMA (the record's final weights) and SWA: SWA_ENABLED=1 collects (as the record), SWA_APPLY=1 applies."""
 
-    SWA_ENABLED=1 only collects snapshots, as the record did (its README's run command sets it, and its
-    final weights are still the EMA); SWA_APPLY=1 makes their average the final weights."""
-
-    def __init__(self, h: Hyperparameters, model: GPT) -> None:
+    def __init__(self, h, model):
         self.h, self.model = h, model
         self.ema = {k: v.detach().float().clone() for k, v in model.state_dict().items()} if h.ema_enabled else None
-        self.swa: dict[str, Tensor] | None = None
-        self.swa_count = 0
+        self.swa, self.swa_count = None, 0
 
     @torch.no_grad()
-    def update(self, step: int, lr_scale: float) -> None:
+    def update(self, step, lr_scale):
         state = self.model.state_dict()
         if self.ema is not None:
             d = self.h.ema_decay
@@ -1635,12 +1485,12 @@ class WeightAverager:
             self.swa_count += 1
 
     @torch.no_grad()
-    def apply_final(self) -> str:
-        """Load the final weights into the model; returns which ones were used."""
+    def apply_final(self):
+        """Load the final weights; returns their source."""
         if self.h.swa_apply:
             if self.swa_count == 0:
-                raise RunError("SWA_APPLY=1 but no SWA snapshot was taken (the LR scale never went below 0.2 on a "
-                               "multiple of SWA_EVERY before the wallclock cap); no artifact written")
+                raise RunError("SWA_APPLY=1 but no SWA snapshot was taken (LR scale never < 0.2 on a multiple of "
+                               "SWA_EVERY); no artifact written")
             averaged, source = {k: v / self.swa_count for k, v in self.swa.items()}, f"swa({self.swa_count})"
         elif self.ema is not None:
             averaged, source = self.ema, "ema"
@@ -1654,27 +1504,24 @@ class WeightAverager:
 
 
 class StepProfiler:
-    """PROFILE=1: a torch.profiler trace (Chrome/Perfetto JSON) of training steps [START, END) of
-    PROFILE_STEPS, written to logs/{RUN_ID}_profile_rank{r}.json."""
+    """PROFILE=1: torch.profiler trace of PROFILE_STEPS [START, END) to logs/{RUN_ID}_profile_rank{r}.json."""
 
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(self, rt):
+        self.rt, self.prof = rt, None
         self.first, self.end = rt.h.profile_range if rt.h.profile else (0, 0)
-        self.prof = None
 
-    def before_step(self, step: int) -> None:  # step = 1-based number of the step about to run
+    def before_step(self, step):  # step: 1-based, about to run
         if step == self.first:
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if self.rt.device.type == "cuda":
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            act = torch.profiler.ProfilerActivity
+            acts = [act.CPU, act.CUDA] if self.rt.device.type == "cuda" else [act.CPU]
             self.prof = torch.profiler.profile(activities=acts, record_shapes=True)
             self.prof.__enter__()
 
-    def after_step(self, step: int) -> None:
-        if self.prof is not None and step == self.end - 1:
+    def after_step(self, step):
+        if step == self.end - 1:
             self.finish()
 
-    def finish(self) -> None:
+    def finish(self):
         if self.prof is None:
             return
         self.rt.sync()
@@ -1686,7 +1533,7 @@ class StepProfiler:
         self.rt.log(f"profile: steps {self.first}..{self.end - 1} written to {path}")
 
 
-def train(rt: Runtime, model: GPT, val_tokens: Tensor, luts: ByteLuts) -> bool:
+def train(rt, model, val_tokens, luts):
     """The record's training loop. Returns whether late QAT was switched on."""
     h = rt.h
     trainer = Trainer(rt, model)
@@ -1698,7 +1545,7 @@ def train(rt: Runtime, model: GPT, val_tokens: Tensor, luts: ByteLuts) -> bool:
         loader.shutdown()
 
 
-def _train_loop(rt: Runtime, trainer: Trainer, loader, val_tokens: Tensor, luts: ByteLuts) -> bool:
+def _train_loop(rt, trainer, loader, val_tokens, luts):
     h, model = rt.h, trainer.model
     averager = WeightAverager(h, model)
     timer = StepTimer(rt) if h.training_timing_breakdown else None
@@ -1715,7 +1562,7 @@ def _train_loop(rt: Runtime, trainer: Trainer, loader, val_tokens: Tensor, luts:
         if last or (h.val_loss_every > 0 and step % h.val_loss_every == 0):
             rt.sync()
             train_ms += 1000.0 * (time.perf_counter() - t0)
-            with (timer or _untimed)("val"):
+            with (timer or contextlib.nullcontext)("val"):
                 val_loss, val_bpb = eval_val(rt, trainer.forward, val_tokens, luts)
             rt.log(f"step:{step}/{h.iterations} val_loss:{val_loss:.4f} val_bpb:{val_bpb:.4f} "
                    f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(step, 1):.2f}ms")
@@ -1725,8 +1572,7 @@ def _train_loop(rt: Runtime, trainer: Trainer, loader, val_tokens: Tensor, luts:
             if stop_after is not None and step < h.iterations:
                 rt.log(f"stopping_early: wallclock_cap train_time:{train_ms:.0f}ms step:{step}/{h.iterations}")
             break
-        elapsed = train_ms + 1000.0 * (time.perf_counter() - t0)
-        scale = lr_multiplier(h, step, elapsed)
+        scale = lr_multiplier(h, step, train_ms + 1000.0 * (time.perf_counter() - t0))
         if h.late_qat_threshold > 0 and scale < h.late_qat_threshold and not qat_on:
             qat_on = True
             model.set_qat(True)
@@ -1736,8 +1582,7 @@ def _train_loop(rt: Runtime, trainer: Trainer, loader, val_tokens: Tensor, luts:
         averager.update(step + 1, scale)
         step += 1
         profiler.after_step(step)
-        wait = trainer.data_wait_ms
-        trainer.data_wait_ms = 0.0
+        wait, trainer.data_wait_ms = trainer.data_wait_ms, 0.0
         wait_total, wait_max = wait_total + wait, max(wait_max, wait)
         wait_since_log, steps_since_log = wait_since_log + wait, steps_since_log + 1
         approx_ms = train_ms + 1000.0 * (time.perf_counter() - t0)
@@ -1747,17 +1592,16 @@ def _train_loop(rt: Runtime, trainer: Trainer, loader, val_tokens: Tensor, luts:
                    f"data_wait_ms:{wait_since_log / steps_since_log:.2f}")
             wait_since_log, steps_since_log = 0.0, 0
         if timer is not None:
-            timer.end_step()
+            timer.steps += 1
             if step <= 10 or step % h.training_timing_every == 0:
                 rt.log(timer.pop_line(step))
-        # One small all-reduce per step, agreed by every rank: a non-finite loss anywhere stops the run, and
-        # the wallclock cap stops training at the same step everywhere.
+        # One all-reduce: a non-finite loss on any rank stops the run; the cap stops all ranks at one step.
         flags = torch.stack((~torch.isfinite(train_loss.detach()),
                              torch.tensor(cap_ms is not None and approx_ms >= cap_ms, device=rt.device)))
         diverged, reached = rt.all_reduce(flags.to(torch.int32), op=dist.ReduceOp.MAX).tolist()
         if diverged:
-            raise RunError(f"training loss is not finite at step {step}; stopped, no artifact written (lower the "
-                           "learning rates: MATRIX_LR, SCALAR_LR, TIED_EMBED_LR)")
+            raise RunError(f"training loss is not finite at step {step}; stopped, no artifact written (lower "
+                           "MATRIX_LR, SCALAR_LR, TIED_EMBED_LR)")
         if reached and stop_after is None:
             stop_after = step
     profiler.finish()
@@ -1766,14 +1610,13 @@ def _train_loop(rt: Runtime, trainer: Trainer, loader, val_tokens: Tensor, luts:
     if rt.device.type == "cuda":
         rt.log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    source = averager.apply_final()
-    rt.log(f"final_weights:{source}")
+    rt.log(f"final_weights:{averager.apply_final()}")
     return qat_on
 
 
-# =====================================================================================================
+# ==================================================
 # ARTIFACT
-# =====================================================================================================
+# ==================================================
 
 INT6_CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999)  # plus the row max
 INT8_CLIP_QUANTILE = 0.9999984
@@ -1786,7 +1629,7 @@ BANK_SLOTS = {  # bank -> per-layer names of its [0, n) and [n, 2n) halves (SPEC
 }
 
 
-def unbank_state_dict(sd: dict[str, Tensor], n: int) -> dict[str, Tensor]:
+def unbank_state_dict(sd, n):
     """Split the banks into per-layer 2-D matrices named like an unbanked model's."""
     out = {}
     for name, t in sd.items():
@@ -1801,37 +1644,34 @@ def unbank_state_dict(sd: dict[str, Tensor], n: int) -> dict[str, Tensor]:
     return out
 
 
-def rebank_state_dict(flat: dict[str, Tensor], n: int) -> dict[str, Tensor]:
+def rebank_state_dict(flat, n):
     """Inverse of unbank_state_dict."""
     out, used = {}, set()
     for name, (first, second) in BANK_SLOTS.items():
-        keys = [f"blocks.{i}{first}" for i in range(n)]
-        if second is not None:
-            keys += [f"blocks.{i}{second}" for i in range(n)]
+        keys = [f"blocks.{i}{part}" for part in (first, second) if part is not None for i in range(n)]
         out[name] = torch.stack([flat[k] for k in keys])
         used.update(keys)
     out.update({k: v for k, v in flat.items() if k not in used})
     return out
 
 
-def quantize_int6_rows(t: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row int6 in [-31, 31] with fp16 scales; the clip is the candidate (row quantiles or row max)
-    with the lowest mean squared reconstruction error over the whole matrix."""
+def quantize_int6_rows(t):
+    """Per-row int6 in [-31, 31], fp16 scales; clip: the row quantile or row max with the lowest matrix MSE."""
     t32 = t.float()
     absw = t32.abs()
-    candidates = [torch.quantile(absw, q, dim=1) for q in INT6_CLIP_QUANTILES] + [absw.amax(dim=1)]
     best = None
-    for clip in candidates:
+    for clip in [torch.quantile(absw, q, dim=1) for q in INT6_CLIP_QUANTILES] + [absw.amax(dim=1)]:
         scale = (clip / 31.0).clamp_min(1.0 / 31.0).to(torch.float16)
-        q = torch.clamp(torch.round(t32 / scale.float()[:, None]), -31, 31)
-        err = (t32 - q * scale.float()[:, None]).pow(2).mean().item()
+        s = scale.float()[:, None]
+        q = torch.clamp(torch.round(t32 / s), -31, 31)
+        err = (t32 - q * s).pow(2).mean().item()
         if best is None or err < best[0]:
             best = (err, q.to(torch.int8), scale)
     return best[1], best[2]
 
 
-def quantize_int8_rows(t: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row int8 with the clip at a high row quantile of |w|, fp16 scales."""
+def quantize_int8_rows(t):
+    """Per-row int8 clipped at a high row quantile of |w|, fp16 scales."""
     t32 = t.float()
     clip = torch.quantile(t32.abs(), INT8_CLIP_QUANTILE, dim=1)
     scale = (clip / 127.0).clamp_min(1.0 / 127.0)
@@ -1840,7 +1680,7 @@ def quantize_int8_rows(t: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale.to(torch.float16)
 
 
-def quantize_state_dict(flat: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict]:
+def quantize_state_dict(flat):
     """SPEC 6: small floats as fp16, attention/MLP matrices int6, other large matrices int8."""
     w, meta = {}, {}
     for name, t in flat.items():
@@ -1856,18 +1696,17 @@ def quantize_state_dict(flat: dict[str, Tensor]) -> tuple[dict[str, Tensor], dic
     return w, meta
 
 
-def dequantize_state_dict(w: dict[str, Tensor], meta: dict, template: dict[str, Tensor], source: str) -> dict:
+def dequantize_state_dict(w, meta, template, source):
     missing, extra = [k for k in template if k not in meta], [k for k in meta if k not in template]
     if missing or extra:
-        layers = {int(k.split(".")[1]) for k in meta if k.startswith("blocks.")}
-        raise ConfigError(f"{source}: artifact was built with other model settings: {len(extra)} entries the model "
-                          f"lacks (e.g. {extra[:2]}), {len(missing)} it needs are missing (e.g. {missing[:2]}); "
-                          f"the artifact has {len(layers)} blocks, NUM_LAYERS={template_layers(template)}")
+        raise ConfigError(f"{source}: artifact was built with other model settings: {len(extra)} extra entries "
+                          f"(e.g. {extra[:2]}), {len(missing)} missing (e.g. {missing[:2]}); it has "
+                          f"{count_blocks(meta)} blocks, NUM_LAYERS={count_blocks(template)}")
     out = {}
     for name, ref in template.items():
         info = meta.get(name)
         if info is None:
-            raise ConfigError(f"{source}: artifact has no entry for {name} (built with other model settings?)")
+            raise ConfigError(f"{source}: artifact has no entry for {name} (other model settings?)")
         if isinstance(info, str):  # "passthrough" (and the reference's "passthrough_ctrl")
             t = w[name]
         else:
@@ -1879,12 +1718,12 @@ def dequantize_state_dict(w: dict[str, Tensor], meta: dict, template: dict[str, 
     return out
 
 
-def template_layers(template: dict[str, Tensor]) -> int:
-    return len({int(k.split(".")[1]) for k in template if k.startswith("blocks.")})
+def count_blocks(keys):
+    return len({int(k.split(".")[1]) for k in keys if k.startswith("blocks.")})
 
 
-def write_atomically(path: str, data: bytes) -> None:
-    """Write to path.tmp, then rename: a failed write (disk full) never leaves a partial file that looks complete."""
+def write_atomically(path, data):
+    """Write to path.tmp, then rename: a failed write (disk full) never leaves a partial file."""
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb") as f:
@@ -1896,11 +1735,8 @@ def write_atomically(path: str, data: bytes) -> None:
         raise
 
 
-def save_artifact(path: str, model: GPT, late_qat: bool) -> int:
-    """Unbank, quantise, torch.save, lzma preset 6. Returns the file's size in bytes.
-
-    `late_qat` records whether late QAT was on when training ended: the run's own TTT trains with it, so
-    EVAL_ONLY must too to give the run's numbers."""
+def save_artifact(path, model, late_qat):
+    """Returns the size; stores `late_qat` (the run's TTT trains with it, so EVAL_ONLY must too)."""
     w, meta = quantize_state_dict(unbank_state_dict(model.state_dict(), model.num_layers))
     buf = io.BytesIO()
     torch.save({"w": w, "m": meta, "late_qat": late_qat}, buf)
@@ -1909,8 +1745,7 @@ def save_artifact(path: str, model: GPT, late_qat: bool) -> int:
     return len(blob)
 
 
-def size_report(model_bytes: int, code_bytes: int) -> list[str]:
-    """The byte-accounting log lines; a loud OVER_LIMIT line when the submission exceeds the cap."""
+def size_report(model_bytes, code_bytes):
     total = model_bytes + code_bytes
     lines = [f"Code size: {code_bytes} bytes", f"Serialized model int6+lzma: {model_bytes} bytes",
              f"Total submission size int6+lzma: {total} bytes"]
@@ -1919,8 +1754,8 @@ def size_report(model_bytes: int, code_bytes: int) -> list[str]:
     return lines
 
 
-def load_artifact(path: str, h: Hyperparameters) -> GPT:
-    """A fresh model from an artifact file on disk: decompress, dequantise, re-bank."""
+def load_artifact(path, h):
+    """A fresh model from an artifact file."""
     try:
         with open(path, "rb") as f:
             blob = lzma.decompress(f.read())
@@ -1937,31 +1772,27 @@ def load_artifact(path: str, h: Hyperparameters) -> GPT:
     if not isinstance(obj, dict) or "w" not in obj or "m" not in obj:
         raise ConfigError(f"{path}: not an int6 artifact (expected a dict with 'w' and 'm')")
     model = build_model(h)
-    template = unbank_state_dict(model.state_dict(), model.num_layers)
-    flat = dequantize_state_dict(obj["w"], obj["m"], template, path)
+    flat = dequantize_state_dict(obj["w"], obj["m"], unbank_state_dict(model.state_dict(), model.num_layers), path)
     model.load_state_dict(rebank_state_dict(flat, model.num_layers), strict=True)
-    # The record's artifacts carry no flag; its runs always end with late QAT on (the LR scale reaches 0).
+    # The record's artifacts have no flag; its runs always end with late QAT on.
     model.set_qat(bool(obj.get("late_qat", True)))
     return model
 
 
-# =====================================================================================================
+# ==================================================
 # EVALUATION
-# =====================================================================================================
+# ==================================================
 
-def finish_loss_bpb(rt: Runtime, sums: Tensor) -> tuple[float, float]:
+def finish_loss_bpb(rt, sums):
     """sums = [nll sum, tokens, bytes] (float64) of this rank -> global (val_loss, val_bpb)."""
     loss_sum, tokens, nbytes = rt.all_reduce(sums).tolist()
     val_loss = loss_sum / tokens
     return val_loss, val_loss / math.log(2.0) * tokens / nbytes
 
 
-def eval_val(rt: Runtime, forward, val_tokens: Tensor, luts: ByteLuts) -> tuple[float, float]:
-    """Standard eval: contiguous EVAL_SEQ_LEN sequences split evenly across ranks (SPEC 7). Batches come
-    through the prefetcher (VAL_PREFETCH, VAL_COPY_STREAM); with VAL_BYTECOUNT_DEVICE=cpu their byte
-    counts are computed on the host, in the prefetch thread when there is one."""
-    h, dev = rt.h, rt.device
-    L = h.eval_seq_len
+def eval_val(rt, forward, val_tokens, luts):
+    """SPEC 7 standard eval: contiguous EVAL_SEQ_LEN sequences split across ranks, through the prefetcher."""
+    h, dev, L = rt.h, rt.device, rt.h.eval_seq_len
     batch_seqs = h.val_batch_size // (h.world_size * h.grad_accum_steps) // L
     total = (val_tokens.numel() - 1) // L
     first, last = total * h.rank // h.world_size, total * (h.rank + 1) // h.world_size
@@ -1975,8 +1806,8 @@ def eval_val(rt: Runtime, forward, val_tokens: Tensor, luts: ByteLuts) -> tuple[
         if s is None:
             return None
         span = tokens[s * L:min(s + batch_seqs, last) * L + 1]
-        nbytes = float(luts.count(torch.from_numpy(span[:-1]), torch.from_numpy(span[1:])).sum()) if host_bytes else None
-        return span, nbytes
+        t = torch.from_numpy(span)
+        return span, float(luts.count(t[:-1], t[1:]).sum()) if host_bytes else None
 
     loader = PrefetchingDistributedTokenLoader(produce, L, dev, queue_size=2, threaded=rt.val_prefetch,
                                                copy_stream=rt.val_copy_stream, name="val")
@@ -1984,40 +1815,37 @@ def eval_val(rt: Runtime, forward, val_tokens: Tensor, luts: ByteLuts) -> tuple[
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
     was_training = getattr(forward, "training", True)
     set_train_mode(forward, False)
-    t0 = time.perf_counter()
+    every, t0 = h.val_progress_log_every, time.perf_counter()
     try:
         with torch.inference_mode():
-            for i in range(num_batches):
+            for i in range(1, num_batches + 1):
                 x, y, nbytes = loader.next()
                 with rt.autocast():
                     loss = forward(x, y).detach()
                 sums[0] += loss.double() * y.numel()
                 sums[1] += y.numel()
                 sums[2] += nbytes if host_bytes else luts_d.count(x.reshape(-1), y.reshape(-1)).sum()
-                if h.val_progress_log_every > 0 and ((i + 1) % h.val_progress_log_every == 0 or i + 1 == num_batches):
-                    rt.log(f"val_progress: batch:{i + 1}/{num_batches} "
-                           f"elapsed:{1000.0 * (time.perf_counter() - t0):.0f}ms")
+                if every > 0 and (i % every == 0 or i == num_batches):
+                    rt.log(f"val_progress: batch:{i}/{num_batches} elapsed:{1000.0 * (time.perf_counter() - t0):.0f}ms")
     finally:
         loader.shutdown()
     set_train_mode(forward, was_training)
     return finish_loss_bpb(rt, sums)
 
 
-def set_train_mode(module_or_compiled, mode: bool) -> None:
+def set_train_mode(module_or_compiled, mode):
     target = getattr(module_or_compiled, "_orig_mod", module_or_compiled)
     if isinstance(target, nn.Module):
         target.train(mode)
 
 
-def sliding_windows(num_targets: int, seq_len: int, stride: int) -> list[tuple[int, int]]:
-    """Full-length windows (start, first scored position) so that every target is scored exactly once:
-    the first window scores all its targets, each later one the next <= stride targets at its end, so
-    every scored token after the first window sees >= seq_len - stride tokens of context. The last
-    window is moved back to end exactly at the last target (the record re-scored the tail instead)."""
+def sliding_windows(num_targets, seq_len, stride):
+    """Full-length windows (start, first scored position) scoring each target once, each after the first with
+    >= seq_len - stride context; the last ends at the last target (the record re-scored the tail instead)."""
     if num_targets < seq_len:
         raise ConfigError(f"EVAL_SEQ_LEN={seq_len} is longer than the {num_targets} validation targets")
     windows = [(0, 0)]
-    scored_end = seq_len  # targets at positions [0, scored_end) of the stream are scored
+    scored_end = seq_len  # targets [0, scored_end) are scored
     while scored_end < num_targets:
         start = min(scored_end + stride - seq_len, num_targets - seq_len)
         windows.append((start, scored_end - start))
@@ -2025,11 +1853,8 @@ def sliding_windows(num_targets: int, seq_len: int, stride: int) -> list[tuple[i
     return windows
 
 
-def score_windows(rt: Runtime, logits_fn, val_tokens: Tensor, windows: list[tuple[int, int]],
-                  luts: ByteLuts, batch_seqs: int, per_token: Tensor | None = None) -> Tensor:
-    """Sum of [nll, tokens, bytes] over the scored positions of `windows`. Batches are padded to a fixed
-    size (padding rows masked out) so a compiled forward sees one shape. If `per_token` is given
-    (float64, one slot per stream position), each scored target's nll is written at its position."""
+def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_token=None):
+    """Sum of [nll, tokens, bytes] over the scored positions (batches padded to one shape); per_token[pos] = nll."""
     dev, L = rt.device, rt.h.eval_seq_len
     host_bytes = rt.h.val_bytecount_device == "cpu"
     luts_d = None if host_bytes else luts.to(dev)
@@ -2040,8 +1865,8 @@ def score_windows(rt: Runtime, logits_fn, val_tokens: Tensor, windows: list[tupl
         real = len(batch)
         batch = batch + [batch[-1]] * (batch_seqs - real)
         spans = torch.stack([val_tokens[s:s + L + 1] for s, _ in batch])
-        first = torch.tensor([f for _, f in batch])
-        mask = positions[None, :] >= first[:, None]
+        rows = torch.tensor(batch)  # (start, first scored position) per row
+        mask = positions[None, :] >= rows[:, 1:]
         mask[real:] = False
         x, y = cut_batch(spans.to(dev).to(torch.int64), L)
         mask_d = mask.to(dev)
@@ -2056,54 +1881,48 @@ def score_windows(rt: Runtime, logits_fn, val_tokens: Tensor, windows: list[tupl
         else:
             sums[2] += luts_d.count(x[mask_d], y[mask_d]).sum()
         if per_token is not None:
-            target_pos = torch.tensor([st for st, _ in batch])[:, None] + positions[None, :] + 1
+            target_pos = rows[:, :1] + positions[None, :] + 1
             per_token[target_pos[mask]] = scored.cpu()
     return sums
 
 
-def eval_batch_rows(h: Hyperparameters, window_counts: list[int]) -> int:
-    """Rows per scoring forward: EVAL_BATCH_SEQS, but never more than the most windows any one call scores
-    (padding every batch to a huge EVAL_BATCH_SEQS would make evaluation crawl)."""
+def eval_batch_rows(h, window_counts):
+    """Rows per scoring forward: EVAL_BATCH_SEQS, at most the most windows one call scores (less padding)."""
     return max(1, min(h.eval_batch_seqs, max(window_counts, default=1)))
 
 
-def rank_slice(items: list, rank: int, world_size: int) -> list:
+def rank_slice(items, h):
     n = len(items)
-    return items[n * rank // world_size: n * (rank + 1) // world_size]
+    return items[n * h.rank // h.world_size: n * (h.rank + 1) // h.world_size]
 
 
-def eval_sliding(rt: Runtime, model: GPT, logits_fn, val_tokens: Tensor, luts: ByteLuts,
-                 per_token: Tensor | None = None) -> tuple[float, float]:
+def eval_sliding(rt, model, logits_fn, val_tokens, luts, per_token=None):
     h = rt.h
-    mine = rank_slice(sliding_windows(val_tokens.numel() - 1, h.eval_seq_len, h.eval_stride), h.rank, h.world_size)
+    mine = rank_slice(sliding_windows(val_tokens.numel() - 1, h.eval_seq_len, h.eval_stride), h)
     model.eval()
     with torch.inference_mode():
         sums = score_windows(rt, logits_fn, val_tokens, mine, luts, eval_batch_rows(h, [len(mine)]), per_token)
     return finish_loss_bpb(rt, sums)
 
 
-def frozen_bank_rows(h: Hyperparameters) -> dict[str, list[int]]:
-    """Rows of each bank that belong to the first TTT_FREEZE_BLOCKS blocks."""
-    n, k = h.num_layers, h.ttt_freeze_blocks
-    first = list(range(k))
-    return {"qo_bank": first + [n + i for i in first], "kv_bank": first + [n + i for i in first],
-            "mlp_up_bank": first, "mlp_down_bank": first}
+def frozen_bank_rows(h):
+    """Rows of each bank in the first TTT_FREEZE_BLOCKS blocks."""
+    first = list(range(h.ttt_freeze_blocks))
+    both = first + [h.num_layers + i for i in first]
+    return {"qo_bank": both, "kv_bank": both, "mlp_up_bank": first, "mlp_down_bank": first}
 
 
-def eval_ttt(rt: Runtime, model: GPT, logits_fn, loss_fn, val_tokens: Tensor, luts: ByteLuts,
-             per_token: Tensor | None = None) -> tuple[float, float]:
-    """Legal score-first TTT (SPEC 7): for each chunk, score its windows with the current weights under
-    inference_mode, then (except for the last chunk) train on the chunk's tokens. A token is never scored
-    by weights that have seen it."""
+def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None):
+    """Legal score-first TTT (SPEC 7): score each chunk under inference_mode, then train on it (not the last)."""
     h = rt.h
     L, C = h.eval_seq_len, h.ttt_chunk_tokens
     num_targets = val_tokens.numel() - 1
     windows = sliding_windows(num_targets, L, h.eval_stride)
     num_chunks = -(-num_targets // C)
-    chunk_windows: list[list[tuple[int, int]]] = [[] for _ in range(num_chunks)]
+    chunk_windows = [[] for _ in range(num_chunks)]
     for start, first in windows:
         chunk_windows[min((start + first) // C, num_chunks - 1)].append((start, first))
-    batch_rows = eval_batch_rows(h, [len(rank_slice(w, h.rank, h.world_size)) for w in chunk_windows])
+    batch_rows = eval_batch_rows(h, [len(rank_slice(w, h)) for w in chunk_windows])
 
     frozen_prefixes = tuple(f"blocks.{i}." for i in range(h.ttt_freeze_blocks))
     frozen_rows = frozen_bank_rows(h) if h.ttt_freeze_blocks > 0 else {}
@@ -2118,8 +1937,8 @@ def eval_ttt(rt: Runtime, model: GPT, logits_fn, loss_fn, val_tokens: Tensor, lu
     for ci in range(num_chunks):
         model.eval()
         with torch.inference_mode():
-            sums += score_windows(rt, logits_fn, val_tokens, rank_slice(chunk_windows[ci], h.rank, h.world_size),
-                                  luts, batch_rows, per_token)
+            sums += score_windows(rt, logits_fn, val_tokens, rank_slice(chunk_windows[ci], h), luts, batch_rows,
+                                  per_token)
         if ci == num_chunks - 1 or h.ttt_epochs == 0:
             continue
         lr = h.ttt_lr * 0.5 * (1.0 + math.cos(math.pi * ci / max(num_chunks - 1, 1)))
@@ -2140,13 +1959,10 @@ def eval_ttt(rt: Runtime, model: GPT, logits_fn, loss_fn, val_tokens: Tensor, lu
     return finish_loss_bpb(rt, sums)
 
 
-def ttt_train_batch(rt: Runtime, model: GPT, loss_fn, opt, params, frozen_rows, val_tokens: Tensor,
-                    chunk_start: int, b: int, e: int) -> None:
-    """One SGD step on sequences [b, e) of the chunk, split across ranks. Each rank backpropagates
-    its loss *sum* divided by the global count and gradients are summed, so the step equals the
-    single-process step whatever the split (ranks with no sequence contribute zeros)."""
+def ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, chunk_start, b, e):
+    """One SGD step on sequences [b, e) of the chunk split across ranks, equal to the single-process step."""
     h, L = rt.h, rt.h.eval_seq_len
-    mine = rank_slice(list(range(b, e)), h.rank, h.world_size)
+    mine = rank_slice(list(range(b, e)), h)
     opt.zero_grad(set_to_none=False)
     if mine:
         lo, hi = chunk_start + mine[0] * L, chunk_start + (mine[-1] + 1) * L + 1
@@ -2164,34 +1980,32 @@ def ttt_train_batch(rt: Runtime, model: GPT, loss_fn, opt, params, frozen_rows, 
     opt.step()
 
 
-# =====================================================================================================
+# ==================================================
 # MAIN
-# =====================================================================================================
+# ==================================================
 
-# What the run is doing now: a failure's one-line error names it.
-_STAGE = ["start-up"]
+_STAGE = ["start-up"]  # what the run is doing: a failure's one-line error names it
 
 
-def stage(name: str) -> None:
+def stage(name):
     _STAGE[0] = name
 
 
-def evaluate_artifact(rt: Runtime, model: GPT, val_tokens: Tensor, luts: ByteLuts) -> None:
+def evaluate_artifact(rt, model, val_tokens, luts):
     """Round-trip, sliding-window and legal-TTT evaluation of a model loaded from the artifact file."""
     h = rt.h
     model = rt.prepare_model(model)
     forward = maybe_compile(model, rt)
     logits_fn = maybe_compile(model.forward_logits, rt)
 
-    def timed(label: str, fn, extra: str = "") -> None:
+    def timed(label, fn, extra=""):
         stage(f"evaluation ({label})")
         rt.sync()
         t0 = time.perf_counter()
         loss, bpb = fn()
         rt.sync()
         if not math.isfinite(loss):
-            hint = "TTT diverged: lower TTT_LR" if label == "legal_ttt" else "the artifact's weights are broken"
-            raise RunError(f"{label}: val_loss is {loss} ({hint})")
+            raise RunError(f"{label}: val_loss is {loss}" + (" (lower TTT_LR)" if label == "legal_ttt" else ""))
         ms = 1000.0 * (time.perf_counter() - t0)
         rt.log(f"{label} val_loss:{loss:.4f} val_bpb:{bpb:.4f}{extra} eval_time:{ms:.0f}ms")
         rt.log(f"{label}_exact val_loss:{loss:.8f} val_bpb:{bpb:.8f}")
@@ -2204,18 +2018,7 @@ def evaluate_artifact(rt: Runtime, model: GPT, val_tokens: Tensor, luts: ByteLut
         timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts))
 
 
-OUTPUT_FILES = ("final_model.pt", "final_model.int6.ptz")
-
-
-def remove_stale_outputs(rt: Runtime) -> None:
-    """Remove an earlier run's outputs, so that a run that fails leaves nothing that looks finished."""
-    for name in OUTPUT_FILES:
-        if rt.is_main and os.path.exists(name):
-            os.remove(name)
-            rt.log(f"removed {name} of an earlier run")
-
-
-def write_outputs(rt: Runtime, model: GPT, late_qat: bool) -> None:
+def write_outputs(rt, model, late_qat):
     """Rank 0 writes the raw state dict and the int6+lzma artifact, and logs the byte accounting."""
     if not rt.is_main:
         return
@@ -2227,7 +2030,7 @@ def write_outputs(rt: Runtime, model: GPT, late_qat: bool) -> None:
         rt.log(line)
 
 
-def run(rt: Runtime) -> None:
+def run(rt):
     h = rt.h
     log_environment(rt)
     backend = select_attention_backend(rt.device)
@@ -2258,7 +2061,10 @@ def run(rt: Runtime) -> None:
     stage("checking the training shards")
     for f in list_shards(h.train_files):
         read_shard_header(f)
-    remove_stale_outputs(rt)
+    for name in ("final_model.pt", "final_model.int6.ptz"):  # a failed run must not leave an older run's files
+        if rt.is_main and os.path.exists(name):
+            os.remove(name)
+            rt.log(f"removed {name} of an earlier run")
     stage("building the model")
     model = rt.prepare_model(build_model(h))
     rt.log(f"model_params:{sum(p.numel() for p in model.parameters())}")
@@ -2276,14 +2082,13 @@ def run(rt: Runtime) -> None:
     write_outputs(rt, model, qat_on)
     if rt.distributed:
         dist.barrier()
-    # Evaluate what a user would submit: a fresh model read back from the file on disk (it carries the
-    # late-QAT state, which TTT training uses, as the record's class-wide QAT flag did).
+    # Evaluate what a user would submit: a fresh model read back from the file on disk (with its late-QAT state).
     eval_model = load_artifact("final_model.int6.ptz", h)
     evaluate_artifact(rt, eval_model, val_tokens, luts)
 
 
-def fail(rt: Runtime | None, message: str) -> None:
-    """Print one error line (prefixed with the rank when there are several) and put it in the log."""
+def fail(rt, message):
+    """Print the one error line (with the rank when there are several) and end the log with it."""
     if rt is not None and rt.distributed:
         message = f"{message} [rank {rt.h.rank}]"
     print(message, file=sys.stderr, flush=True)
@@ -2293,7 +2098,7 @@ def fail(rt: Runtime | None, message: str) -> None:
                 print(message, file=f)
 
 
-def main() -> None:
+def main():
     if sys.argv[1:] in (["-h"], ["--help"]):
         rows = "\n".join(f"  {n:<28}{d}" for n, d in Hyperparameters({}).settings)
         print(f"usage: [VAR=VALUE ...] python3 train_gpt.py  (or: torchrun --standalone --nproc_per_node=8 "
@@ -2309,12 +2114,9 @@ def main() -> None:
         h = Hyperparameters()
         rt = setup_runtime(h)
         run(rt)
-    except ConfigError as e:
+    except (ConfigError, RunError) as e:
         fail(rt, f"error: {e}")
-        code = 2
-    except RunError as e:
-        fail(rt, f"error: {e}")
-        code = 1
+        code = 2 if isinstance(e, ConfigError) else 1
     except KeyboardInterrupt:
         fail(rt, f"interrupted (Ctrl-C) during {_STAGE[0]}")
         code = 130
@@ -2327,14 +2129,10 @@ def main() -> None:
         code = 1
     if not dist.is_initialized():
         sys.exit(code)
-    if code == 0:
-        # Leave together: a rank that exits while a peer still holds gloo connections can abort it.
-        # (Only on success: after an error a barrier could wait forever for a rank stuck elsewhere.)
+    if code == 0:  # leave together (a rank exiting early can abort a gloo peer); after an error a barrier may hang
         dist.barrier()
         dist.destroy_process_group()
-    # Everything is written (the log is closed after every line). Leave without interpreter teardown:
-    # with gloo, static destructors at exit sometimes abort a process ("terminate called without an
-    # active exception", exit -6, about one 2-rank CPU run in ten on PyTorch 2.13).
+    # Skip interpreter teardown: gloo's static destructors abort ~1 in 10 finished 2-rank CPU runs (exit -6).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -198,7 +198,7 @@ BAD_SETTINGS = [
     ({"SWA_APPLY": "1", "SWA_ENABLED": "1", "SWA_EVERY": "50"}, "no SWA snapshot would be taken"),
     ({"RUN_ID": "runs/a"}, "RUN_ID='runs/a' must be a plain file name"),
     ({"RUN_ID": ".."}, "RUN_ID='..' must be a plain file name"),
-    ({"AUTOCAST_DTYPE": "fp16"}, "AUTOCAST_DTYPE='fp16' must be auto, bf16 or fp32"),
+    ({"AUTOCAST_DTYPE": "fp16"}, "AUTOCAST_DTYPE='fp16' must be auto or bf16 or fp32"),
     ({"DIST_TIMEOUT_SECONDS": "0"}, "DIST_TIMEOUT_SECONDS=0.0 must be > 0"),
     ({"EVAL_ONLY": "/nonexistent/model.ptz"}, "EVAL_ONLY=/nonexistent/model.ptz: no such artifact file"),
     ({"ROPE_DIMS": "2", "TRAIN_SEQ_LEN": "2048", "EVAL_SEQ_LEN": "2048", "TRAIN_BATCH_TOKENS": "65536",
@@ -413,3 +413,16 @@ def test_eval_batch_rows_never_pads_beyond_the_windows():
     assert tg.eval_batch_rows(h, [37, 12]) == 37
     assert tg.eval_batch_rows(h, [0]) == 1
     assert tg.eval_batch_rows(tg.Hyperparameters({**TINY_ENV, "EVAL_BATCH_SEQS": "16"}), [37]) == 16
+
+
+@needs_anchor
+def test_script_fits_beside_the_records_largest_model():
+    """The script's bytes count in the submission. The record's largest artifact (its submission.json total
+    minus its code size) plus this file must stay under the cap with 2,000 bytes to spare for run-to-run
+    variation of the compressed model (the record's own seeds differ by 12.6 KB)."""
+    record_code = int(re.search(r"^Code size: (\d+) bytes$", (ANCHOR / "train_seed1337.log").read_text(),
+                                re.M).group(1))
+    record_model_max = json.loads((ANCHOR / "submission.json").read_text())["bytes_total"] - record_code
+    assert record_model_max == 15_900_548
+    code = len(SCRIPT.read_bytes())
+    assert code + record_model_max <= tg.SIZE_CAP_BYTES - 2_000, f"train_gpt.py is {code} bytes"
