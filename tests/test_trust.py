@@ -88,6 +88,18 @@ def test_other_configurations_still_build_and_differ_by_seed():
 
 # ---------------------------------------------------------------------------------------------- the record's command
 
+def averaged_steps(h):
+    """100 steps of a toy model in the warmdown (LR scale 0.1), each moving the weights, averaged."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    avg = tg.WeightAverager(h, model)
+    for step in range(1, 101):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        avg.update(step, lr_scale=0.1)
+    return model, avg
+
+
 @needs_anchor
 def test_record_command_collects_swa_but_keeps_the_ema():
     """The record's README command sets SWA_ENABLED=1; the record collects SWA snapshots and still ends with
@@ -96,26 +108,14 @@ def test_record_command_collects_swa_but_keeps_the_ema():
     assert env["SWA_ENABLED"] == "1" and env["EMA_DECAY"] == "0.997"
     h = tg.Hyperparameters(env)
     assert h.swa_enabled and not h.swa_apply and h.ema_enabled
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    avg = tg.WeightAverager(h, model)
-    for step in range(1, 101):
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        avg.update(step, lr_scale=0.1)
+    model, avg = averaged_steps(h)
     assert avg.swa_count == 2  # snapshots at steps 50 and 100
     ema = {k: v.clone() for k, v in avg.ema.items()}
     source = avg.apply_final()
     assert source.startswith("ema") and "not applied" in source
     assert torch.equal(model.weight, ema["weight"])
     # The opt-in applies the SWA average instead.
-    h2 = tg.Hyperparameters({**env, "SWA_APPLY": "1"})
-    model2 = torch.nn.Linear(3, 2)
-    avg2 = tg.WeightAverager(h2, model2)
-    for step in range(1, 101):
-        with torch.no_grad():
-            model2.weight.add_(1.0)
-        avg2.update(step, lr_scale=0.1)
+    model2, avg2 = averaged_steps(tg.Hyperparameters({**env, "SWA_APPLY": "1"}))
     swa = avg2.swa["weight"] / 2
     assert avg2.apply_final() == "swa(2)" and torch.equal(model2.weight, swa)
 
