@@ -1044,10 +1044,10 @@ def build_model(h):
 # OPTIMISER
 # ==================================================
 
-def zeropower_via_newtonschulz5(g, steps=5, eps=1e-7):
-    """Approximately orthogonalise each trailing matrix of g (quintic Newton-Schulz, bf16)."""
+def zeropower_via_newtonschulz5(g, steps=5, eps=1e-7, dtype=torch.bfloat16):
+    """Orthogonalise each trailing matrix of g (quintic Newton-Schulz in bf16 as the record; fp32 runs: fp32)."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    x = g.bfloat16()
+    x = g.to(dtype)
     transposed = x.size(-2) > x.size(-1)
     if transposed:
         x = x.mT
@@ -1067,9 +1067,10 @@ class Muon(torch.optim.Optimizer):
     reduce-scatters after backward; `step()` then, bank by bank, runs momentum + Newton-Schulz on this
     rank's shard, starts its all-gather and applies the previous bank's update."""
 
-    def __init__(self, params, lr, momentum, backend_steps, weight_decay):
+    def __init__(self, params, lr, momentum, backend_steps, weight_decay, ns_dtype=torch.bfloat16):
         super().__init__(params, dict(lr=lr, momentum=momentum, backend_steps=backend_steps, weight_decay=weight_decay))
         self._meta = self._pending = None
+        self.ns_dtype = ns_dtype
 
     def _build(self):
         self._ws = ws = dist.get_world_size() if dist.is_initialized() else 1
@@ -1122,11 +1123,11 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(g)
             mom = group["momentum"]
             buf = state["momentum_buffer"].mul_(mom).add_(g)
-            update = zeropower_via_newtonschulz5(g.add(buf, alpha=mom), steps=group["backend_steps"])
+            update = zeropower_via_newtonschulz5(g.add(buf, alpha=mom), group["backend_steps"], dtype=self.ns_dtype)
             if not distributed:
                 self._apply(m, update)
                 continue
-            handle = _all_gather(m["gathered"], update.contiguous(), async_op=True)
+            handle = _all_gather(m["gathered"], update.to(m["gathered"].dtype).contiguous(), async_op=True)
             if previous is not None:
                 self._apply_gathered(*previous)
             previous = (m, handle)
@@ -1139,7 +1140,7 @@ class Muon(torch.optim.Optimizer):
         self._apply(m, m["gathered"][:m["rows"]])
 
 
-def build_optimizers(h, model):
+def build_optimizers(h, model, ns_dtype=torch.bfloat16):
     """Muon for the banks; AdamW for embeddings, scalars and (untied) head. Returns (muon, adams)."""
     banks, embed, scalar, head = [], [], [], []
     for name, p in model.named_parameters():
@@ -1161,7 +1162,7 @@ def build_optimizers(h, model):
     if head:
         adams.append(adam(head, h.head_lr))
     muon = Muon(banks, lr=h.matrix_lr, momentum=h.muon_momentum, backend_steps=h.muon_backend_steps,
-                weight_decay=h.muon_wd)
+                weight_decay=h.muon_wd, ns_dtype=ns_dtype)
     for g in muon.param_groups:
         g["base_lr"] = h.matrix_lr
     return muon, adams
@@ -1302,7 +1303,7 @@ def setup_runtime(h):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if distributed:
-        # With a timeout, a collective stuck on a dead peer raises instead of hanging.
+        # a collective stuck on a dead peer raises after the timeout
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=h.dist_timeout_seconds))
     return Runtime(h, device, distributed, h.rank == 0, log_path, *choose_precision(h, device), threads)
@@ -1376,7 +1377,7 @@ class Trainer:
     def __init__(self, rt, model):
         self.rt, self.h, self.model = rt, rt.h, model
         self.forward = maybe_compile(model, rt)
-        self.muon, self.adams = build_optimizers(self.h, model)
+        self.muon, self.adams = build_optimizers(self.h, model, rt.autocast_dtype or torch.float32)
         self.optimizers = [*self.adams, self.muon]
         bank_ids = {id(p) for p in self.muon.param_groups[0]["params"]}
         # Non-bank parameters are replicated and all-reduced (no DDP wrapper).
@@ -2082,7 +2083,7 @@ def run(rt):
     write_outputs(rt, model, qat_on)
     if rt.distributed:
         dist.barrier()
-    # Evaluate what a user would submit: a fresh model read back from the file on disk (with its late-QAT state).
+    # Evaluate what a user submits: a fresh model read back from the file on disk.
     eval_model = load_artifact("final_model.int6.ptz", h)
     evaluate_artifact(rt, eval_model, val_tokens, luts)
 
@@ -2120,7 +2121,7 @@ def main():
     except KeyboardInterrupt:
         fail(rt, f"interrupted (Ctrl-C) during {_STAGE[0]}")
         code = 130
-    except Exception as e:  # anything unexpected: one line naming what failed, the traceback on request
+    except Exception as e:  # anything else: one line naming the stage
         if h is not None and h.debug_traceback:
             traceback.print_exc()
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""

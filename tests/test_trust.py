@@ -167,6 +167,18 @@ def test_fp32_runs_keep_the_bf16_tables_out_of_the_arithmetic():
     hook.remove()
 
 
+@pytest.mark.parametrize("autocast,ns", [(torch.bfloat16, torch.bfloat16), (None, torch.float32)])
+def test_newton_schulz_follows_the_precision(autocast, ns):
+    """bf16 runs keep the record's bf16 Newton-Schulz; fp32 runs (CPUs without native bf16) run it in fp32."""
+    h = tg.Hyperparameters(TINY_ENV)
+    rt = tg.Runtime(h, torch.device("cpu"), False, True, None, autocast_dtype=autocast)
+    trainer = tg.Trainer(rt, rt.prepare_model(tg.build_model(h)))
+    assert trainer.muon.ns_dtype == ns
+    g = torch.randn(3, 16, 8)
+    out = tg.zeropower_via_newtonschulz5(g, 5, dtype=ns)
+    assert out.dtype == ns and out.shape == g.shape
+
+
 def test_run_logs_precision_and_threads(tmp_path, sample_data):
     env = {**TINY_ENV, **sample_data, "ITERATIONS": "1", "TTT_ENABLED": "0", "EVAL_STRIDE": "0",
            "AUTOCAST_DTYPE": "fp32", "RUN_ID": "prec"}
