@@ -37,7 +37,8 @@ def one_torch_thread():
 
 
 def cpu_runtime(h: tg.Hyperparameters) -> tg.Runtime:
-    return tg.Runtime(h, CPU, False, True, None)
+    """A CPU runtime with the precision the script picks on this machine (bf16 autocast or fp32)."""
+    return tg.Runtime(h, CPU, False, True, None, *tg.choose_precision(h, CPU))
 
 
 def hparams(monkeypatch, **overrides) -> tg.Hyperparameters:
@@ -676,7 +677,8 @@ def test_full_run_logs_results_and_byte_accounting(trained_run, run_env, monkeyp
     h = tg.Hyperparameters()
     model = tg.load_artifact(str(cwd / "final_model.int6.ptz"), h)
     luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
-    loss, bpb = tg.eval_val(cpu_runtime(h), model, val_tokens_for(h), luts)
+    rt = cpu_runtime(h)
+    loss, bpb = tg.eval_val(rt, rt.prepare_model(model), val_tokens_for(h), luts)
     logged = _exact(tail, "final_int6_roundtrip")
     assert loss == pytest.approx(logged[0], abs=2e-8 + 1e-6 * loss)
     assert bpb == pytest.approx(logged[1], abs=2e-8 + 1e-6 * bpb)

@@ -323,8 +323,10 @@ def test_unexpected_error_is_one_line_naming_the_stage(tmp_path, sample_data):
 def test_ctrl_c_exits_130_with_one_line(tmp_path, sample_data):
     env = {**clean_environ(), **TINY_ENV, **sample_data, "ITERATIONS": "100000", "TRAIN_LOG_EVERY": "1",
            "OMP_NUM_THREADS": "1", "RUN_ID": "int"}
+    # A shell's background job inherits SIGINT ignored (and Python then keeps it so): give the child the default.
     proc = subprocess.Popen([sys.executable, str(SCRIPT)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     log = tmp_path / "logs" / "int.txt"
     deadline = time.time() + 120
     while time.time() < deadline and not (log.exists() and "\nstep:2/" in log.read_text()):
