@@ -777,8 +777,7 @@ def rms_norm(x):
 
 
 class CastedEmbedding(nn.Embedding):
-    """Rows cast to `out_dtype` when set: None (bf16 rows, as in the record) under autocast; fp32 in fp32
-    runs, so bf16 tables do not drag the residual stream into emulated bf16."""
+    """Rows cast to `out_dtype` if set (fp32 runs), so bf16 tables keep bf16 out of the residual stream."""
 
     out_dtype = None
 
@@ -2101,10 +2100,13 @@ def fail(rt, message):
 
 def main():
     if sys.argv[1:] in (["-h"], ["--help"]):
-        rows = "\n".join(f"  {n:<28}{d}" for n, d in Hyperparameters({}).settings)
-        print(f"usage: [VAR=VALUE ...] python3 train_gpt.py  (or: torchrun --standalone --nproc_per_node=8 "
-              f"train_gpt.py)\nSettings are environment variables (meanings: README.md, Settings). No data? "
-              f"{GET_DATA}\n\n  {'variable':<28}default\n{rows}")
+        rows = "".join(f"\n  {n:<28}{d}" for n, d in Hyperparameters({}).settings)
+        try:
+            print(f"usage: [VAR=VALUE ...] python3 train_gpt.py (or torchrun ... train_gpt.py)\nSettings are "
+                  f"environment variables (README.md). No data? {GET_DATA}\n\n  {'variable':<28}default{rows}")
+            sys.stdout.flush()
+        except BrokenPipeError:  # `--help | head`
+            os._exit(0)
         return
     if len(sys.argv) > 1:
         print(f"error: unexpected argument {sys.argv[1]!r}: settings are environment variables (see --help)",

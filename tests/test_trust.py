@@ -282,6 +282,15 @@ def test_help_prints_the_settings_and_exits_0(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no run started: no logs/
 
 
+def test_help_into_a_closed_pipe_is_quiet(tmp_path):
+    """`python3 train_gpt.py --help | head -3`: the reader goes away early; no BrokenPipeError traceback."""
+    proc = subprocess.run(f"{sys.executable} {SCRIPT} --help | head -3", shell=True, cwd=tmp_path,
+                          env={**clean_environ(), "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout.startswith("usage:") and len(proc.stdout.splitlines()) == 3
+    assert proc.stderr == ""
+
+
 def test_unknown_argument_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--lr=3"], cwd=tmp_path, env=clean_environ(),
                           capture_output=True, text=True, timeout=60)
