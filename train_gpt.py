@@ -49,6 +49,11 @@ class RunError(RuntimeError):
     """A run that cannot go on, e.g. diverged training (exit 1)."""
 
 
+def first_line(e):
+    """An exception's message cut to one line, for one-line errors."""
+    return (str(e).strip().splitlines() or [""])[0]
+
+
 class Hyperparameters:
     """Every setting of a run. Reads the environment when constructed and validates it, before any work.
 
@@ -299,13 +304,9 @@ class Hyperparameters:
 
     def swa_snapshot_possible(self):
         """Exact without a wallclock cap; under one the warmdown is timed, so only its presence is checked."""
-        if self.warmdown_iters <= 0:
-            return False
         if self.max_wallclock_ms is not None:
-            return True
-        start = max(self.iterations - self.warmdown_iters, 0)
-        return any((self.iterations - s) / self.warmdown_iters < 0.2 and (s + 1) % self.swa_every == 0
-                   for s in range(start, self.iterations))
+            return self.warmdown_iters > 0
+        return any(lr_multiplier(self, s, 0.0) < 0.2 and (s + 1) % self.swa_every == 0 for s in range(self.iterations))
 
     @staticmethod
     def _attr(env_name):
@@ -718,8 +719,8 @@ def build_byte_luts(tokenizer_path, vocab_size):
     try:
         sp = spm.SentencePieceProcessor(model_file=tokenizer_path)
     except (RuntimeError, OSError) as e:
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"TOKENIZER_PATH: {tokenizer_path} is not a SentencePiece model ({detail})") from None
+        raise ConfigError(f"TOKENIZER_PATH: {tokenizer_path} is not a SentencePiece model "
+                          f"({first_line(e) or type(e).__name__})") from None
     n = int(sp.vocab_size())
     if n != vocab_size:
         raise ConfigError(f"TOKENIZER_PATH: {tokenizer_path} has {n} pieces but VOCAB_SIZE={vocab_size}")
@@ -2126,8 +2127,7 @@ def main():
     except Exception as e:  # anything else: one line naming the stage
         if h is not None and h.debug_traceback:
             traceback.print_exc()
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        fail(rt, f"error: {_STAGE[0]} failed: {type(e).__name__}: {detail}"
+        fail(rt, f"error: {_STAGE[0]} failed: {type(e).__name__}: {first_line(e)}"
                  + ("" if h is not None and h.debug_traceback else " (DEBUG_TRACEBACK=1 shows the traceback)"))
         code = 1
     if not dist.is_initialized():

@@ -390,26 +390,33 @@ def test_truncated_shard_at_start_stops_before_training(tmp_path, sample_data):
     _assert_one_line_shard_error(proc.stderr)
 
 
-def test_truncated_shard_mid_training_exits_2_with_one_line(tmp_path, sample_data):
-    """The shard goes bad while the run is going (valid at start): the prefetch thread hits it when the
-    stream gets there, and the training loop exits with the thread's original error."""
-    data, env, train0 = _truncation_data(tmp_path, sample_data)
+def _run_and_cut_after_step_1(cwd, env, cut):
+    """Run train_gpt.py, call cut() once the step-1 train line is printed; returns (proc, stdout, stderr)."""
     full = {**clean_environ(), **env, "OMP_NUM_THREADS": "1"}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py")], cwd=tmp_path, env=full,
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py")], cwd=cwd, env=full,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out = []
-        for line in proc.stdout:  # wait until training runs, then cut shard 1 short
+        for line in proc.stdout:
             out.append(line)
             if line.startswith("step:1/1000 train_loss:"):
-                write_shard(data / "fineweb_train_000001.bin", train0[:2000], count=4000)
+                cut()
                 break
         rest, stderr = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
-    stdout = "".join(out) + rest
+    return proc, "".join(out) + rest, stderr
+
+
+def test_truncated_shard_mid_training_exits_2_with_one_line(tmp_path, sample_data):
+    """The shard goes bad while the run is going (valid at start): the prefetch thread hits it when the
+    stream gets there, and the training loop exits with the thread's original error."""
+    data, env, train0 = _truncation_data(tmp_path, sample_data)
+    t0 = time.perf_counter()
+    # once training runs, cut shard 1 short
+    proc, stdout, stderr = _run_and_cut_after_step_1(
+        tmp_path, env, lambda: write_shard(data / "fineweb_train_000001.bin", train0[:2000], count=4000))
     assert proc.returncode == 2, stderr[-3000:]
     assert time.perf_counter() - t0 < 240
     assert re.search(r"^step:2/1000 train_loss:", stdout, re.M), stdout[-2000:]  # it kept training until then
@@ -495,21 +502,9 @@ def test_shard_truncated_in_use_mid_training_exits_2_with_one_line(tmp_path, sam
     data, env, train0 = _truncation_data(tmp_path, sample_data)
     shard0 = data / "fineweb_train_000000.bin"
     per_step = 8 * (1024 // 8 + 1)
-    full = {**clean_environ(), **env, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py")], cwd=tmp_path, env=full,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out = []
-        for line in proc.stdout:  # the stream is within step 2 here (prefetch runs a few micro-steps ahead)
-            out.append(line)
-            if line.startswith("step:1/1000 train_loss:"):
-                os.truncate(shard0, HEADER_BYTES + 2 * 3 * per_step)  # room for 3 steps of 6
-                break
-        rest, stderr = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    stdout = "".join(out) + rest
+    # At step 1 the stream is within step 2 (prefetch runs a few micro-steps ahead); leave room for 3 steps of 6.
+    proc, stdout, stderr = _run_and_cut_after_step_1(
+        tmp_path, env, lambda: os.truncate(shard0, HEADER_BYTES + 2 * 3 * per_step))
     assert proc.returncode == 2, f"exit {proc.returncode} (135 or -7: SIGBUS): {stderr[-3000:]}"
     assert re.search(r"^step:3/1000 train_loss:", stdout, re.M), stdout[-2000:]
     _assert_one_line_shard_error(stderr, r"error: shard .*/fineweb_train_000000\.bin: truncated while in use \(.*\)")
