@@ -10,6 +10,7 @@ import contextlib
 import copy
 import datetime
 import glob
+import importlib.util
 import io
 import lzma
 import math
@@ -130,6 +131,15 @@ class Hyperparameters:
         self.swa_apply = self._env("SWA_APPLY", False, bool)
         self.late_qat_threshold = self._env("LATE_QAT_THRESHOLD", 0.15, float)
         self.qat_enabled = self._env("QAT_ENABLED", False, bool)
+        # ---- artifact (SPEC-FRONTIER 11-12; defaults: the record's GPTQ-lite int6 + lzma)
+        self.quant = self._env("QUANT", "gptq_lite", str)
+        self.gptq_reserve_seconds = self._env("GPTQ_RESERVE_SECONDS", 12.0, float)
+        self.gptq_calibration_batches = self._env("GPTQ_CALIBRATION_BATCHES", 64)
+        self.matrix_clip_sigmas = self._env("MATRIX_CLIP_SIGMAS", 0.0, float)
+        self.embed_clip_sigmas = self._env("EMBED_CLIP_SIGMAS", 0.0, float)
+        self.embed_bits = self._env("EMBED_BITS", 8)
+        self.compressor = self._env("COMPRESSOR", "lzma", str)
+        self.target_bytes = self._env("TARGET_BYTES", 0)
         # ---- data path (SPEC 8)
         self.train_loader = self._env("TRAIN_LOADER", "stream", str)
         self.train_prefetch = self._env("TRAIN_PREFETCH", True, bool)
@@ -226,7 +236,10 @@ class Hyperparameters:
 
     @property
     def max_wallclock_ms(self):
-        return 1000.0 * self.max_wallclock_seconds if self.max_wallclock_seconds > 0 else None
+        """The training loop's cap; QUANT=gptq keeps GPTQ_RESERVE_SECONDS of it for the Hessians."""
+        if self.max_wallclock_seconds <= 0:
+            return None
+        return 1000.0 * (self.max_wallclock_seconds - (self.gptq_reserve_seconds if self.quant == "gptq" else 0.0))
 
     def _validate(self):
         def need(ok, msg):
@@ -238,20 +251,30 @@ class Hyperparameters:
                  "ROPE_DIMS BIGRAM_VOCAB_SIZE EVAL_STRIDE TTT_EPOCHS TTT_FREEZE_BLOCKS MUON_MOMENTUM_WARMUP_STEPS "
                  "RANK LOCAL_RANK OMP_NUM_THREADS VAL_PROGRESS_LOG_EVERY MAX_WALLCLOCK_SECONDS EMBED_LR HEAD_LR "
                  "TIED_EMBED_LR MATRIX_LR SCALAR_LR MUON_WD ADAM_WD GRAD_CLIP_NORM TTT_LR TTT_GRAD_CLIP ADAM_EPS "
-                 "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD", lambda v: v >= 0, ">= 0"),
+                 "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD GPTQ_RESERVE_SECONDS MATRIX_CLIP_SIGMAS EMBED_CLIP_SIGMAS "
+                 "TARGET_BYTES", lambda v: v >= 0, ">= 0"),
                 ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
                  "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
                  "TTT_CHUNK_TOKENS TTT_BATCH_SEQS WORLD_SIZE LOCAL_WORLD_SIZE DIST_TIMEOUT_SECONDS MLP_MULT "
-                 "LOGIT_SOFTCAP QK_GAIN_INIT TRAIN_PREFETCH_QUEUE TRAINING_TIMING_EVERY", lambda v: v > 0, "> 0"),
+                 "LOGIT_SOFTCAP QK_GAIN_INIT TRAIN_PREFETCH_QUEUE TRAINING_TIMING_EVERY GPTQ_CALIBRATION_BATCHES",
+                 lambda v: v > 0, "> 0"),
                 ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM", lambda v: 0 <= v < 1,
                  "in [0, 1)")):
             for name in names.split():
                 v = getattr(self, self._attr(name))
                 need(ok(v), f"{name}={v} must be {rule}")
         for name, choices in (("DEVICE", ("", "cpu", "cuda")), ("TRAIN_LOADER", ("stream", "shuffled")),
-                              ("VAL_BYTECOUNT_DEVICE", ("cpu", "cuda")), ("AUTOCAST_DTYPE", ("auto", "bf16", "fp32"))):
+                              ("VAL_BYTECOUNT_DEVICE", ("cpu", "cuda")), ("AUTOCAST_DTYPE", ("auto", "bf16", "fp32")),
+                              ("QUANT", ("gptq_lite", "gptq")), ("COMPRESSOR", ("lzma", "brotli")),
+                              ("EMBED_BITS", (8, 7))):
             v = getattr(self, name.lower())
-            need(v in choices, f"{name}={v!r} must be {' or '.join(c for c in choices if c)}")
+            need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
+        need(self.compressor != "brotli" or importlib.util.find_spec("brotli") is not None,
+             "COMPRESSOR=brotli needs the brotli package: pip install brotli")
+        need(self.quant != "gptq" or self.max_wallclock_seconds == 0
+             or self.gptq_reserve_seconds < self.max_wallclock_seconds,
+             f"GPTQ_RESERVE_SECONDS={self.gptq_reserve_seconds} leaves no training time of "
+             f"MAX_WALLCLOCK_SECONDS={self.max_wallclock_seconds}")
         need(self.rope_base > 1, f"ROPE_BASE={self.rope_base} must be > 1")
         need(0 <= self.seed < 2**32, f"SEED={self.seed} must be in [0, 2^32)")
         need(self.run_id not in (".", "..") and not any(c in self.run_id for c in "/\\\0"),
@@ -777,6 +800,16 @@ def rms_norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
+_RECORDER = [None]  # the GPTQ Hessian recorder while calibrating (collect_hessians), else None
+
+
+def linear(x, w):
+    """x @ w^T, w cast to x's dtype; while GPTQ calibrates, x is recorded for w's Hessian."""
+    if _RECORDER[0] is not None:
+        _RECORDER[0].add(x, w)
+    return F.linear(x, w.to(x.dtype))
+
+
 class CastedEmbedding(nn.Embedding):
     """Rows cast to `out_dtype` if set (fp32 runs), so bf16 tables keep bf16 out of the residual stream."""
 
@@ -836,9 +869,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, w, v_embed, rope):
         q_w, k_w, v_w, out_w = w
         B, T, D = x.shape
-        q = F.linear(x, q_w.to(x.dtype)).view(B, T, self.num_heads, self.head_dim)
-        k = F.linear(x, k_w.to(x.dtype)).view(B, T, self.num_kv_heads, self.head_dim)
-        v = F.linear(x, v_w.to(x.dtype))
+        q = linear(x, q_w).view(B, T, self.num_heads, self.head_dim)
+        k = linear(x, k_w).view(B, T, self.num_kv_heads, self.head_dim)
+        v = linear(x, v_w)
         if v_embed is not None:
             v = v + v_embed
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
@@ -849,7 +882,7 @@ class CausalSelfAttention(nn.Module):
         y = causal_attention(q, k, v)
         if self.use_xsa:
             y = self._exclude_self_value(y, v)
-        return F.linear(y.reshape(B, T, D), out_w.to(x.dtype))
+        return linear(y.reshape(B, T, D), out_w)
 
     def _exclude_self_value(self, y, v):
         """XSA: remove from each head's output its component along its own position's unit value."""
@@ -878,8 +911,8 @@ class Block(nn.Module):
         mix = self.resid_mix.to(x.dtype)
         x = mix[0] * x + mix[1] * x0
         x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x) * self.ln_scale, w[:4], v_embed, rope)
-        hidden = F.leaky_relu(F.linear(rms_norm(x) * self.ln_scale, up_w.to(x.dtype)), 0.5)
-        return x + self.mlp_scale.to(x.dtype) * F.linear(hidden.square(), down_w.to(x.dtype))
+        hidden = F.leaky_relu(linear(rms_norm(x) * self.ln_scale, up_w), 0.5)
+        return x + self.mlp_scale.to(x.dtype) * linear(hidden.square(), down_w)
 
 
 class BigramHash(nn.Module):
@@ -1010,7 +1043,7 @@ class GPT(nn.Module):
             if i < self.num_encoder:
                 skips.append(x)
         x = rms_norm(x)
-        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight.to(x.dtype))
+        logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.tok_emb.weight)
         return self.logit_softcap * torch.tanh(logits / self.logit_softcap)
 
     def forward(self, ids, targets):
@@ -1535,13 +1568,26 @@ class StepProfiler:
 
 
 def train(rt, model, val_tokens, luts):
-    """The record's training loop. Returns whether late QAT was switched on."""
+    """The record's training loop, then (QUANT=gptq) the Hessians from the next training batches.
+    Returns (whether late QAT was switched on, Hessians or None)."""
     h = rt.h
     trainer = Trainer(rt, model)
     model.set_qat(h.qat_enabled)
     loader = warmup_and_restore(rt, trainer) if h.warmup_steps > 0 else make_train_loader(rt)
     try:
-        return _train_loop(rt, trainer, loader, val_tokens, luts)
+        qat_on, train_ms = _train_loop(rt, trainer, loader, val_tokens, luts)
+        if h.quant != "gptq":
+            return qat_on, None
+        stage("collecting GPTQ Hessians")
+        t0 = time.perf_counter()
+        hessians = collect_hessians(rt, model, loader)
+        ms = 1000.0 * (time.perf_counter() - t0)
+        rt.log(f"gptq: hessians:{len(hessians)} batches:{h.gptq_calibration_batches}x{h.world_size} "
+               f"time:{ms:.0f}ms train+hessians:{train_ms + ms:.0f}ms")
+        if h.max_wallclock_seconds > 0 and train_ms + ms > 1000.0 * h.max_wallclock_seconds:
+            rt.log(f"gptq: warning: training + Hessians exceed MAX_WALLCLOCK_SECONDS={h.max_wallclock_seconds:g}; "
+                   "raise GPTQ_RESERVE_SECONDS or lower GPTQ_CALIBRATION_BATCHES")
+        return qat_on, hessians
     finally:
         loader.shutdown()
 
@@ -1612,7 +1658,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts):
         rt.log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
     rt.log(f"final_weights:{averager.apply_final()}")
-    return qat_on
+    return qat_on, train_ms
 
 
 # ==================================================
@@ -1656,45 +1702,197 @@ def rebank_state_dict(flat, n):
     return out
 
 
-def quantize_int6_rows(t):
-    """Per-row int6 in [-31, 31], fp16 scales; clip: the row quantile or row max with the lowest matrix MSE."""
-    t32 = t.float()
+MATRIX_PARTS = (".attn.c_q.weight", ".attn.c_k.weight", ".attn.c_v.weight", ".attn.proj.weight",
+                ".mlp.fc.weight", ".mlp.proj.weight")  # GPT.block_weights order
+
+
+class HessianRecorder:
+    """Sums X^T X (fp64) of the input of each bank matrix and of the tied head, found by the weight's storage."""
+
+    def __init__(self, model):
+        self.names = {w.data_ptr(): f"blocks.{i}{part}"
+                      for i in range(model.num_layers) for part, w in zip(MATRIX_PARTS, model.block_weights(i))}
+        if model.lm_head is None:  # the tied embedding's input: the final RMSNorm output
+            self.names[model.tok_emb.weight.data_ptr()] = "tok_emb.weight"
+        self.sums, self.last = {}, (None, None)
+
+    def add(self, x, w):
+        name = self.names.get(w.data_ptr())
+        if name is None:
+            return
+        if self.last[0] is not x:  # c_q, c_k and c_v share one input: one product
+            x2 = x.detach().reshape(-1, x.size(-1)).float()
+            self.last = (x, (x2.T @ x2).double())
+        if name in self.sums:
+            self.sums[name] += self.last[1]
+        else:
+            self.sums[name] = self.last[1].clone()
+
+
+@torch.no_grad()
+def collect_hessians(rt, model, loader):
+    """GPTQ calibration on the final weights: H = sum of X^T X over GPTQ_CALIBRATION_BATCHES training micro-batches
+    per rank, summed over ranks in fp64 (so 2 ranks give what 1 rank gives on the same batches), / batch count."""
+    h, rec = rt.h, HessianRecorder(model)
+    model.eval()
+    _RECORDER[0] = rec
+    try:
+        for _ in range(h.gptq_calibration_batches):
+            x, _ = loader.next_batch()
+            with rt.autocast():
+                model.forward_logits(x)
+    finally:
+        _RECORDER[0] = None
+        model.train()
+    names = sorted(rec.sums)
+    flat = rt.all_reduce(torch.cat([rec.sums[k].reshape(-1) for k in names]))
+    parts = flat.div_(h.gptq_calibration_batches * h.world_size).float().cpu().split([rec.sums[k].numel() for k in names])
+    return {k: p.view_as(rec.sums[k]) for k, p in zip(names, parts)}
+
+
+def int6_candidate_scales(t32):
+    """The record's GPTQ-lite clips: four row quantiles of |w| and the row max, as fp16 int6 scales (>= 1/31)."""
     absw = t32.abs()
-    best = None
     for clip in [torch.quantile(absw, q, dim=1) for q in INT6_CLIP_QUANTILES] + [absw.amax(dim=1)]:
-        scale = (clip / 31.0).clamp_min(1.0 / 31.0).to(torch.float16)
-        s = scale.float()[:, None]
-        q = torch.clamp(torch.round(t32 / s), -31, 31)
-        err = (t32 - q * s).pow(2).mean().item()
+        yield (clip / 31.0).clamp_min(1.0 / 31.0).to(torch.float16)
+
+
+def sdclip_scales(t32, sigmas, q_max):
+    """SDClip (SPEC-FRONTIER 11, record 04-05): s_i = k * std(W_i) / q_max, unbiased row std, fp16; floored at
+    fp16's smallest normal so a constant row gets codes 0, not NaN."""
+    return (sigmas * t32.std(dim=1) / q_max).clamp_min(2.0 ** -14).to(torch.float16)
+
+
+def gptq_codes(w, hessian, s, q_max):
+    """Full-Hessian GPTQ (SPEC-FRONTIER 11) with fixed row scales s: dead columns (H_jj = 0) zeroed, 1% damping,
+    columns in descending diag(H) order (act-order), each rounded and its error spread over the columns after it
+    through U, the upper Cholesky factor of H^-1, in blocks of 128. Codes come back in the original order."""
+    W, H = w.detach().float().clone(), hessian.detach().double().clone()
+    dead = (H.diagonal() == 0).nonzero().squeeze(1)
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H.diagonal().add_(0.01 * H.diagonal().mean())
+    perm = torch.argsort(H.diagonal(), descending=True, stable=True)
+    H = H[perm][:, perm]
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    W, s = W[:, perm], s.float()
+    Q = torch.empty_like(W)
+    for a in range(0, W.size(1), 128):
+        b = min(a + 128, W.size(1))
+        Wb, E = W[:, a:b], torch.empty_like(W[:, a:b])
+        for j in range(b - a):
+            q = torch.clamp(torch.round(Wb[:, j] / s), -q_max, q_max)
+            E[:, j] = (Wb[:, j] - q * s) / U[a + j, a + j]
+            Wb[:, j:] -= E[:, j, None] * U[a + j, a + j:b]
+            Q[:, a + j] = q
+        W[:, b:] -= E @ U[a:b, b:]
+    return Q[:, torch.argsort(perm)].to(torch.int8)
+
+
+def quantize_rows(t, q_max, scales, hessian=None):
+    """Codes and fp16 row scales: of the candidate `scales`, the one whose reconstruction has the lowest MSE;
+    codes by GPTQ when a Hessian is given, else rounded to nearest."""
+    t32, best = t.float(), None
+    for scale in scales:
+        s = scale.float()
+        if hessian is None:
+            q = torch.clamp(torch.round(t32 / s[:, None]), -q_max, q_max)
+        else:
+            q = gptq_codes(t32, hessian, s, q_max).float()
+        err = (t32 - q * s[:, None]).pow(2).mean().item()
         if best is None or err < best[0]:
             best = (err, q.to(torch.int8), scale)
     return best[1], best[2]
 
 
-def quantize_int8_rows(t):
-    """Per-row int8 clipped at a high row quantile of |w|, fp16 scales."""
+def quantize_int6_rows(t):
+    """The record's GPTQ-lite: per-row int6 in [-31, 31], the clip candidate with the lowest MSE."""
+    return quantize_rows(t, 31, int6_candidate_scales(t.float()))
+
+
+def int8_clip(t32):
+    return torch.quantile(t32.abs(), INT8_CLIP_QUANTILE, dim=1)
+
+
+def quantize_int8_rows(t, q_max=127):
+    """The record's embedding quantiser: rows clipped at a high quantile of |w|, fp16 scales."""
     t32 = t.float()
-    clip = torch.quantile(t32.abs(), INT8_CLIP_QUANTILE, dim=1)
-    scale = (clip / 127.0).clamp_min(1.0 / 127.0)
+    clip = int8_clip(t32)
+    scale = (clip / q_max).clamp_min(1.0 / q_max)
     clipped = torch.maximum(torch.minimum(t32, clip[:, None]), -clip[:, None])
-    q = torch.clamp(torch.round(clipped / scale[:, None]), -127, 127).to(torch.int8)
+    q = torch.clamp(torch.round(clipped / scale[:, None]), -q_max, q_max).to(torch.int8)
     return q, scale.to(torch.float16)
 
 
-def quantize_state_dict(flat):
-    """SPEC 6: small floats as fp16, attention/MLP matrices int6, other large matrices int8."""
+def quantize_state_dict(flat, h=None, hessians=None):
+    """SPEC 6: small floats as fp16, attention/MLP matrices int6, other large matrices int8 (EMBED_BITS).
+    Beyond the record: QUANT=gptq rounds tensors with a Hessian by GPTQ; *_CLIP_SIGMAS > 0 pick scales by SDClip."""
+    h, hessians = h or Hyperparameters({}), hessians or {}
+    e_max = 2 ** (h.embed_bits - 1) - 1
     w, meta = {}, {}
     for name, t in flat.items():
-        t = t.detach().cpu().contiguous()
+        t = t.detach().cpu().contiguous()  # on CPU: the same codes whatever the run's device
         if not t.is_floating_point():
             w[name], meta[name] = t, "passthrough"
-        elif t.numel() <= PASSTHROUGH_MAX_NUMEL or t.ndim != 2:
+            continue
+        if t.numel() <= PASSTHROUGH_MAX_NUMEL or t.ndim != 2:
             w[name], meta[name] = t.to(torch.float16), "passthrough"
+            continue
+        t32, H = t.float(), hessians.get(name)
+        if ".attn." in name or ".mlp." in name:
+            kind, sigmas = "int6", h.matrix_clip_sigmas
+            scales = [sdclip_scales(t32, sigmas, 31)] if sigmas > 0 else int6_candidate_scales(t32)
+            q, s = quantize_rows(t32, 31, scales, H)
         else:
-            kind = "int6" if (".attn." in name or ".mlp." in name) else "int8"
-            q, s = quantize_int6_rows(t) if kind == "int6" else quantize_int8_rows(t)
-            w[name + ".q"], w[name + ".scale"], meta[name] = q, s, {"type": kind}
+            # one str object per kind: pickle stores repeats as references, so the bytes stay the record's
+            kind, sigmas = sys.intern(f"int{h.embed_bits}"), h.embed_clip_sigmas
+            if H is None and sigmas == 0:
+                q, s = quantize_int8_rows(t32, e_max)
+            else:
+                scale = sdclip_scales(t32, sigmas, e_max) if sigmas > 0 else (
+                    (int8_clip(t32) / e_max).clamp_min(1.0 / e_max).to(torch.float16))
+                q, s = quantize_rows(t32, e_max, [scale], H)
+        w[name + ".q"], w[name + ".scale"], meta[name] = q, s, {"type": kind}
     return w, meta
+
+
+def prune_ones(w, meta, fits):
+    """TARGET_BYTES (record 03-25's selective pruning): zero the k codes of +-1 whose loss costs least (the row
+    scale squared, its squared error), k the smallest count for which fits(w) holds, by doubling then bisection
+    (size taken as falling with k). Returns (w, k, the blob of the last fitting probe)."""
+    names = [n for n, m in meta.items() if not isinstance(m, str)]
+    costs, where = [], []
+    for i, n in enumerate(names):
+        q, s = w[n + ".q"], w[n + ".scale"].float()
+        idx = (q.abs() == 1).reshape(-1).nonzero().squeeze(1)
+        costs.append(s.repeat_interleave(q[0].numel())[idx].double() ** 2)
+        where.append(torch.stack((torch.full_like(idx, i), idx), 1))
+    order = torch.argsort(torch.cat(costs), stable=True)
+    where = torch.cat(where)[order]
+
+    def pruned(k):
+        out = dict(w)
+        for i, n in enumerate(names):
+            hit = where[:k][where[:k, 0] == i, 1]
+            if hit.numel():
+                q = w[n + ".q"].clone()
+                q.view(-1)[hit] = 0
+                out[n + ".q"] = q
+        return out
+
+    blob = fits(w)
+    if blob is not None:
+        return w, 0, blob
+    lo, hi = 0, 1
+    while (blob := fits(pruned(hi))) is None:
+        if hi >= len(where):
+            raise RunError(f"TARGET_BYTES cannot be met: zeroing all {len(where)} +-1 codes is not enough")
+        lo, hi = hi, min(2 * hi, len(where))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = fits(pruned(mid))
+        lo, hi, blob = (lo, mid, got) if got is not None else (mid, hi, blob)
+    return pruned(hi), hi, blob
 
 
 def dequantize_state_dict(w, meta, template, source):
@@ -1736,20 +1934,85 @@ def write_atomically(path, data):
         raise
 
 
-def save_artifact(path, model, late_qat):
-    """Returns the size; stores `late_qat` (the run's TTT trains with it, so EVAL_ONLY must too)."""
-    w, meta = quantize_state_dict(unbank_state_dict(model.state_dict(), model.num_layers))
+def byte_shuffle(blob, stride=2):
+    """SPEC-FRONTIER 12: header b"BSHF" + stride byte, then the bytes at offsets = 0, 1, .. (mod stride) in turn,
+    so the high and low bytes of fp16/int8 pairs sit apart and compress better."""
+    a = np.frombuffer(blob, dtype=np.uint8)
+    return b"BSHF" + bytes([stride]) + b"".join(a[i::stride].tobytes() for i in range(stride))
+
+
+def byte_unshuffle(data):
+    stride, body = data[4], np.frombuffer(data, dtype=np.uint8, offset=5)
+    out, start = np.empty_like(body), 0
+    for i in range(stride):
+        n = len(range(i, body.size, stride))
+        out[i::stride] = body[start:start + n]
+        start += n
+    return out.tobytes()
+
+
+def compress(blob, compressor):
+    """COMPRESSOR: lzma preset 6 (the record), or byte shuffle + brotli quality 11."""
+    if compressor == "brotli":
+        import brotli
+        return brotli.compress(byte_shuffle(blob), quality=11)
+    return lzma.compress(blob, preset=6)
+
+
+def decompress(data, path):
+    """Either format, told apart by the xz magic bytes."""
+    if data.startswith(b"\xfd7zXZ\x00"):
+        try:
+            return lzma.decompress(data)
+        except lzma.LZMAError as e:
+            raise ConfigError(f"{path}: corrupt lzma artifact ({e})") from None
+    try:
+        import brotli
+    except ImportError:
+        raise ConfigError(f"{path}: not an lzma artifact; brotli artifacts need `pip install brotli`") from None
+    try:
+        data = brotli.decompress(data)
+    except brotli.error:
+        raise ConfigError(f"{path}: neither an lzma nor a brotli artifact") from None
+    return byte_unshuffle(data) if data[:4] == b"BSHF" else data
+
+
+def serialize(w, meta, late_qat, compressor):
+    """Stores `late_qat` too (the run's TTT trains with it, so EVAL_ONLY must)."""
     buf = io.BytesIO()
     torch.save({"w": w, "m": meta, "late_qat": late_qat}, buf)
-    blob = lzma.compress(buf.getvalue(), preset=6)
+    return compress(buf.getvalue(), compressor)
+
+
+def save_artifact(path, model, late_qat, h=None, hessians=None, code_bytes=0, log=print):
+    """Quantise, compress (with TARGET_BYTES, prune to fit), write; returns the size."""
+    h = h or Hyperparameters({})
+    t0 = time.perf_counter()
+    w, meta = quantize_state_dict(unbank_state_dict(model.state_dict(), model.num_layers), h, hessians)
+    if hessians:
+        log(f"gptq: {sum(not isinstance(meta[k], str) for k in hessians)} of {len(hessians)} tensors with a Hessian "
+            f"quantised by GPTQ (the rest are small: fp16) "
+            f"(scales: {'SDClip' if h.matrix_clip_sigmas > 0 else 'clip candidates'}) "
+            f"time:{1000.0 * (time.perf_counter() - t0):.0f}ms")
+    if h.target_bytes > 0:
+        room = h.target_bytes - code_bytes
+
+        def fits(ws):
+            blob = serialize(ws, meta, late_qat, h.compressor)
+            return blob if len(blob) <= room else None
+        w, k, blob = prune_ones(w, meta, fits)
+        log(f"target_bytes:{h.target_bytes} pruned_ones:{k} total:{code_bytes + len(blob)} "
+            f"margin:{room - len(blob)} bytes")
+    else:
+        blob = serialize(w, meta, late_qat, h.compressor)
     write_atomically(path, blob)
     return len(blob)
 
 
-def size_report(model_bytes, code_bytes):
+def size_report(model_bytes, code_bytes, compressor="lzma"):
     total = model_bytes + code_bytes
-    lines = [f"Code size: {code_bytes} bytes", f"Serialized model int6+lzma: {model_bytes} bytes",
-             f"Total submission size int6+lzma: {total} bytes"]
+    lines = [f"Code size: {code_bytes} bytes", f"Serialized model int6+{compressor}: {model_bytes} bytes",
+             f"Total submission size int6+{compressor}: {total} bytes"]
     if total > SIZE_CAP_BYTES:
         lines.append(f"OVER_LIMIT total_bytes:{total} cap:{SIZE_CAP_BYTES} (over by {total - SIZE_CAP_BYTES} bytes)")
     return lines
@@ -1759,13 +2022,12 @@ def load_artifact(path, h):
     """A fresh model from an artifact file."""
     try:
         with open(path, "rb") as f:
-            blob = lzma.decompress(f.read())
+            data = f.read()
     except FileNotFoundError:
         raise ConfigError(f"{path}: artifact does not exist") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the artifact ({e.strerror or e})") from None
-    except lzma.LZMAError as e:
-        raise ConfigError(f"{path}: not an lzma-compressed artifact ({e})") from None
+    blob = decompress(data, path)
     try:
         obj = torch.load(io.BytesIO(blob), map_location="cpu")
     except Exception as e:  # any unreadable payload: pickle, zip or torch errors alike
@@ -2019,15 +2281,17 @@ def evaluate_artifact(rt, model, val_tokens, luts):
         timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts))
 
 
-def write_outputs(rt, model, late_qat):
-    """Rank 0 writes the raw state dict and the int6+lzma artifact, and logs the byte accounting."""
+def write_outputs(rt, model, late_qat, hessians):
+    """Rank 0 writes the raw state dict and the int6 artifact, and logs the byte accounting."""
     if not rt.is_main:
         return
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
     write_atomically("final_model.pt", buf.getvalue())
     rt.log(f"Serialized model: {os.path.getsize('final_model.pt')} bytes")
-    for line in size_report(save_artifact("final_model.int6.ptz", model, late_qat), len(Path(__file__).read_bytes())):
+    code = len(Path(__file__).read_bytes())  # of the file that runs: a packed file counts its own bytes
+    size = save_artifact("final_model.int6.ptz", model, late_qat, rt.h, hessians, code, rt.log)
+    for line in size_report(size, code, rt.h.compressor):
         rt.log(line)
 
 
@@ -2045,6 +2309,8 @@ def run(rt):
     rt.log(rt.describe_data_path())
     rt.log(f"eval_stride:{h.eval_stride}")
     rt.log(f"ttt_enabled:{int(h.ttt_enabled)}")
+    rt.log(f"artifact: quant:{h.quant} matrix_clip_sigmas:{h.matrix_clip_sigmas:g} embed_bits:{h.embed_bits} "
+           f"embed_clip_sigmas:{h.embed_clip_sigmas:g} compressor:{h.compressor} target_bytes:{h.target_bytes}")
     torch.manual_seed(h.seed)
     np.random.seed(h.seed)
     stage("reading the tokenizer and validation data")
@@ -2059,6 +2325,9 @@ def run(rt):
         evaluate_artifact(rt, model, val_tokens, luts)
         return
 
+    code = len(Path(__file__).read_bytes())
+    if h.target_bytes and h.target_bytes <= code:
+        raise ConfigError(f"TARGET_BYTES={h.target_bytes} leaves no room beside this script's {code} bytes")
     stage("checking the training shards")
     for f in list_shards(h.train_files):
         read_shard_header(f)
@@ -2070,7 +2339,7 @@ def run(rt):
     model = rt.prepare_model(build_model(h))
     rt.log(f"model_params:{sum(p.numel() for p in model.parameters())}")
     stage("training")
-    qat_on = train(rt, model, val_tokens, luts)
+    qat_on, hessians = train(rt, model, val_tokens, luts)
 
     stage("evaluating the final weights")
     t0 = time.perf_counter()
@@ -2080,7 +2349,7 @@ def run(rt):
     rt.log(f"DIAGNOSTIC post_ema val_loss:{loss:.4f} val_bpb:{bpb:.4f} "
            f"eval_time:{1000.0 * (time.perf_counter() - t0):.0f}ms")
     stage("writing the artifact")
-    write_outputs(rt, model, qat_on)
+    write_outputs(rt, model, qat_on, hessians)
     if rt.distributed:
         dist.barrier()
     # Evaluate what a user submits: a fresh model read back from the file on disk.
