@@ -1051,6 +1051,16 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 BANK_NAMES = ("qo_bank", "kv_bank", "mlp_up_bank", "mlp_down_bank")
 EMBEDDING_NAMES = ("tok_emb.weight", "bigram.embed.weight", "ve_shared.embed.weight")
 
@@ -1058,14 +1068,10 @@ EMBEDDING_NAMES = ("tok_emb.weight", "bigram.embed.weight", "ve_shared.embed.wei
 def build_model(h):
     """The GPT on CPU (bf16 embedding tables, all else fp32), initialised from SEED bit for bit as the
     record, which casts it to bf16 and the non-embeddings back to fp32, so those start bf16-rounded."""
-    threads = torch.get_num_threads()
     # orthogonal_'s QR depends on the thread count in its last bits; the record used one thread per rank.
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         torch.manual_seed(h.seed)
         model = GPT(h)
-    finally:
-        torch.set_num_threads(threads)
     for name, p in model.named_parameters():
         p.data = p.data.to(torch.bfloat16)
         if name not in EMBEDDING_NAMES:
@@ -1746,7 +1752,7 @@ def collect_hessians(rt, model, loader):
         model.train()
     names = sorted(rec.sums)
     flat = rt.all_reduce(torch.cat([rec.sums[k].reshape(-1) for k in names]))
-    parts = flat.div_(h.gptq_calibration_batches * h.world_size).float().cpu().split([rec.sums[k].numel() for k in names])
+    parts = flat.div_(h.gptq_calibration_batches * h.world_size).float().split([rec.sums[k].numel() for k in names])
     return {k: p.view_as(rec.sums[k]) for k, p in zip(names, parts)}
 
 
@@ -1764,10 +1770,12 @@ def sdclip_scales(t32, sigmas, q_max):
 
 
 def gptq_codes(w, hessian, s, q_max):
-    """Full-Hessian GPTQ (SPEC-FRONTIER 11) with fixed row scales s: dead columns (H_jj = 0) zeroed, 1% damping,
-    columns in descending diag(H) order (act-order), each rounded and its error spread over the columns after it
-    through U, the upper Cholesky factor of H^-1, in blocks of 128. Codes come back in the original order."""
-    W, H = w.detach().float().clone(), hessian.detach().double().clone()
+    """Full-Hessian GPTQ (SPEC-FRONTIER 11) with fixed row scales s, on the Hessian's device: dead columns
+    (H_jj = 0) zeroed, 1% damping, columns in descending diag(H) order (act-order), each rounded and its error
+    spread over the columns after it through U, the upper Cholesky factor of H^-1, in blocks of 128.
+    Rows are independent, so several scale candidates run as one taller W. Codes return in the original order."""
+    dev = hessian.device
+    W, H = w.detach().float().to(dev).clone(), hessian.detach().double().clone()
     dead = (H.diagonal() == 0).nonzero().squeeze(1)
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
@@ -1775,30 +1783,38 @@ def gptq_codes(w, hessian, s, q_max):
     perm = torch.argsort(H.diagonal(), descending=True, stable=True)
     H = H[perm][:, perm]
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
-    W, s = W[:, perm], s.float()
+    W, s = W[:, perm], s.float().to(dev)
     Q = torch.empty_like(W)
+    # Thousands of tiny ops: on a busy 2-core CPU one thread took 1.9 s for a 512x1536 matrix, two took 15 s.
+    with one_torch_thread() if dev.type == "cpu" else contextlib.nullcontext():
+        _gptq_columns(W, U, s, Q, q_max)
+    return Q[:, torch.argsort(perm)].to(torch.int8).cpu()
+
+
+def _gptq_columns(W, U, s, Q, q_max):
+    inv_d = 1.0 / U.diagonal()
     for a in range(0, W.size(1), 128):
         b = min(a + 128, W.size(1))
         Wb, E = W[:, a:b], torch.empty_like(W[:, a:b])
         for j in range(b - a):
             q = torch.clamp(torch.round(Wb[:, j] / s), -q_max, q_max)
-            E[:, j] = (Wb[:, j] - q * s) / U[a + j, a + j]
-            Wb[:, j:] -= E[:, j, None] * U[a + j, a + j:b]
             Q[:, a + j] = q
+            E[:, j] = (Wb[:, j] - q * s) * inv_d[a + j]
+            Wb[:, j + 1:].sub_(torch.outer(E[:, j], U[a + j, a + j + 1:b]))
         W[:, b:] -= E @ U[a:b, b:]
-    return Q[:, torch.argsort(perm)].to(torch.int8)
 
 
 def quantize_rows(t, q_max, scales, hessian=None):
     """Codes and fp16 row scales: of the candidate `scales`, the one whose reconstruction has the lowest MSE;
-    codes by GPTQ when a Hessian is given, else rounded to nearest."""
-    t32, best = t.float(), None
-    for scale in scales:
+    codes by GPTQ when a Hessian is given (all candidates in one pass), else rounded to nearest."""
+    t32, scales = t.float(), list(scales)
+    if hessian is not None:
+        stacked = torch.cat([s.float() for s in scales])
+        codes = gptq_codes(t32.repeat(len(scales), 1), hessian, stacked, q_max).float().split(t32.size(0))
+    best = None
+    for i, scale in enumerate(scales):
         s = scale.float()
-        if hessian is None:
-            q = torch.clamp(torch.round(t32 / s[:, None]), -q_max, q_max)
-        else:
-            q = gptq_codes(t32, hessian, s, q_max).float()
+        q = torch.clamp(torch.round(t32 / s[:, None]), -q_max, q_max) if hessian is None else codes[i]
         err = (t32 - q * s[:, None]).pow(2).mean().item()
         if best is None or err < best[0]:
             best = (err, q.to(torch.int8), scale)
