@@ -1765,7 +1765,7 @@ def int6_candidate_scales(t32):
 
 def sdclip_scales(t32, sigmas, q_max):
     """SDClip (SPEC-FRONTIER 11, record 04-05): s_i = k * std(W_i) / q_max, unbiased row std, fp16; floored at
-    fp16's smallest normal so a constant row gets codes 0, not NaN."""
+    fp16's smallest normal so an all-zero row gets codes 0, not NaN."""
     return (sigmas * t32.std(dim=1) / q_max).clamp_min(2.0 ** -14).to(torch.float16)
 
 
@@ -1990,7 +1990,7 @@ def decompress(data, path):
         data = brotli.decompress(data)
     except brotli.error:
         raise ConfigError(f"{path}: neither an lzma nor a brotli artifact") from None
-    return byte_unshuffle(data) if data[:4] == b"BSHF" else data
+    return byte_unshuffle(data) if data[:4] == b"BSHF" and len(data) > 4 else data
 
 
 def serialize(w, meta, late_qat, compressor):

@@ -17,6 +17,12 @@ traceback) and the exit status is 1. Checked:
 - total submission size <= 16,000,000 bytes and no OVER_LIMIT line;
 - train_gpt.py present, parseable as Python 3.10, and exactly as many bytes
   as every log's "Code size";
+- if train_gpt.py is packed (scripts/pack_code.py; run_seeds.sh with
+  PACK_CODE=1): its payload decodes (nothing is executed) and parses as
+  Python 3.10, train_gpt_readable.py is present, its sha256 is
+  submission.json's code_source_sha256 (and code_packed is true), and
+  minify(train_gpt_readable.py) is exactly the payload, so the readable file
+  is the code that ran;
 - submission.json is a JSON object whose fields have the types make_record.py
   writes (required: name, blurb, author, github_id non-empty strings; date
   YYYY-MM-DD; val_bpb a positive number; bytes_total a positive integer;
@@ -44,6 +50,7 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime as dt
+import hashlib
 import math
 import re
 import sys
@@ -51,6 +58,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pack_code  # noqa: E402
 import recordlib as rl  # noqa: E402  (needs the path above)
 
 VAL_BPB_TOLERANCE = 1e-6
@@ -176,6 +184,63 @@ def check_code(path: Path) -> tuple[int | None, list[Problem]]:
     return len(src), []
 
 
+def check_packed_code(folder: Path) -> list[Problem]:
+    """Problems of a packed train_gpt.py and its readable source (none for a readable train_gpt.py)."""
+    code, readable, sub = folder / "train_gpt.py", folder / rl.READABLE_CODE, folder / "submission.json"
+    try:
+        text = code.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):  # check_code reports what matters
+        return []
+    try:
+        data = rl.load_submission(sub)
+    except rl.RecordError:  # check_submission reports it
+        data = None
+    if not pack_code.is_packed(text):
+        if text.startswith(pack_code.WRAPPER_HEAD.split("\n")[0] + "\n"):
+            return [(code, "starts like a packed file but is not the exact two-line wrapper scripts/pack_code.py"
+                           " writes; repack it")]
+        if data is not None and data.get("code_packed") is True:
+            return [(sub, "field 'code_packed' is true but train_gpt.py is not a packed file")]
+        return []
+    try:
+        payload = pack_code.unpack(text)
+    except pack_code.PackError as exc:
+        return [(code, f"packed, but {exc}")]
+    problems: list[Problem] = []
+    try:
+        ast.parse(payload, feature_version=(3, 10))
+    except SyntaxError as exc:
+        problems.append((code, f"packed code does not parse as Python 3.10: {exc.msg} (line {exc.lineno})"))
+    except ValueError as exc:
+        problems.append((code, f"packed code does not parse as Python 3.10: {exc}"))
+    if not readable.is_file():
+        problems.append((readable, "file is missing; a packed train_gpt.py must ship with the readable source it"
+                                   " was packed from"))
+        return problems
+    source = readable.read_bytes()
+    digest = hashlib.sha256(source).hexdigest()
+    if data is not None:
+        if data.get("code_packed") is not True:
+            problems.append((sub, "field 'code_packed' must be true: train_gpt.py is packed"))
+        recorded = data.get("code_source_sha256")
+        if recorded is None:
+            problems.append((sub, f"missing field 'code_source_sha256' (sha256 of {rl.READABLE_CODE}, which"
+                                  " make_record.py writes for a packed train_gpt.py)"))
+        elif isinstance(recorded, str) and recorded != digest:
+            problems.append((sub, f"code_source_sha256 {recorded} is not the sha256 of {rl.READABLE_CODE}"
+                                  f" ({digest})"))
+    try:
+        minified = pack_code.minify(source.decode("utf-8"))
+    except UnicodeDecodeError:
+        return problems + [(readable, "not UTF-8 text")]
+    except pack_code.PackError as exc:
+        return problems + [(readable, f"cannot be minified: {exc}")]
+    if minified != payload:
+        problems.append((code, f"its packed code is not minify({rl.READABLE_CODE}): it was not packed from that"
+                               " source (or by another version of scripts/pack_code.py)"))
+    return problems
+
+
 # submission.json fields: one predicate and the words for what it accepts.
 
 
@@ -214,6 +279,8 @@ NONNEG_INT_OR_NULL: Rule = (lambda v: v is None or (is_int(v) and v >= 0), "a no
 PROBABILITY_OR_NULL: Rule = (lambda v: v is None or (is_number(v) and 0 <= v <= 1), "a number in [0, 1] or null")
 BOOLEAN: Rule = (lambda v: isinstance(v, bool), "true or false")
 DATE: Rule = (lambda v: isinstance(v, str) and valid_date(v), "YYYY-MM-DD")
+SHA256: Rule = (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
+                "64 lowercase hex digits")
 METRIC: Rule = (lambda v: isinstance(v, str) and v in rl.EVAL_PREFIXES, "one of " + ", ".join(rl.EVAL_PREFIXES))
 
 # (field, required, rule) in the order make_record.py writes them.
@@ -227,6 +294,8 @@ TOP_FIELDS: tuple[tuple[str, bool, Rule], ...] = (
     ("date", True, DATE),
     ("val_bpb_metric", False, METRIC),
     ("val_bpb_std", False, NONNEG_NUMBER_OR_NULL),
+    ("code_packed", False, BOOLEAN),
+    ("code_source_sha256", False, SHA256),
 )
 PER_SEED_FIELDS: tuple[tuple[str, bool, Rule], ...] = (
     ("seed", True, SEED_INT),
@@ -366,6 +435,7 @@ def find_problems(folder: Path, track: str) -> tuple[list[rl.RunLog], list[Probl
         return [], [(folder, "not a directory")]
     logs = rl.load_logs(folder)
     code_size, problems = check_code(folder / "train_gpt.py")
+    problems += check_packed_code(folder)
     if not logs:
         problems.insert(0, (folder, f"no {rl.LOG_GLOB} files"))
     folder_evals = set().union(*(rl.enabled_evals(log) for log in logs)) if logs else set()

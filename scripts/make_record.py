@@ -7,6 +7,10 @@ results table in README.md between the results markers so hand-written text
 around it survives re-runs. With --sota-bpb it also runs the challenge's
 significance test (beat the record by 0.005 nats at p < 0.01).
 
+When FOLDER/train_gpt.py is the packed form written by scripts/pack_code.py
+(run_seeds.sh with PACK_CODE=1), submission.json also records code_packed: true
+and code_source_sha256, the sha256 of the readable FOLDER/train_gpt_readable.py.
+
 Example:
     python scripts/make_record.py records/track_10min_16mb/2025-11-21_MyRun \\
         --author "Jane Doe" --github-id janedoe --blurb "..." --sota-bpb 1.1194
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import math
 import re
@@ -22,6 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pack_code  # noqa: E402
 import recordlib as rl  # noqa: E402  (needs the path above)
 
 DASH = "–"
@@ -153,6 +159,17 @@ def _fmt(value: float | None, spec: str) -> str:
 # Output files
 
 
+def code_source(folder: Path) -> dict:
+    """submission.json's code fields: for a packed train_gpt.py, the readable source's sha256; else none."""
+    code = folder / "train_gpt.py"
+    if not code.is_file() or not pack_code.is_packed(code.read_text(encoding="utf-8", errors="replace")):
+        return {}
+    readable = folder / rl.READABLE_CODE
+    if not readable.is_file():
+        raise rl.RecordError(f"{code} is packed but {readable} (its readable source) is missing")
+    return {"code_packed": True, "code_source_sha256": hashlib.sha256(readable.read_bytes()).hexdigest()}
+
+
 def build_submission(args: argparse.Namespace, existing: dict, logs: list[rl.RunLog], metric: str,
                      sig: rl.Significance | None) -> dict:
     """submission.json contents: CLI values beat existing values beat defaults."""
@@ -161,6 +178,8 @@ def build_submission(args: argparse.Namespace, existing: dict, logs: list[rl.Run
     std = rl.sample_std(scores)
     data = dict(existing)
     data.pop("significance", None)  # a result for other seeds would be stale
+    for key in ("code_packed", "code_source_sha256"):  # re-derived from the folder below
+        data.pop(key, None)
     data.update(
         name=args.name or existing.get("name") or folder_name,
         val_bpb=round(rl.mean(scores), 8),
@@ -176,6 +195,7 @@ def build_submission(args: argparse.Namespace, existing: dict, logs: list[rl.Run
     )
     if sig is not None:
         data["significance"] = sig.as_dict()
+    data.update(code_source(args.folder))
     return data
 
 
@@ -192,7 +212,8 @@ def per_seed_entry(log: rl.RunLog, metric: str) -> dict:
     }
 
 
-def results_block(logs: list[rl.RunLog], metric: str, table: str, sig: rl.Significance | None) -> str:
+def results_block(logs: list[rl.RunLog], metric: str, table: str, sig: rl.Significance | None,
+                  packed: bool = False) -> str:
     scores = [log.score(metric).val_bpb for log in logs]
     std = rl.sample_std(scores)
     summary = (
@@ -200,6 +221,10 @@ def results_block(logs: list[rl.RunLog], metric: str, table: str, sig: rl.Signif
         f" = {rl.mean(scores):.8f} (sample std {_fmt(std, '.8f')})."
     )
     parts = [rl.RESULTS_START, summary, "", table]
+    if packed:
+        parts += ["", f"Code: `train_gpt.py` (the file that ran; its bytes are the logged Code size) is the packed"
+                  f" form of `{rl.READABLE_CODE}`: `python3 scripts/pack_code.py {rl.READABLE_CODE} --check"
+                  " train_gpt.py` verifies it without running it."]
     if sig is not None:
         parts += ["", "```", *significance_lines(sig), "```"]
     parts.append(rl.RESULTS_END)
@@ -255,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     sub_path.write_text(json.dumps(submission, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
     table = results_table(logs)
-    block = results_block(logs, metric, table, sig)
+    block = results_block(logs, metric, table, sig, packed=bool(submission.get("code_packed")))
     update_readme(folder / "README.md", submission["name"], submission["blurb"], block)
 
     print(f"metric: {rl.EVAL_PREFIXES[metric]}_exact  val_bpb={submission['val_bpb']:.8f}"

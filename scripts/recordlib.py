@@ -49,6 +49,8 @@ METRIC_PREFERENCE = ("legal_ttt", "sliding", "roundtrip")
 OPTIONAL_EVALS = ("sliding", "legal_ttt")
 
 LOG_GLOB = "train_seed*.log"
+# Shipped beside a packed train_gpt.py (scripts/pack_code.py): the readable source it was packed from.
+READABLE_CODE = "train_gpt_readable.py"
 RESULTS_START = "<!-- results:start -->"
 RESULTS_END = "<!-- results:end -->"
 
@@ -70,8 +72,8 @@ RX_PEAK_MEM = _rx(r"peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
 RX_POST_EMA = _rx(rf"DIAGNOSTIC post_ema val_loss:{_NUM} val_bpb:{_NUM} eval_time:{_NUM}ms")
 RX_MODEL_BYTES = _rx(r"Serialized model: (\d+) bytes")
 RX_CODE_BYTES = _rx(r"Code size: (\d+) bytes")
-RX_QUANT_BYTES = _rx(r"Serialized model int6\+lzma: (\d+) bytes")
-RX_TOTAL_BYTES = _rx(r"Total submission size int6\+lzma: (\d+) bytes")
+RX_QUANT_BYTES = _rx(r"Serialized model int6\+(?:lzma|brotli): (\d+) bytes")
+RX_TOTAL_BYTES = _rx(r"Total submission size int6\+(?:lzma|brotli): (\d+) bytes")
 RX_OVER_LIMIT = _rx(r"OVER_LIMIT total_bytes:(\d+) cap:(\d+)")
 RX_TTT_FLAG = _rx(r"ttt_enabled:(0|1|True|False|true|false)")
 RX_STRIDE_FLAG = _rx(r"eval_stride:(\d+)")

@@ -8,12 +8,20 @@
 # is copied to FOLDER/train_seed<seed>.log. train_gpt.py itself is copied into
 # FOLDER once, before the first run, so the folder holds the code that ran.
 #
+# With PACK_CODE=1, FOLDER/train_gpt.py is instead the packed (self-extracting,
+# minified + LZMA2 + Base85) form written by scripts/pack_code.py, the readable
+# source goes to FOLDER/train_gpt_readable.py, and the runs execute the packed
+# file (from the repo root, so data paths resolve as usual): every log's
+# "Code size" is then the packed file's size, the bytes that count.
+#
 # Environment:
 #   NPROC_PER_NODE  processes (GPUs) per node, default 8
 #   NNODES          nodes, default 1; above 1 --standalone is dropped and
 #                   TORCHRUN_ARGS must carry the rendezvous options
 #   TORCHRUN_ARGS   extra torchrun options, split on whitespace
 #   TORCHRUN        launcher command, default "torchrun"
+#   PACK_CODE       1: run and ship the packed train_gpt.py (see above); default 0
+#   PYTHON          interpreter for scripts/pack_code.py, default "python3"
 set -euo pipefail
 
 usage() {
@@ -41,6 +49,8 @@ name=$(basename "$folder")
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo_root"
 [[ -f train_gpt.py ]] || die "no train_gpt.py in $repo_root"
+pack=${PACK_CODE:-0}
+[[ $pack == 0 || $pack == 1 ]] || die "PACK_CODE must be 0 or 1, got '$pack'"
 
 # Unquoted on purpose: TORCHRUN may be a command with arguments.
 launcher=(${TORCHRUN:-torchrun})
@@ -52,13 +62,30 @@ else
 fi
 launcher+=(--nproc_per_node="${NPROC_PER_NODE:-8}")
 read -r -a extra_args <<< "${TORCHRUN_ARGS:-}"
-launcher+=(${extra_args[@]+"${extra_args[@]}"} train_gpt.py)
 
-if [[ -f $folder/train_gpt.py ]] && ! cmp -s train_gpt.py "$folder/train_gpt.py"; then
+if [[ $pack == 1 ]]; then
+  # Pack beside the target first; check_record compares it with the readable copy.
+  code=$(mktemp "$folder/.train_gpt.py.XXXXXX")
+  trap 'rm -f "$code"' EXIT
+  ${PYTHON:-python3} scripts/pack_code.py train_gpt.py -o "$code" >&2 \
+    || die "scripts/pack_code.py could not pack train_gpt.py"
+  launcher+=(${extra_args[@]+"${extra_args[@]}"} "$folder/train_gpt.py")
+else
+  code=train_gpt.py
+  launcher+=(${extra_args[@]+"${extra_args[@]}"} train_gpt.py)
+fi
+
+if [[ -f $folder/train_gpt.py ]] && ! cmp -s "$code" "$folder/train_gpt.py"; then
   echo "run_seeds: warning: replacing a different $folder/train_gpt.py;" \
     "logs already there from other code will fail check_record's Code size check" >&2
 fi
-cp train_gpt.py "$folder/train_gpt.py"
+if [[ $pack == 1 ]]; then
+  mv -f "$code" "$folder/train_gpt.py"
+  cp train_gpt.py "$folder/train_gpt_readable.py"
+  echo "run_seeds: $folder/train_gpt.py is packed; readable source in train_gpt_readable.py" >&2
+else
+  cp train_gpt.py "$folder/train_gpt.py"
+fi
 
 for seed in "$@"; do
   run_id="${name}_seed${seed}"

@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Measure the artifact options on one trained model: bytes and roundtrip gap per quantiser and compressor.
+
+Trains the model the environment describes (train_gpt.py's settings, e.g. `source scripts/sample_env.sh`)
+with QUANT=gptq, so the Hessians come from the training batches after the loop, then quantises the same
+final (EMA) weights every way and prints one markdown table:
+
+  variant | embed bits | lzma bytes | brotli bytes | brotli/lzma | roundtrip bpb | gap (roundtrip - post-EMA)
+
+plus the Hessian collection and GPTQ solve seconds, and the code bytes (readable and packed).
+
+    source scripts/sample_env.sh && python3 scripts/bench_artifact.py
+    DEVICE=cpu NUM_LAYERS=11 MODEL_DIM=512 ITERATIONS=20 ... python3 scripts/bench_artifact.py
+
+--stand-in replaces the trained matrices by Student-t rows (trained-like heavy tails) before quantising; the
+Hessians stay the trained model's; the gap column then says how much the quantisation error costs a model
+whose other weights are trained but whose matrices are synthetic (labelled as such).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+import train_gpt as tg  # noqa: E402
+
+VARIANTS = (  # (label, settings over the run's)
+    ("gptq_lite (record)", {"QUANT": "gptq_lite"}),
+    ("gptq_lite, int7 embeddings", {"QUANT": "gptq_lite", "EMBED_BITS": "7"}),
+    ("gptq, clip candidates", {"QUANT": "gptq"}),
+    ("gptq + SDClip 12.85/20", {"QUANT": "gptq", "MATRIX_CLIP_SIGMAS": "12.85", "EMBED_CLIP_SIGMAS": "20"}),
+    ("gptq + SDClip 12.85/15, int7 embeddings",
+     {"QUANT": "gptq", "MATRIX_CLIP_SIGMAS": "12.85", "EMBED_CLIP_SIGMAS": "15", "EMBED_BITS": "7"}),
+)
+
+
+def stand_in_matrices(model, seed=0):
+    """Each bank matrix replaced by Student-t (3 degrees of freedom) entries with its own RMS per row."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in tg.BANK_NAMES:
+            bank = getattr(model, name)
+            rms = bank.float().pow(2).mean(dim=-1, keepdim=True).sqrt().cpu()
+            z = torch.randn(bank.shape, generator=g)
+            chi = torch.randn((*bank.shape, 3), generator=g).pow(2).sum(-1) / 3.0
+            t = z / chi.sqrt()
+            t = t / t.pow(2).mean(dim=-1, keepdim=True).sqrt() * rms
+            bank.copy_(t.to(bank.device, bank.dtype))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stand-in", action="store_true", help="synthetic Student-t matrices (see above)")
+    args = ap.parse_args()
+    env = {**os.environ, "QUANT": "gptq", "RUN_ID": os.environ.get("RUN_ID", "bench_artifact")}
+    h = tg.Hyperparameters(env)
+    rt = tg.setup_runtime(h)
+    luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
+    val_tokens = tg.load_validation_tokens(h.val_files, max(h.train_seq_len, h.eval_seq_len), h.vocab_size)
+    model = rt.prepare_model(tg.build_model(h))
+    t0 = time.perf_counter()
+    _, hessians = tg.train(rt, model, val_tokens, luts)
+    print(f"trained {h.iterations} steps + Hessians in {time.perf_counter() - t0:.0f}s", flush=True)
+    if args.stand_in:
+        stand_in_matrices(model)
+    base_loss, base_bpb = tg.eval_val(rt, model, val_tokens, luts)
+    flat = tg.unbank_state_dict(model.state_dict(), model.num_layers)
+    template = {k: v.detach().cpu() for k, v in flat.items()}
+
+    # Hessian collection time at these shapes, per calibration batch (one more pass, timed alone).
+    loader = tg.make_train_loader(rt)
+    t0 = time.perf_counter()
+    tg.collect_hessians(rt, model, loader)
+    loader.shutdown()
+    hess_s = (time.perf_counter() - t0) / h.gptq_calibration_batches
+
+    rows, solve = [], {}
+    for label, over in VARIANTS:
+        hv = tg.Hyperparameters({**env, **over})
+        t0 = time.perf_counter()
+        w, meta = tg.quantize_state_dict(flat, hv, hessians if hv.quant == "gptq" else None)
+        solve[label] = time.perf_counter() - t0
+        sizes = {c: len(tg.serialize(w, meta, False, c)) for c in ("lzma", "brotli")}
+        back = tg.rebank_state_dict(tg.dequantize_state_dict(w, meta, template, "memory"), model.num_layers)
+        probe = rt.prepare_model(tg.build_model(h))
+        probe.load_state_dict(back, strict=True)
+        _, bpb = tg.eval_val(rt, probe, val_tokens, luts)
+        rows.append((label, hv.embed_bits, sizes["lzma"], sizes["brotli"], bpb))
+        print(f"  {label}: {sizes} bpb {bpb:.5f} ({solve[label]:.1f}s)", flush=True)
+
+    n_mat = sum(1 for k, t in flat.items() if k in hessians and t.numel() > tg.PASSTHROUGH_MAX_NUMEL)
+    print(f"\nmodel: {h.num_layers}L d{h.model_dim} vocab {h.vocab_size}, {h.iterations} steps of "
+          f"{h.train_batch_tokens} tokens{' (stand-in matrices)' if args.stand_in else ''}; "
+          f"post-EMA val_bpb {base_bpb:.5f}; {n_mat} tensors GPTQ'd")
+    print("| variant | embed bits | lzma bytes | brotli bytes | brotli vs lzma | roundtrip bpb | gap | quantise s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, bits, lz, br, bpb in rows:
+        print(f"| {label} | {bits} | {lz:,} | {br:,} | {100.0 * (br - lz) / lz:+.1f}% | {bpb:.5f} | "
+              f"{bpb - base_bpb:+.5f} | {solve[label]:.1f} |")
+    print(f"\nHessian collection: {hess_s:.2f}s per calibration batch of "
+          f"{h.train_batch_tokens // (h.world_size * h.grad_accum_steps)} tokens ({rt.device})")
+    src = (REPO / "train_gpt.py").read_text(encoding="utf-8")
+    try:
+        import pack_code
+        print(f"code: readable {len(src.encode())} bytes, packed {len(pack_code.pack(src).encode())} bytes")
+    except ImportError:
+        print(f"code: readable {len(src.encode())} bytes")
+
+
+if __name__ == "__main__":
+    main()

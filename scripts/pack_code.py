@@ -1,0 +1,447 @@
+#!/usr/bin/env python3
+"""Pack a training script into a two-line self-extracting file, so fewer code bytes count toward the cap.
+
+    python3 scripts/pack_code.py [SRC] [-o OUT] [--check PACKED]
+
+SRC (default train_gpt.py) is minified (comments, docstrings, blank lines and function-signature annotations
+removed, one space per indentation level, bracketed continuation lines joined), compressed with raw LZMA2 and
+Base85-encoded into a file of two lines: an import of lzma and base64, then an exec of the decoded source.
+Without -o only the sizes are printed. --check PACKED verifies that PACKED is the packed form of SRC
+(compares the decoded payload with minify(SRC); nothing is executed) and exits 1 if not.
+
+Minification is done by text edits located with the standard library's ast and tokenize, never by
+ast.unparse, and is verified: the minified source must parse to the same AST as SRC with its docstrings and
+signature annotations removed. String literals (f-strings included) are copied byte for byte.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import base64
+import contextlib
+import io
+import lzma
+import os
+import sys
+import tempfile
+import tokenize
+from pathlib import Path
+
+# The oldest Python the packed file must run on; the wrapper and the payload are both checked against it.
+MIN_PYTHON = (3, 10)
+
+# Raw LZMA2 (no .xz container: no header, footer or check bytes). The decoder in the wrapper names only
+# the filter id, so it gets liblzma's default dictionary (preset 6: 8 MiB). A match may reach back at
+# most the encoder's dictionary size, so the encoder is held to the same 8 MiB: any input then decodes.
+# pb=0 (no 4-byte position alignment: this is text) was measured best on train_gpt.py among lc/lp/pb,
+# nice_len and match finders (see the README's "Packed code"); the rest is preset 9 extreme.
+DECODER_DICT_SIZE = 1 << 23
+LZMA_FILTER = {
+    "id": lzma.FILTER_LZMA2,
+    "preset": 9 | lzma.PRESET_EXTREME,
+    "dict_size": DECODER_DICT_SIZE,
+    "lc": 3,
+    "lp": 0,
+    "pb": 0,
+}
+
+# The two lines, around the Base85 payload (its alphabet has no quote or backslash).
+WRAPPER_HEAD = "import lzma as L,base64 as B\nexec(L.decompress(B.b85decode(\""
+WRAPPER_TAIL = "\"),format=L.FORMAT_RAW,filters=[{\"id\":L.FILTER_LZMA2}]))\n"
+
+_FSTRING_START = getattr(tokenize, "FSTRING_START", None)  # Python 3.12+ splits f-strings into tokens
+_FSTRING_END = getattr(tokenize, "FSTRING_END", None)
+_SKIPPED = (tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER)
+_WORD = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+
+
+class PackError(ValueError):
+    """A source that cannot be minified or packed, or a file that is not a packed one (one-line message)."""
+
+
+# ---------------------------------------------------------------------------
+# Minify
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    """A statement that is a bare string constant (a docstring or any other string expression statement)."""
+    return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
+
+
+def _statement_lists(tree: ast.AST):
+    """(node, field name, list of statements) for every statement list in the tree."""
+    for node in ast.walk(tree):
+        for name, value in ast.iter_fields(node):
+            if isinstance(value, list) and value and all(isinstance(v, ast.stmt) for v in value):
+                yield node, name, value
+
+
+def _signature_args(fn: ast.AST) -> list[ast.arg]:
+    a = fn.args
+    return [*a.posonlyargs, *a.args, *([a.vararg] if a.vararg else []), *a.kwonlyargs,
+            *([a.kwarg] if a.kwarg else [])]
+
+
+def _functions(tree: ast.AST):
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def strip_reference(tree: ast.Module) -> ast.Module:
+    """The AST that minify's output must parse to: bare string statements removed (a body left empty gets
+    one `pass`) and argument/return annotations of functions removed. Modifies and returns ``tree``."""
+    for node, name, stmts in list(_statement_lists(tree)):
+        kept = [s for s in stmts if not _is_docstring(s)]
+        if not kept and not isinstance(node, ast.Module):
+            kept = [ast.Pass()]
+        setattr(node, name, kept)
+    for fn in _functions(tree):
+        fn.returns = None
+        for arg in _signature_args(fn):
+            arg.annotation = None
+    return tree
+
+
+class _Source:
+    """Token list of a source plus conversions between ast positions and token positions."""
+
+    def __init__(self, src: str):
+        self.src = src
+        self.lines = io.StringIO(src).readlines()  # split at "\n" only, as tokenize and ast count lines
+        self.line_starts = [0]
+        for line in self.lines:
+            self.line_starts.append(self.line_starts[-1] + len(line))
+        self.tokens = list(tokenize.generate_tokens(io.StringIO(src).readline))
+        layout = (tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE)  # DEDENT shares the next token's start
+        self.index = {t.start: i for i, t in enumerate(self.tokens) if t.type not in _SKIPPED + layout}
+
+    def char_pos(self, lineno: int, byte_col: int) -> tuple[int, int]:
+        """ast gives columns in UTF-8 bytes; tokenize in characters."""
+        line = self.lines[lineno - 1] if lineno <= len(self.lines) else ""
+        return lineno, len(line.encode("utf-8")[:byte_col].decode("utf-8", errors="replace"))
+
+    def offset(self, pos: tuple[int, int]) -> int:
+        return self.line_starts[pos[0] - 1] + pos[1]
+
+    def token_at(self, lineno: int, byte_col: int) -> int:
+        pos = self.char_pos(lineno, byte_col)
+        if pos not in self.index:
+            raise PackError(f"no token starts at line {pos[0]} column {pos[1]}")
+        return self.index[pos]
+
+    def next_significant(self, i: int, step: int = 1) -> int | None:
+        i += step
+        while 0 <= i < len(self.tokens):
+            if self.tokens[i].type not in _SKIPPED:
+                return i
+            i += step
+        return None
+
+    def span_until(self, first: int, stops: tuple[str, ...]) -> set[int]:
+        """Token indexes from ``first`` up to (not including) the first OP in ``stops`` at bracket depth 0."""
+        depth, out, i = 0, set(), first
+        while i < len(self.tokens):
+            tok = self.tokens[i]
+            if tok.type == tokenize.OP:
+                if depth == 0 and tok.string in stops and i != first:
+                    return out
+                if tok.string in "([{":
+                    depth += 1
+                elif tok.string in ")]}":
+                    depth -= 1
+            out.add(i)
+            i += 1
+        raise PackError(f"unterminated annotation at line {self.tokens[first].start[0]}")
+
+
+def _edits(source: _Source, tree: ast.Module) -> tuple[set[int], dict[int, str]]:
+    """Token indexes to drop and tokens to replace (by index) for docstrings and signature annotations."""
+    drop: set[int] = set()
+    replace: dict[int, str] = {}
+    for node, _name, stmts in _statement_lists(tree):
+        strings = [s for s in stmts if _is_docstring(s)]
+        empty = len(strings) == len(stmts) and not isinstance(node, ast.Module)
+        for k, stmt in enumerate(strings):
+            first = source.token_at(stmt.lineno, stmt.col_offset)
+            end = source.char_pos(stmt.end_lineno, stmt.end_col_offset)
+            span, i = set(), first
+            while i < len(source.tokens) and source.tokens[i].start < end:
+                if source.tokens[i].type not in _SKIPPED:
+                    span.add(i)
+                i += 1
+            drop |= span
+            if empty and k == 0:  # the body would be left empty: the first string becomes `pass`
+                drop.discard(first)
+                replace[first] = "pass"  # emitted as a NAME (see _emit_lines)
+                continue
+            after = source.next_significant(max(span))
+            before = source.next_significant(first, -1)
+            while before is not None and before in drop:  # "a"; "b": look past the strings already dropped
+                before = source.next_significant(before, -1)
+            if after is not None and source.tokens[after].string == ";":
+                drop.add(after)
+            elif before is not None and source.tokens[before].string == ";":
+                drop.add(before)
+    for fn in _functions(tree):
+        for arg in _signature_args(fn):
+            if arg.annotation is not None:
+                colon = source.next_significant(source.token_at(arg.lineno, arg.col_offset))
+                if source.tokens[colon].string != ":":
+                    raise PackError(f"line {arg.lineno}: expected ':' after argument {arg.arg!r}")
+                drop |= source.span_until(colon, (",", "=", ")"))
+        if fn.returns is not None:
+            i = source.token_at(fn.returns.lineno, fn.returns.col_offset)
+            while i is not None and source.tokens[i].string != "->":
+                i = source.next_significant(i, -1)
+            if i is None:
+                raise PackError(f"line {fn.lineno}: no '->' before the return annotation of {fn.name!r}")
+            drop |= source.span_until(i, (":",))
+    return drop, replace
+
+
+def _needs_space(prev: str, prev_type: int, nxt: str, nxt_type: int) -> bool:
+    if not prev or not nxt:
+        return False
+    if prev[-1] in _WORD and nxt[0] in _WORD:
+        return True
+    # 1 .real, 1 if x else 2, x if y else .5: keep numbers apart from anything that could extend them.
+    if prev_type == tokenize.NUMBER and (nxt[0] in _WORD or nxt[0] == "."):
+        return True
+    return nxt_type == tokenize.NUMBER and prev[-1] in _WORD | {"."}
+
+
+def _emit_lines(source: _Source, drop: set[int], replace: dict[int, str]) -> list[str]:
+    out: list[str] = []
+    depth = 0
+    parts: list[tuple[str, int]] = []
+    tokens = source.tokens
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok.type == tokenize.INDENT:
+            depth += 1
+        elif tok.type == tokenize.DEDENT:
+            depth -= 1
+        elif tok.type == tokenize.NEWLINE:
+            if parts:
+                text = parts[0][0]
+                # A statement starting with the soft keyword match/case keeps its space (`match [x]:`):
+                # harmless if it is a plain name, and no parser need guess.
+                soft = parts[0][1] == tokenize.NAME and text in ("match", "case")
+                for (p, pt), (n, nt) in zip(parts, parts[1:]):
+                    text += (" " if soft or _needs_space(p, pt, n, nt) else "") + n
+                    soft = False
+                out.append(" " * depth + text + "\n")
+            parts = []
+        elif tok.type in _SKIPPED or i in drop:
+            pass
+        elif _FSTRING_START is not None and tok.type == _FSTRING_START:
+            nest, j = 0, i
+            while True:  # copy the whole f-string (nested ones included) from the source text
+                if tokens[j].type == _FSTRING_START:
+                    nest += 1
+                elif tokens[j].type == _FSTRING_END:
+                    nest -= 1
+                    if nest == 0:
+                        break
+                j += 1
+            parts.append((source.src[source.offset(tok.start):source.offset(tokens[j].end)], tokenize.STRING))
+            i = j
+        else:
+            parts.append((replace[i], tokenize.NAME) if i in replace else (tok.string, tok.type))
+        i += 1
+    return out
+
+
+def _dump(tree: ast.AST) -> str:
+    return ast.dump(tree, include_attributes=False)
+
+
+def minify(src: str) -> str:
+    """The same program in fewer bytes (see the module docstring); raises PackError if ``src`` does not parse
+    or the result would not be the same program."""
+    try:
+        tree = ast.parse(src)
+    except SyntaxError as exc:
+        raise PackError(f"does not parse: {exc.msg} (line {exc.lineno})") from None
+    except ValueError as exc:  # null bytes
+        raise PackError(f"does not parse: {exc}") from None
+    try:
+        source = _Source(src)
+    except (tokenize.TokenError, SyntaxError) as exc:
+        raise PackError(f"cannot tokenize: {exc}") from None
+    drop, replace = _edits(source, tree)
+    result = "".join(_emit_lines(source, drop, replace))
+    expected = _dump(strip_reference(tree))
+    try:
+        got = _dump(ast.parse(result))
+    except SyntaxError as exc:
+        raise PackError(f"minified source does not parse: {exc.msg} (line {exc.lineno}); a minify bug") from None
+    if got != expected:
+        raise PackError("minified source is a different program (AST differs from the source's with docstrings"
+                        " and signature annotations removed); a minify bug")
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Pack / unpack
+
+
+def compress(data: bytes, filter_spec: dict | None = None) -> bytes:
+    return lzma.compress(data, format=lzma.FORMAT_RAW, filters=[filter_spec or LZMA_FILTER])
+
+
+def _decode(payload: str) -> str:
+    """What the wrapper's exec receives, decoded as Python does (UTF-8)."""
+    try:
+        raw = lzma.decompress(base64.b85decode(payload), format=lzma.FORMAT_RAW,
+                              filters=[{"id": lzma.FILTER_LZMA2}])
+        return raw.decode("utf-8")
+    except (ValueError, lzma.LZMAError) as exc:  # bad Base85, corrupt stream, not UTF-8
+        raise PackError(f"payload does not decode: {exc}") from None
+
+
+def _wrap(payload: str) -> str:
+    return WRAPPER_HEAD + payload + WRAPPER_TAIL
+
+
+def pack_minified(minified: str) -> str:
+    """The two-line file for an already minified source; checked to decode back to it."""
+    try:
+        ast.parse(minified, feature_version=MIN_PYTHON)
+    except SyntaxError as exc:
+        raise PackError(f"does not parse as Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]}: {exc.msg}"
+                        f" (line {exc.lineno})") from None
+    packed = _wrap(base64.b85encode(compress(minified.encode("utf-8"))).decode("ascii"))
+    ast.parse(packed, feature_version=MIN_PYTHON)
+    if unpack(packed) != minified:
+        raise PackError("packed file does not decode back to the minified source")
+    return packed
+
+
+def pack(src: str) -> str:
+    """Two lines: import lzma and base64, then exec the minified ``src`` from raw LZMA2 + Base85."""
+    if is_packed(src):
+        raise PackError("already packed")
+    return pack_minified(minify(src))
+
+
+def _payload_literal(text: str) -> str:
+    """The Base85 string of a packed file; PackError unless the file is exactly the wrapper around it."""
+    try:
+        tree = ast.parse(text, feature_version=MIN_PYTHON)
+    except (SyntaxError, ValueError):
+        raise PackError("not a packed file: does not parse") from None
+    consts = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    payloads = [c for c in consts if c != "id"]
+    if len(payloads) != 1 or text != _wrap(payloads[0]):
+        raise PackError("not a packed file: not the two-line wrapper pack_code.py writes")
+    return payloads[0]
+
+
+def unpack(packed_text: str) -> str:
+    """The source a packed file executes, recovered without executing anything."""
+    return _decode(_payload_literal(packed_text))
+
+
+def is_packed(text: str) -> bool:
+    """True if ``text`` is the two-line wrapper (whether or not its payload decodes)."""
+    if not text.startswith(WRAPPER_HEAD):
+        return False
+    try:
+        _payload_literal(text)
+    except PackError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------
+# CLI
+
+
+def _read_source(path: Path) -> str:
+    if not path.is_file():
+        raise PackError(f"{path}: no such file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PackError(f"{path}: cannot read: {exc}") from None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never a partial file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("src", nargs="?", default="train_gpt.py", type=Path, help="readable source (default: %(default)s)")
+    p.add_argument("-o", "--output", type=Path, help="write the packed file here (atomically)")
+    p.add_argument("--check", type=Path, metavar="PACKED",
+                   help="verify that PACKED is the packed form of SRC (nothing is executed); exit 1 if not")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    src_path: Path = args.src
+    out: Path | None = args.output
+    src = _read_source(src_path)
+    if out is not None:
+        if out.exists() and out.resolve() == src_path.resolve():
+            raise PackError(f"{out}: output is the source itself; write the packed file elsewhere")
+        if not out.parent.is_dir():
+            raise PackError(f"{out.parent}: no such directory")
+    if is_packed(src):
+        raise PackError(f"{src_path}: already packed; pass the readable source")
+    try:
+        minified = minify(src)
+    except PackError as exc:
+        raise PackError(f"{src_path}: {exc}") from None
+    if args.check is not None:
+        try:
+            payload = unpack(_read_source(args.check))
+        except PackError as exc:
+            message = str(exc) if str(exc).startswith(f"{args.check}:") else f"{args.check}: {exc}"
+            print(f"pack_code: FAIL: {message}", file=sys.stderr)
+            return 1
+        if payload != minified:
+            print(f"pack_code: FAIL: {args.check}: its payload is not minify({src_path})", file=sys.stderr)
+            return 1
+        print(f"OK: {args.check} is the packed form of {src_path}")
+        return 0
+    try:
+        packed = pack_minified(minified)
+    except PackError as exc:
+        raise PackError(f"{src_path}: {exc}") from None
+    readable_n, minified_n, packed_n = (len(t.encode("utf-8")) for t in (src, minified, packed))
+    print(f"readable: {readable_n} bytes")
+    print(f"minified: {minified_n} bytes")
+    print(f"packed:   {packed_n} bytes ({packed_n / readable_n:.1%} of readable)")
+    if out is not None:
+        write_atomic(out, packed)
+        print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except PackError as exc:
+        print(f"pack_code: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"pack_code: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

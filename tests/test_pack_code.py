@@ -1,0 +1,588 @@
+"""scripts/pack_code.py: minify keeps the program (same AST without docstrings and signature annotations, same
+results when run), the packed file is two lines that parse as Python 3.10 and run the same training with
+its own size as the logged Code size, and the record tooling ships and checks packed code."""
+from __future__ import annotations
+
+import ast
+import glob
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tokenize
+import types
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log
+
+SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import make_record  # noqa: E402  (needs the path above)
+import pack_code as pc  # noqa: E402
+from test_records import META, SEEDS, load_json, make_folder, run_check  # noqa: E402
+
+# Packed bytes per readable byte of train_gpt.py: measured 0.26 (97,319 -> 25,586 at f5b1de9, 110,975 -> 28,797
+# at 738ea4a); a packer that stopped removing something would exceed it.
+PACKED_RATIO_MAX = 0.28
+
+
+def run_module(code: str, name: str):
+    """Executes ``code`` as a fresh module (dataclasses look their module up in sys.modules); its `result`."""
+    mod = types.ModuleType(name)
+    sys.modules[name] = mod
+    try:
+        exec(compile(code, f"<{name}>", "exec"), mod.__dict__)
+        return mod.result
+    finally:
+        del sys.modules[name]
+
+
+# Each snippet sets `result` to plain data, so the readable, minified and packed forms can be compared.
+SNIPPETS = {
+    "docstring_only_bodies": '''
+"""Module docstring."""
+def f(x):
+    """Only a docstring."""
+class C:
+    """Only a docstring."""
+def g():
+    if True:
+        """doc"""
+    else:
+        'doc'
+    try:
+        "doc"
+    except Exception:
+        """doc"""
+    finally:
+        "doc"
+    while False:
+        "doc"
+    for _ in ():
+        "doc"
+    with open(__import__("os").devnull):
+        "doc"
+    return 1
+async def h():
+    "doc"
+result = (f(1), g(), type(h).__name__, C.__name__)
+''',
+    "comments_and_hashes_in_strings": '''
+x = "# not a comment"  # a comment
+y = '#' + "'#'"  # another
+# a whole-line comment
+z = """# inside a string"""  # trailing
+result = (x, y, z)
+''',
+    "multiline_strings_byte_for_byte": '''
+def f():
+    text = """first line
+        indented line   
+\tend with tab"""
+    raw = r\'\'\'back\\slash
+  kept\'\'\'
+    cont = "joined by a \\
+backslash"
+    return text, raw, cont
+result = f()
+''',
+    "fstrings": '''
+def f(a, b):
+    x = f"{{literal braces}} {a!r:>6} {b:.3f} {'q'} {a + 1}"
+    y = (f"first {a}"
+         f" second {b}"
+         " plain")
+    z = rf"{a}\\d{{2}}"
+    return x, y, z
+result = f(3, 2.5)
+''',
+    "brackets_and_continuations": '''
+def f(a,
+      b=(1,
+         2),  # comment inside brackets
+      *rest,
+      **kw):
+    total = (a +
+             b[0] * [
+                 3,
+                 4,
+             ][1]
+             - {
+                 "k": 5,
+             }["k"])
+    more = 1 + \\
+        2 + \\
+        3
+    return total, more, rest, sorted(kw)
+result = f(1, (2, 0), 3, q=4)
+''',
+    "dataclass_fields_kept": '''
+from __future__ import annotations
+from dataclasses import dataclass, field, fields
+from typing import NamedTuple
+@dataclass
+class Cfg:
+    """Fields depend on their annotations."""
+    a: int = 1
+    b: list[int] = field(default_factory=list)
+    c: "float" = .5
+    d: str = "x"
+class P(NamedTuple):
+    x: int
+    y: int = 2
+result = (repr(Cfg(b=[1])), [f.name for f in fields(Cfg)], tuple(P(1)), Cfg.__annotations__)
+''',
+    "signature_annotations_removed": '''
+import typing
+def f(a: int, /, b: dict[str, int] = {"k": 1}, *args: "typing.Any", c: (int) = 2,
+      d: typing.Optional[
+          int] = None, **kw: str) -> (
+        tuple[int, int]):
+    x: int = 3  # a variable annotation in a body stays
+    return a + len(b) + len(args) + c + (d or 0) + len(kw) + x
+async def g(x: int = 3) -> int:
+    return x
+class K:
+    def m(self, *, k: int = 4) -> "K":
+        return k
+lam = lambda v=1: v
+result = (f(1, {"a": 2}, 3, 4, c=5, e="f"), K().m(), lam(), g.__name__)
+''',
+    "else_elif_decorators_and_keywords": '''
+import functools
+def deco(fn):
+    @functools.wraps(fn)
+    def inner(*a):
+        return ["deco", fn(*a)]
+    return inner
+@deco
+def pick(x):
+    if x < 0:
+        return "neg"
+    elif x == 0:
+        return "zero"
+    else:
+        return "pos" if x else"never"
+def loop():
+    out = []
+    for i in range(3):
+        if i == 1: continue
+        out.append(i)
+    else:
+        out.append(-1)
+    n = 0
+    while n < 2: n += 1
+    else: out.append(n)
+    try:
+        1 / 0
+    except ZeroDivisionError as e:
+        out.append(type(e).__name__)
+    else:
+        out.append("no")
+    finally:
+        out.append("fin")
+    return out
+def numbers():
+    return [1 .real, 1 if True else 2, 0x1F, 1_000, 1e-3j .imag, 2.5e+3, .5, not-1, [i for i in (1, 2) if i if not 0]]
+G = 0
+def scopes():
+    global G
+    G = 1
+    x = 0
+    def h():
+        nonlocal x
+        x += 1
+        return x
+    return h(), G, (y := 5), y
+def matching(v):
+    match v:
+        case [a, *rest] if a:
+            return ("list", rest)
+        case {"k": value}:
+            return ("dict", value)
+        case _:
+            "doc"
+match = {"match": 1}
+result = (pick(-1), pick(0), pick(2), loop(), numbers(), scopes(), matching([1, 2, 3]), matching({"k": 9}),
+          matching(0), match["match"])
+''',
+    "semicolons_and_unicode": '''
+x = 1; "stray"; y = 2
+"first"; z = 3
+def f(): "doc"; return "é" + "ü"
+é = "ünïcode"; "after non-ASCII columns"
+result = (x, y, z, f(), é)
+''',
+}
+
+
+@pytest.mark.parametrize("name", sorted(SNIPPETS))
+def test_minify_keeps_the_program(name):
+    src = SNIPPETS[name].lstrip("\n")
+    minified = pc.minify(src)
+    reference = pc.strip_reference(ast.parse(src))
+    assert ast.dump(ast.parse(minified)) == ast.dump(reference)
+    assert pc.minify(minified) == minified  # idempotent
+    tokens = list(tokenize.generate_tokens(io.StringIO(minified).readline))
+    assert not [t for t in tokens if t.type in (tokenize.COMMENT, tokenize.NL)]  # no comments, blank or joined lines
+    depth = 0
+    for t in tokens:
+        if t.type == tokenize.NEWLINE:  # no trailing whitespace after code
+            assert t.line[:t.start[1]] == t.line[:t.start[1]].rstrip(), t.line
+        depth += {tokenize.INDENT: 1, tokenize.DEDENT: -1}.get(t.type, 0)
+        if t.type == tokenize.INDENT:  # one space per level
+            assert t.string == " " * depth, t.line
+    expected = run_module(src, f"snippet_{name}_readable")
+    assert run_module(minified, f"snippet_{name}_minified") == expected
+    assert run_module(pc.pack(src), f"snippet_{name}_packed") == expected
+
+
+def test_minify_exact_output():
+    src = ('"""Doc."""\n'
+           "from dataclasses import dataclass\n\n\n"
+           "@dataclass\n"
+           "class A:\n"
+           '    """Doc."""\n'
+           "    x: int = 1  # kept: a field\n\n"
+           "    def f(self, a: int = 2, *b: str, c: list[\n"
+           "            int] | None = None) -> dict[str, int]:\n"
+           '        """Doc."""\n'
+           "        return {  # comment\n"
+           '            "a": a,\n'
+           "        }\n\n\n"
+           "def g() -> None:\n"
+           '    """Only a docstring."""\n')
+    assert pc.minify(src) == (
+        "from dataclasses import dataclass\n"
+        "@dataclass\n"
+        "class A:\n"
+        " x:int=1\n"
+        " def f(self,a=2,*b,c=None):\n"
+        '  return{"a":a,}\n'
+        "def g():\n"
+        " pass\n")
+
+
+def test_multiline_strings_and_fstrings_are_copied_verbatim():
+    src = SNIPPETS["multiline_strings_byte_for_byte"] + SNIPPETS["fstrings"]
+    minified = pc.minify(src)
+    for literal in ('"""first line\n        indented line   \n\tend with tab"""',
+                    "r'''back\\slash\n  kept'''", '"joined by a \\\nbackslash"',
+                    "f\"{{literal braces}} {a!r:>6} {b:.3f} {'q'} {a + 1}\"", 'rf"{a}\\d{{2}}"'):
+        assert literal in src and literal in minified, literal
+
+
+def test_minify_refuses_what_does_not_parse():
+    with pytest.raises(pc.PackError, match="does not parse"):
+        pc.minify("def f(:\n")
+
+
+# ---------------------------------------------------------------------------------------- train_gpt.py
+
+
+@pytest.fixture(scope="module")
+def packed_train_gpt() -> tuple[str, str, str]:
+    src = SCRIPT.read_text(encoding="utf-8")
+    return src, pc.minify(src), pc.pack(src)
+
+
+def test_packed_train_gpt_is_small_and_decodes(packed_train_gpt):
+    src, minified, packed = packed_train_gpt
+    sizes = [len(t.encode("utf-8")) for t in (src, minified, packed)]
+    print(f"train_gpt.py: readable {sizes[0]} bytes, minified {sizes[1]} bytes, packed {sizes[2]} bytes")
+    lines = packed.splitlines()
+    assert len(lines) == 2 and packed.endswith("\n")
+    assert lines[0] == "import lzma as L,base64 as B" and lines[1].startswith("exec(L.decompress(B.b85decode(")
+    ast.parse(packed, feature_version=(3, 10))
+    ast.parse(minified, feature_version=(3, 10))
+    assert pc.is_packed(packed) and not pc.is_packed(src) and not pc.is_packed(minified)
+    assert pc.unpack(packed) == minified
+    assert pc.pack(src) == packed  # deterministic
+    assert sizes[2] <= PACKED_RATIO_MAX * sizes[0], sizes
+
+
+def test_unpack_never_runs_and_refuses_other_files(packed_train_gpt, tmp_path):
+    _, _, packed = packed_train_gpt
+    marker = tmp_path / "ran"
+    evil = packed.replace("\n", f"\nopen({str(marker)!r}, 'w')\n", 1)
+    for text in (evil, "print(1)\n", packed.replace("L.FILTER_LZMA2", "L.FILTER_LZMA1"), "def (\n"):
+        assert not pc.is_packed(text)
+        with pytest.raises(pc.PackError, match="not a packed file"):
+            pc.unpack(text)
+    corrupt = packed.replace('b85decode("', 'b85decode(".', 1)  # "." is not in the Base85 alphabet
+    with pytest.raises(pc.PackError, match="payload does not decode"):
+        pc.unpack(corrupt)
+    assert not marker.exists()
+    with pytest.raises(pc.PackError, match="already packed"):
+        pc.pack(packed)
+
+
+def _pythons() -> list[str]:
+    """Other Python versions on this machine (pyenv's builds), for the 3.10 / 3.12+ checks."""
+    found = {}
+    for path in sorted(glob.glob(str(Path.home() / ".pyenv" / "versions" / "3.1[0-9]*" / "bin" / "python3"))):
+        version = Path(path).parents[1].name.rsplit(".", 1)[0]  # 3.12.1 -> 3.12
+        if version != f"{sys.version_info[0]}.{sys.version_info[1]}":
+            found.setdefault(version, path)
+    return list(found.values())
+
+
+@pytest.mark.skipif(not _pythons(), reason="no other Python 3.10+ interpreter found (pyenv)")
+def test_other_pythons_minify_alike_and_run_packed_code(packed_train_gpt, tmp_path):
+    """The same minified text from every Python (tokenize splits f-strings only from 3.12 on), and the packed
+    file compiles there; a packed program with a dataclass and f-strings runs with the same output."""
+    _, minified, _ = packed_train_gpt
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import hashlib, sys\n"
+        f"sys.path.insert(0, {str(SCRIPTS)!r})\n"
+        "import pack_code as pc\n"
+        f"src = open({str(SCRIPT)!r}, encoding='utf-8').read()\n"
+        "m = pc.minify(src)\n"
+        "compile(pc.pack(src), 'packed', 'exec')\n"
+        "compile(pc.unpack(pc.pack(src)), 'payload', 'exec')\n"
+        "print(hashlib.sha256(m.encode()).hexdigest())\n", encoding="utf-8")
+    program = SNIPPETS["dataclass_fields_kept"] + SNIPPETS["fstrings"] + "print(repr(result))\n"
+    packed_program = tmp_path / "packed_program.py"
+    packed_program.write_text(pc.pack(program), encoding="utf-8")
+    (tmp_path / "readable_program.py").write_text(program, encoding="utf-8")
+    expected = subprocess.run([sys.executable, str(tmp_path / "readable_program.py")], capture_output=True,
+                              text=True, check=True).stdout
+    for python in _pythons():
+        proc = subprocess.run([python, str(probe)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (python, proc.stderr[-2000:])
+        assert proc.stdout.strip() == hashlib.sha256(minified.encode()).hexdigest(), python
+        ran = subprocess.run([python, str(packed_program)], capture_output=True, text=True, timeout=60)
+        assert ran.returncode == 0 and ran.stdout == expected, (python, ran.stderr[-2000:])
+
+
+def _result_lines(log: str) -> list[str]:
+    """Loss and score lines without their timings, and the model size."""
+    out = []
+    for line in log.splitlines():
+        if re.match(r"^step:\d+/\d+ (train|val)_loss:", line):
+            out.append(" ".join(f for f in line.split() if not f.startswith(("train_time:", "step_avg:",
+                                                                              "data_wait_ms:"))))
+        elif re.match(r"^(final_\w+_exact|legal_ttt_exact|Serialized model int6\+lzma:) ", line):
+            out.append(line)
+    return out
+
+
+def test_packed_train_gpt_trains_exactly_like_the_readable_one(packed_train_gpt, sample_data, tmp_path):
+    """One tiny run each (TTT off to keep it short), from the same directory: the same losses and scores, and
+    each log's Code size is the size of the file that ran."""
+    src, _, packed = packed_train_gpt
+    packed_path = tmp_path / "packed" / "train_gpt.py"
+    packed_path.parent.mkdir()
+    packed_path.write_text(packed, encoding="utf-8")
+    cwd = tmp_path / "run"
+    cwd.mkdir()
+    env = {**clean_environ(), **TINY_ENV, **sample_data, "TTT_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    logs = {}
+    for run_id, script in (("readable", SCRIPT), ("packed", packed_path)):
+        proc = subprocess.run([sys.executable, str(script)], cwd=cwd, env={**env, "RUN_ID": run_id},
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logs[run_id] = read_log(cwd, run_id)
+    readable, packed_log = _result_lines(logs["readable"]), _result_lines(logs["packed"])
+    assert any(line.startswith("final_int6_sliding_window_exact ") for line in readable)
+    assert sum(line.startswith("step:") for line in readable) >= 4
+    assert packed_log == readable
+    code_bytes = {k: int(re.search(r"^Code size: (\d+) bytes$", v, re.M).group(1)) for k, v in logs.items()}
+    assert code_bytes == {"readable": len(src.encode("utf-8")), "packed": packed_path.stat().st_size}
+    model = int(re.search(r"^Serialized model int6\+lzma: (\d+) bytes$", logs["packed"], re.M).group(1))
+    total = int(re.search(r"^Total submission size int6\+lzma: (\d+) bytes$", logs["packed"], re.M).group(1))
+    assert total == model + packed_path.stat().st_size
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def pack_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPTS / "pack_code.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_writes_and_checks(tmp_path):
+    src = tmp_path / "prog.py"
+    src.write_text(SNIPPETS["fstrings"], encoding="utf-8")
+    out = tmp_path / "packed.py"
+    proc = pack_cli(str(src), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^readable: \d+ bytes\nminified: \d+ bytes\npacked: +\d+ bytes", proc.stdout, re.M)
+    assert pc.unpack(out.read_text(encoding="utf-8")) == pc.minify(src.read_text(encoding="utf-8"))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    proc = pack_cli(str(src), "--check", str(out))
+    assert proc.returncode == 0 and proc.stdout.startswith("OK: ")
+    src.write_text(SNIPPETS["fstrings"].replace("2.5", "2.6"), encoding="utf-8")
+    proc = pack_cli(str(src), "--check", str(out))
+    assert proc.returncode == 1 and proc.stderr.strip().endswith(f"its payload is not minify({src})")
+    proc = pack_cli(cwd=tmp_path)  # SRC defaults to ./train_gpt.py
+    assert proc.returncode == 2 and proc.stderr == "pack_code: error: train_gpt.py: no such file\n"
+
+
+@pytest.mark.parametrize("case", ["missing", "packed", "syntax"])
+def test_cli_refusals_are_one_line_and_leave_no_output(tmp_path, case):
+    src = tmp_path / "src.py"
+    if case == "packed":
+        src.write_text(pc.pack("x = 1\n"), encoding="utf-8")
+    elif case == "syntax":
+        src.write_text("def f(:\n", encoding="utf-8")
+    out = tmp_path / "out.py"
+    proc = pack_cli(str(src), "-o", str(out))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"pack_code: error: {src}: ")
+    assert {"missing": "no such file", "packed": "already packed", "syntax": "does not parse"}[case] in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if case == "missing" else ["src.py"])
+
+
+# ---------------------------------------------------------------------------------------- record folders
+
+READABLE = "import math\n\n\ndef main(n: int = 2) -> float:\n    \"\"\"Doc.\"\"\"\n    return math.pi * n  # comment\n"
+
+
+def packed_folder(tmp_path: Path, readable: str = READABLE, ran: str | None = None) -> Path:
+    """A non-record folder whose logs ran the packed form of ``ran`` (default: ``readable``), with
+    train_gpt_readable.py = ``readable``, then make_record.py."""
+    code = pc.pack(readable if ran is None else ran)
+    folder = make_folder(tmp_path, track="track_non_record_16mb", seeds={1337: SEEDS[1337], 42: SEEDS[42]},
+                         code=code)
+    (folder / "train_gpt_readable.py").write_text(readable, encoding="utf-8")
+    assert make_record.main([str(folder), *META]) == 0
+    return folder
+
+
+def test_make_record_and_check_record_accept_a_packed_folder(tmp_path, capsys):
+    folder = packed_folder(tmp_path)
+    sub = load_json(folder)
+    assert sub["code_packed"] is True
+    assert sub["code_source_sha256"] == hashlib.sha256(READABLE.encode()).hexdigest()
+    assert "packed form of `train_gpt_readable.py`" in (folder / "README.md").read_text()
+    rc, out = run_check(folder, capsys)
+    assert rc == 0 and out.startswith("OK: "), out
+    # A readable folder records no code fields (and a rerun after unpacking drops them).
+    (folder / "train_gpt.py").write_text(READABLE, encoding="utf-8")
+    assert make_record.main([str(folder)]) == 0
+    assert "code_packed" not in load_json(folder) and "code_source_sha256" not in load_json(folder)
+
+
+def test_check_record_refuses_a_source_hash_mismatch(tmp_path, capsys):
+    folder = packed_folder(tmp_path)
+    # Same program (minify drops the comment), different file: only the hash can tell.
+    (folder / "train_gpt_readable.py").write_text(READABLE + "# edited\n", encoding="utf-8")
+    rc, out = run_check(folder, capsys)
+    digest = hashlib.sha256((READABLE + "# edited\n").encode()).hexdigest()
+    assert rc == 1
+    assert out.splitlines() == [f"FAIL: {folder / 'submission.json'}: code_source_sha256"
+                                f" {hashlib.sha256(READABLE.encode()).hexdigest()} is not the sha256 of"
+                                f" train_gpt_readable.py ({digest})"]
+
+
+def test_check_record_refuses_a_missing_readable_source(tmp_path, capsys):
+    folder = packed_folder(tmp_path)
+    (folder / "train_gpt_readable.py").unlink()
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert out.splitlines() == [f"FAIL: {folder / 'train_gpt_readable.py'}: file is missing; a packed"
+                                " train_gpt.py must ship with the readable source it was packed from"]
+
+
+def test_check_record_refuses_a_payload_that_is_not_the_readable_source(tmp_path, capsys):
+    folder = packed_folder(tmp_path, ran=READABLE.replace("math.pi * n", "math.pi * n + 1"))
+    rc, out = run_check(folder, capsys)
+    assert rc == 1
+    assert out.splitlines() == [f"FAIL: {folder / 'train_gpt.py'}: its packed code is not"
+                                " minify(train_gpt_readable.py): it was not packed from that source (or by another"
+                                " version of scripts/pack_code.py)"]
+
+
+def test_check_record_refuses_tampered_wrappers_and_false_claims(tmp_path, capsys):
+    folder = packed_folder(tmp_path)
+    code = folder / "train_gpt.py"
+    code.write_text(code.read_text() + "print('more')\n", encoding="utf-8")
+    rc, out = run_check(folder, capsys)
+    assert rc == 1 and f"FAIL: {code}: starts like a packed file but is not the exact two-line wrapper" in out
+    code.write_text(READABLE, encoding="utf-8")  # readable code, but submission.json still says packed
+    rc, out = run_check(folder, capsys)
+    assert rc == 1 and f"field 'code_packed' is true but train_gpt.py is not a packed file" in out
+    data = load_json(folder)
+    data["code_source_sha256"] = "ABC"
+    (folder / "submission.json").write_text(json.dumps(data))
+    rc, out = run_check(folder, capsys)
+    assert "field 'code_source_sha256' must be 64 lowercase hex digits" in out
+
+
+# ------------------------------------------------------------------------------------------- run_seeds.sh
+
+FAKE_TORCHRUN = """#!/usr/bin/env bash
+echo "$@" > "args_$SEED.txt"
+script="${@: -1}"
+mkdir -p logs
+{ cat "$script"; echo "seed:$SEED"; echo "Code size: $(wc -c < "$script") bytes"; } > "logs/$RUN_ID.txt"
+"""
+
+
+@pytest.fixture
+def fake_repo(tmp_path):
+    if shutil.which("bash") is None:
+        pytest.skip("bash not available")
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("run_seeds.sh", "pack_code.py"):
+        shutil.copy(SCRIPTS / name, repo / "scripts" / name)
+    (repo / "train_gpt.py").write_text(READABLE, encoding="utf-8")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "torchrun"
+    fake.write_text(FAKE_TORCHRUN)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", NPROC_PER_NODE="1",
+               PYTHON=sys.executable)
+    return repo, env
+
+
+def run_seeds(repo: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(repo / "scripts" / "run_seeds.sh"), *args], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_run_seeds_pack_code_runs_and_ships_the_packed_file(fake_repo):
+    repo, env = fake_repo
+    folder = repo / "records" / "track_non_record_16mb" / "2025-11-21_P"
+    proc = run_seeds(repo, dict(env, PACK_CODE="1"), str(folder), "7")
+    assert proc.returncode == 0, proc.stderr
+    packed = (folder / "train_gpt.py").read_text(encoding="utf-8")
+    assert pc.unpack(packed) == pc.minify(READABLE)
+    assert (folder / "train_gpt_readable.py").read_text(encoding="utf-8") == READABLE
+    assert (repo / "args_7.txt").read_text().split()[-1] == str(folder / "train_gpt.py")
+    assert f"Code size: {len(packed.encode())} bytes" in (folder / "train_seed7.log").read_text()
+    assert sorted(p.name for p in folder.iterdir()) == ["train_gpt.py", "train_gpt_readable.py", "train_seed7.log"]
+    # Default: unchanged (the readable file is copied and run).
+    plain = repo / "plain"
+    assert run_seeds(repo, env, str(plain), "7").returncode == 0
+    assert (plain / "train_gpt.py").read_text() == READABLE and not (plain / "train_gpt_readable.py").exists()
+    assert (repo / "args_7.txt").read_text().split()[-1] == "train_gpt.py"
+
+
+def test_run_seeds_pack_code_failures(fake_repo):
+    repo, env = fake_repo
+    proc = run_seeds(repo, dict(env, PACK_CODE="yes"), str(repo / "out"), "7")
+    assert proc.returncode == 1 and "PACK_CODE must be 0 or 1, got 'yes'" in proc.stderr
+    (repo / "train_gpt.py").write_text("def f(:\n")
+    proc = run_seeds(repo, dict(env, PACK_CODE="1"), str(repo / "out"), "7")
+    assert proc.returncode == 1 and "could not pack train_gpt.py" in proc.stderr
+    assert "pack_code: error: train_gpt.py: does not parse" in proc.stderr
+    assert list((repo / "out").iterdir()) == [] and not (repo / "args_7.txt").exists()
+
+
+def test_scripts_parse_as_python310():
+    for name in ("pack_code.py", "check_record.py", "make_record.py", "recordlib.py"):
+        ast.parse((SCRIPTS / name).read_text(encoding="utf-8"), feature_version=(3, 10))
