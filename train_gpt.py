@@ -1728,7 +1728,9 @@ class HessianRecorder:
             return
         if self.last[0] is not x:  # c_q, c_k and c_v share one input: one product
             x2 = x.detach().reshape(-1, x.size(-1)).float()
-            self.last = (x, (x2.T @ x2).double())
+            # In fp32 even under bf16 autocast: a bf16-rounded X^T X is not positive definite.
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                self.last = (x, (x2.T @ x2).double())
         if name in self.sums:
             self.sums[name] += self.last[1]
         else:
@@ -1782,7 +1784,10 @@ def gptq_codes(w, hessian, s, q_max):
     H.diagonal().add_(0.01 * H.diagonal().mean())
     perm = torch.argsort(H.diagonal(), descending=True, stable=True)
     H = H[perm][:, perm]
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    L, info = torch.linalg.cholesky_ex(H)
+    if info.item() != 0:
+        raise RunError(f"GPTQ: a {tuple(H.shape)} Hessian is not positive definite after 1% damping")
+    U = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).float()
     W, s = W[:, perm], s.float().to(dev)
     Q = torch.empty_like(W)
     # Thousands of tiny ops: on a busy 2-core CPU one thread took 1.9 s for a 512x1536 matrix, two took 15 s.

@@ -596,6 +596,34 @@ def test_collect_hessians_equal_independent_x_transpose_x(recorder_setup):
     assert hess["blocks.0.mlp.proj.weight"].shape == (768, 768) and hess["tok_emb.weight"].shape == (256, 256)
 
 
+def test_hessians_are_fp32_products_under_bf16_autocast(recorder_setup):
+    """Calibration runs under the run's autocast; X^T X must still be an fp32 product of the (bf16) activations:
+    a bf16-rounded product is not positive definite on trained-like activations (a full-size CPU run's
+    Cholesky failed that way)."""
+    s = recorder_setup
+    h = hp(**SMALL_MODEL, AUTOCAST_DTYPE="bf16", GPTQ_CALIBRATION_BATCHES=1)
+    rt = tg.Runtime(h, CPU, False, True, None, torch.bfloat16, "bf16")
+    seen = []
+
+    class Capture(tg.HessianRecorder):
+        def add(self, x, w):
+            if self.names.get(w.data_ptr()) == "blocks.0.mlp.proj.weight":
+                seen.append(x.detach())
+            super().add(x, w)
+
+    model = s["model"]
+    rec = Capture(model)
+    tg._RECORDER[0] = rec
+    try:
+        with torch.no_grad(), rt.autocast():
+            model.forward_logits(s["batches"][0])
+    finally:
+        tg._RECORDER[0] = None
+    assert seen and seen[0].dtype == torch.bfloat16
+    x = seen[0].reshape(-1, seen[0].size(-1)).float()
+    assert torch.equal(rec.sums["blocks.0.mlp.proj.weight"], (x.T @ x).double())
+
+
 def test_recorder_leaves_the_forward_unchanged(recorder_setup):
     s = recorder_setup
     model, x = s["model"], s["batches"][0]
