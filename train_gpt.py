@@ -1708,18 +1708,14 @@ def rebank_state_dict(flat, n):
     return out
 
 
-MATRIX_PARTS = (".attn.c_q.weight", ".attn.c_k.weight", ".attn.c_v.weight", ".attn.proj.weight",
-                ".mlp.fc.weight", ".mlp.proj.weight")  # GPT.block_weights order
-
-
 class HessianRecorder:
-    """Sums X^T X (fp64) of the input of each bank matrix and of the tied head, found by the weight's storage."""
+    """Sums X^T X (fp64) of the input of every matrix that goes through `linear` (the bank slices and the tied
+    head, whose input is the final RMSNorm output), named as in the artifact: unbank_state_dict's views share
+    the parameters' storage, so a weight's data pointer names it."""
 
     def __init__(self, model):
-        self.names = {w.data_ptr(): f"blocks.{i}{part}"
-                      for i in range(model.num_layers) for part, w in zip(MATRIX_PARTS, model.block_weights(i))}
-        if model.lm_head is None:  # the tied embedding's input: the final RMSNorm output
-            self.names[model.tok_emb.weight.data_ptr()] = "tok_emb.weight"
+        flat = unbank_state_dict(model.state_dict(), model.num_layers)
+        self.names = {t.data_ptr(): name for name, t in flat.items() if t.ndim == 2}
         self.sums, self.last = {}, (None, None)
 
     def add(self, x, w):
@@ -2302,6 +2298,11 @@ def evaluate_artifact(rt, model, val_tokens, luts):
         timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts))
 
 
+def code_bytes():
+    """Bytes of the file that runs: a packed file counts its own."""
+    return len(Path(__file__).read_bytes())
+
+
 def write_outputs(rt, model, late_qat, hessians):
     """Rank 0 writes the raw state dict and the int6 artifact, and logs the byte accounting."""
     if not rt.is_main:
@@ -2310,7 +2311,7 @@ def write_outputs(rt, model, late_qat, hessians):
     torch.save(model.state_dict(), buf)
     write_atomically("final_model.pt", buf.getvalue())
     rt.log(f"Serialized model: {os.path.getsize('final_model.pt')} bytes")
-    code = len(Path(__file__).read_bytes())  # of the file that runs: a packed file counts its own bytes
+    code = code_bytes()
     size = save_artifact("final_model.int6.ptz", model, late_qat, rt.h, hessians, code, rt.log)
     for line in size_report(size, code, rt.h.compressor):
         rt.log(line)
@@ -2346,9 +2347,8 @@ def run(rt):
         evaluate_artifact(rt, model, val_tokens, luts)
         return
 
-    code = len(Path(__file__).read_bytes())
-    if h.target_bytes and h.target_bytes <= code:
-        raise ConfigError(f"TARGET_BYTES={h.target_bytes} leaves no room beside this script's {code} bytes")
+    if h.target_bytes and h.target_bytes <= code_bytes():
+        raise ConfigError(f"TARGET_BYTES={h.target_bytes} leaves no room beside this script's {code_bytes()} bytes")
     stage("checking the training shards")
     for f in list_shards(h.train_files):
         read_shard_header(f)

@@ -39,6 +39,23 @@ def sample_data(tmp_path_factory) -> dict[str, str]:
             "TOKENIZER_PATH": str(out / "tokenizers" / "sample_1024_bpe.model")}
 
 
+def short_val_data(sample_data: dict[str, str], out: Path, val_tokens: int) -> dict[str, str]:
+    """DATA_PATH in `out`: the sample train shards (linked) and one val shard of the first `val_tokens` tokens,
+    so the end-of-run evaluations stay short."""
+    import numpy as np
+
+    import train_gpt as tg
+
+    src = Path(sample_data["DATA_PATH"])
+    for f in sorted(src.glob("fineweb_train_*.bin")):
+        (out / f.name).symlink_to(f)
+    val = np.concatenate([tg.load_shard(f) for f in sorted(src.glob("fineweb_val_*.bin"))])[:val_tokens]
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (tg.SHARD_MAGIC, tg.SHARD_VERSION, val.size)
+    (out / "fineweb_val_000000.bin").write_bytes(header.tobytes() + val.astype("<u2").tobytes())
+    return {"DATA_PATH": str(out), "TOKENIZER_PATH": sample_data["TOKENIZER_PATH"]}
+
+
 def clean_environ() -> dict[str, str]:
     """os.environ without torchrun's variables (a test decides world size itself)."""
     return {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as tg
-from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, run_training
+from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, run_training, short_val_data
 
 CPU = torch.device("cpu")
 SPACE = "\u2581"
@@ -614,15 +614,7 @@ def _exact_line(log: str, label: str) -> str:
 @pytest.fixture(scope="module")
 def small_data(sample_data, tmp_path_factory) -> dict[str, str]:
     """DATA_PATH with the sample train shards and a val shard cut to 4 TTT chunks of 2048 (+1) tokens."""
-    out = tmp_path_factory.mktemp("small_data")
-    src = Path(sample_data["DATA_PATH"])
-    for f in sorted(src.glob("fineweb_train_*.bin")):
-        (out / f.name).symlink_to(f)
-    val = np.concatenate([tg.load_shard(f) for f in sorted(src.glob("fineweb_val_*.bin"))])[:SMALL_VAL_TOKENS]
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = (tg.SHARD_MAGIC, tg.SHARD_VERSION, val.size)
-    (out / "fineweb_val_000000.bin").write_bytes(header.tobytes() + val.astype("<u2").tobytes())
-    return {"DATA_PATH": str(out), "TOKENIZER_PATH": sample_data["TOKENIZER_PATH"]}
+    return short_val_data(sample_data, tmp_path_factory.mktemp("small_data"), SMALL_VAL_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import REPO, TINY_ENV, clean_environ, read_log, run_training
+from conftest import REPO, TINY_ENV, clean_environ, read_log, run_training, short_val_data
 from data.shards import read_shard
 
 CPU = torch.device("cpu")
@@ -748,12 +748,7 @@ def test_bad_setting_stops_the_script_with_one_line(tmp_path, sample_data):
 @pytest.fixture(scope="module")
 def small_data(sample_data, tmp_path_factory) -> dict[str, str]:
     """The sample set with a 1024-token validation shard, so the end-of-run evaluations stay short."""
-    out = tmp_path_factory.mktemp("small")
-    src = Path(sample_data["DATA_PATH"])
-    for f in sorted(src.glob("fineweb_train_*.bin")):
-        os.symlink(f, out / f.name)
-    write_shard(out / "fineweb_val_000000.bin", read_shard(src / "fineweb_val_000000.bin")[:8 * 128 + 1])
-    return {"DATA_PATH": str(out), "TOKENIZER_PATH": sample_data["TOKENIZER_PATH"]}
+    return short_val_data(sample_data, tmp_path_factory.mktemp("small"), 8 * 128 + 1)
 
 
 def tiny_run_env(small_data, run_id, **over) -> dict[str, str]:

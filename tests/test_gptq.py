@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as tg
-from conftest import TINY_ENV, read_log, run_training
+from conftest import TINY_ENV, read_log, run_training, short_val_data
 
 CPU = torch.device("cpu")
 XZ_MAGIC = b"\xfd7zXZ\x00"
@@ -563,7 +563,9 @@ def test_collect_hessians_equal_independent_x_transpose_x(recorder_setup):
             hk.remove()
     assert loader.calls == 2
     assert tg._RECORDER[0] is None and model.training
-    assert set(hess) == {f"blocks.{i}{part}" for i in range(n) for part in tg.MATRIX_PARTS} | {"tok_emb.weight"}
+    parts = (".attn.c_q.weight", ".attn.c_k.weight", ".attn.c_v.weight", ".attn.proj.weight", ".mlp.fc.weight",
+             ".mlp.proj.weight")
+    assert set(hess) == {f"blocks.{i}{part}" for i in range(n) for part in parts} | {"tok_emb.weight"}
 
     def gram(xs):
         x = torch.cat([t.detach().reshape(-1, t.size(-1)).double() for t in xs])
@@ -663,15 +665,7 @@ GPTQ_ENV = {**TINY_ENV, **SMALL_MODEL, "ITERATIONS": "2", "WARMUP_STEPS": "0", "
 @pytest.fixture(scope="module")
 def gptq_data(sample_data, tmp_path_factory) -> dict[str, str]:
     """The sample train shards with a val shard cut to 8,192 targets (fast evaluations)."""
-    out = tmp_path_factory.mktemp("gptq_data")
-    src = Path(sample_data["DATA_PATH"])
-    for f in sorted(src.glob("fineweb_train_*.bin")):
-        (out / f.name).symlink_to(f)
-    val = np.concatenate([tg.load_shard(f) for f in sorted(src.glob("fineweb_val_*.bin"))])[:VAL_TOKENS]
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = (tg.SHARD_MAGIC, tg.SHARD_VERSION, val.size)
-    (out / "fineweb_val_000000.bin").write_bytes(header.tobytes() + val.astype("<u2").tobytes())
-    return {"DATA_PATH": str(out), "TOKENIZER_PATH": sample_data["TOKENIZER_PATH"]}
+    return short_val_data(sample_data, tmp_path_factory.mktemp("gptq_data"), VAL_TOKENS)
 
 
 def one_int(pattern, log):
