@@ -55,6 +55,23 @@ def first_line(e):
     return (str(e).strip().splitlines() or [""])[0]
 
 
+# PRESET: named sets of settings. A variable set explicitly in the environment wins over its preset value.
+PRESETS = {
+    "record_0323": {},  # the defaults: the 2026-03-23 record (SPEC.md)
+    "record_0409": {  # the 2026-04-09 record's logged values (SPEC-FRONTIER 2, 4-7, 9, 10)
+        "DATA_PATH": "./data/datasets/fineweb10B_sp8192", "TOKENIZER_PATH": "./data/tokenizers/fineweb_8192_bpe.model",
+        "VOCAB_SIZE": "8192", "TRAIN_LOADER": "shuffled", "WARMDOWN_ITERS": "0", "WARMDOWN_FRAC": "0.72",
+        "MLP_MULT": "4", "XSA_LAST_N": "11", "QK_GAIN_INIT": "5.25", "BIGRAM_VOCAB_SIZE": "0", "VE_ENABLED": "0",
+        "SMEAR_GATE": "0", "NUM_LOOPS": "2", "LOOP_START": "3", "LOOP_END": "5", "ENABLE_LOOPING_AT": "0.35",
+        "PARALLEL_RESIDUAL_START": "7", "SKIP_GATES": "1",
+        "MATRIX_LR": "0.022", "SCALAR_LR": "0.02", "TIED_EMBED_LR": "0.03", "MUON_ROW_NORMALIZE": "1",
+        "MUON_WD": "0.095", "EMBED_WD": "0.085", "ADAM_WD": "0.02", "EMA_DECAY": "0.9965", "LATE_QAT_THRESHOLD": "0",
+        "QUANT": "gptq", "GPTQ_RESERVE_SECONDS": "12", "GPTQ_CALIBRATION_BATCHES": "64",
+        "MATRIX_CLIP_SIGMAS": "12.85", "EMBED_CLIP_SIGMAS": "20", "COMPRESSOR": "brotli", "TTT_LR": "0.005",
+    },
+}
+
+
 class Hyperparameters:
     """Every setting of a run. Reads the environment when constructed and validates it, before any work.
 
@@ -65,11 +82,17 @@ class Hyperparameters:
     def __init__(self, environ=None):
         self._environ = os.environ if environ is None else environ
         self.settings: list[tuple[str, str]] = []  # (name, default) of every variable read, for --help
+        self.effective: dict[str, tuple[object, str]] = {}  # name -> (value, "env" | "preset" | "default")
+        self._preset = {}
+        self.preset = self._env("PRESET", "record_0323", str)
+        if self.preset not in PRESETS:
+            raise ConfigError(f"PRESET={self.preset!r} must be {' or '.join(PRESETS)}")
+        self._preset = PRESETS[self.preset]
         # ---- run and data
         self.data_path = self._env("DATA_PATH", "./data/datasets/fineweb10B_sp1024", str)
         self.tokenizer_path = self._env("TOKENIZER_PATH", "./data/tokenizers/fineweb_1024_bpe.model", str)
         self.run_id = self._env("RUN_ID", "", str)
-        self.run_id = self.run_id or str(uuid.uuid4())
+        self.run_id = self.run_id or self._resolved("RUN_ID", str(uuid.uuid4()))
         self.seed = self._env("SEED", 1337)
         self.device = self._env("DEVICE", "", str)
         self.compile = self._env("COMPILE", None, bool)
@@ -78,6 +101,8 @@ class Hyperparameters:
         # ---- schedule
         self.iterations = self._env("ITERATIONS", 9000)
         self.warmdown_iters = self._env("WARMDOWN_ITERS", 3500)
+        self.warmdown_frac = self._env("WARMDOWN_FRAC", 0.0, float)
+        self.min_lr = self._env("MIN_LR", 0.0, float)
         self.warmup_steps = self._env("WARMUP_STEPS", 20)
         self.train_batch_tokens = self._env("TRAIN_BATCH_TOKENS", 786432)
         self.train_seq_len = self._env("TRAIN_SEQ_LEN", 2048)
@@ -107,6 +132,13 @@ class Hyperparameters:
         self.ve_enabled = self._env("VE_ENABLED", True, bool)
         self.ve_dim = self._env("VE_DIM", 128)
         self.ve_layers = self._env_int_list("VE_LAYERS", "9,10")
+        self.smear_gate = self._env("SMEAR_GATE", True, bool)
+        self.skip_gates = self._env("SKIP_GATES", False, bool)
+        self.parallel_residual_start = self._env("PARALLEL_RESIDUAL_START", -1)
+        self.num_loops = self._env("NUM_LOOPS", 0)
+        self.loop_start = self._env("LOOP_START", 3)
+        self.loop_end = self._env("LOOP_END", 5)
+        self.enable_looping_at = self._env("ENABLE_LOOPING_AT", 0.0, float)
         # ---- optimisers
         self.embed_lr = self._env("EMBED_LR", 0.6, float)
         self.head_lr = self._env("HEAD_LR", 0.008, float)
@@ -115,10 +147,14 @@ class Hyperparameters:
         self.scalar_lr = self._env("SCALAR_LR", 0.025, float)
         self.muon_momentum = self._env("MUON_MOMENTUM", 0.99, float)
         self.muon_backend_steps = self._env("MUON_BACKEND_STEPS", 5)
+        self.muon_ns_coeffs = self._env("MUON_NS_COEFFS", "fixed", str)
+        self.muon_row_normalize = self._env("MUON_ROW_NORMALIZE", False, bool)
         self.muon_momentum_warmup_start = self._env("MUON_MOMENTUM_WARMUP_START", 0.92, float)
         self.muon_momentum_warmup_steps = self._env("MUON_MOMENTUM_WARMUP_STEPS", 1500)
         self.muon_wd = self._env("MUON_WD", 0.04, float)
         self.adam_wd = self._env("ADAM_WD", 0.04, float)
+        self.embed_wd = self._env("EMBED_WD", None, float)  # auto: ADAM_WD, as the record
+        self.embed_wd = self._resolved("EMBED_WD", self.adam_wd) if self.embed_wd is None else self.embed_wd
         self.beta1 = self._env("BETA1", 0.9, float)
         self.beta2 = self._env("BETA2", 0.95, float)
         self.adam_eps = self._env("ADAM_EPS", 1e-8, float)
@@ -177,11 +213,23 @@ class Hyperparameters:
         self._validate()
 
     def _env(self, name, default, kind=int):
-        """Read one environment variable as `kind` (int, float, str or bool '0'/'1'); floats must be finite."""
+        """Read one environment variable as `kind` (int, float, str or bool '0'/'1'); floats must be finite.
+        Unset (or empty) falls back to the PRESET's value, then to `default`."""
         self.settings.append((name, {None: "auto", "": "-", True: "1", False: "0"}.get(default, str(default))))
-        raw = self._environ.get(name, "").strip()
-        if raw == "":
-            return default
+        raw, source = self._environ.get(name, "").strip(), "env"
+        if raw == "" and name in self._preset:
+            raw, source = self._preset[name], "preset"
+        value = default if raw == "" else self._parse(name, raw, kind)
+        self.effective[name] = (value, source if raw else "default")
+        return value
+
+    def _resolved(self, name, value):
+        """An 'auto' default made concrete, recorded so that the settings dump shows it."""
+        self.effective[name] = (value, self.effective[name][1])
+        return value
+
+    @staticmethod
+    def _parse(name, raw, kind):
         if kind is bool:
             if raw not in ("0", "1"):
                 raise ConfigError(f"{name}={raw!r} must be 0 or 1")
@@ -195,6 +243,12 @@ class Hyperparameters:
         if not math.isfinite(value):
             raise ConfigError(f"{name}={raw!r} must be a finite number")
         return value
+
+    def dump(self):
+        """The effective value and source of every setting, one per line: a log alone says what ran."""
+        shown = {True: "1", False: "0", None: "auto", "": "-"}
+        return [f"setting {name}={shown.get(v, v) if isinstance(v, (bool, str, type(None))) else v} [{src}]"
+                for name, (v, src) in self.effective.items()]
 
     def _env_int_list(self, name, default):
         raw = self._env(name, default, str)
@@ -252,21 +306,21 @@ class Hyperparameters:
                  "RANK LOCAL_RANK OMP_NUM_THREADS VAL_PROGRESS_LOG_EVERY MAX_WALLCLOCK_SECONDS EMBED_LR HEAD_LR "
                  "TIED_EMBED_LR MATRIX_LR SCALAR_LR MUON_WD ADAM_WD GRAD_CLIP_NORM TTT_LR TTT_GRAD_CLIP ADAM_EPS "
                  "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD GPTQ_RESERVE_SECONDS MATRIX_CLIP_SIGMAS EMBED_CLIP_SIGMAS "
-                 "TARGET_BYTES", lambda v: v >= 0, ">= 0"),
+                 "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD", lambda v: v >= 0, ">= 0"),
                 ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
                  "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
                  "TTT_CHUNK_TOKENS TTT_BATCH_SEQS WORLD_SIZE LOCAL_WORLD_SIZE DIST_TIMEOUT_SECONDS MLP_MULT "
                  "LOGIT_SOFTCAP QK_GAIN_INIT TRAIN_PREFETCH_QUEUE TRAINING_TIMING_EVERY GPTQ_CALIBRATION_BATCHES",
                  lambda v: v > 0, "> 0"),
-                ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM", lambda v: 0 <= v < 1,
-                 "in [0, 1)")):
+                ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM ENABLE_LOOPING_AT "
+                 "WARMDOWN_FRAC MIN_LR", lambda v: 0 <= v < 1, "in [0, 1)")):
             for name in names.split():
                 v = getattr(self, self._attr(name))
                 need(ok(v), f"{name}={v} must be {rule}")
         for name, choices in (("DEVICE", ("", "cpu", "cuda")), ("TRAIN_LOADER", ("stream", "shuffled")),
                               ("VAL_BYTECOUNT_DEVICE", ("cpu", "cuda")), ("AUTOCAST_DTYPE", ("auto", "bf16", "fp32")),
                               ("QUANT", ("gptq_lite", "gptq")), ("COMPRESSOR", ("lzma", "brotli")),
-                              ("EMBED_BITS", (8, 7))):
+                              ("EMBED_BITS", (8, 7)), ("MUON_NS_COEFFS", tuple(NS_COEFFICIENTS))):
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
         need(self.compressor != "brotli" or importlib.util.find_spec("brotli") is not None,
@@ -292,6 +346,11 @@ class Hyperparameters:
              f"ROPE_DIMS={self.rope_dims}: NTK scaling beyond 1024 tokens needs >= 4 rotated dims")
         need(self.mlp_hidden > 0, f"MLP_MULT={self.mlp_mult} gives an empty MLP")
         need(self.xsa_last_n <= self.num_layers, f"XSA_LAST_N={self.xsa_last_n} exceeds NUM_LAYERS={self.num_layers}")
+        if self.num_loops > 0:
+            need(self.loop_start <= self.loop_end < self.num_layers, f"LOOP_START={self.loop_start} and "
+                 f"LOOP_END={self.loop_end} must satisfy LOOP_START <= LOOP_END < NUM_LAYERS={self.num_layers}")
+        need(-1 <= self.parallel_residual_start < self.num_layers, f"PARALLEL_RESIDUAL_START="
+             f"{self.parallel_residual_start} must be a layer index < NUM_LAYERS={self.num_layers}, or -1 (off)")
         need(self.bigram_vocab_size != 1, "BIGRAM_VOCAB_SIZE=1 leaves no hash bucket (use 0 to disable, or >= 2)")
         need(self.ttt_freeze_blocks <= self.num_layers,
              f"TTT_FREEZE_BLOCKS={self.ttt_freeze_blocks} exceeds NUM_LAYERS={self.num_layers}")
@@ -906,13 +965,39 @@ class Block(nn.Module):
         self.resid_mix = nn.Parameter(torch.stack((torch.ones(d), torch.zeros(d))).float())
         self.ln_scale = 1.0 / math.sqrt(layer_idx + 1) if h.ln_scale else 1.0
 
-    def forward(self, x, x0, w, v_embed, rope):
-        up_w, down_w = w[4:]
+    def mix_in(self, x, x0):
         mix = self.resid_mix.to(x.dtype)
-        x = mix[0] * x + mix[1] * x0
+        return mix[0] * x + mix[1] * x0
+
+    def mlp(self, x, up_w, down_w):
+        return linear(F.leaky_relu(linear(x, up_w), 0.5).square(), down_w)
+
+    def forward(self, x, x0, w, v_embed, rope):
+        x = self.mix_in(x, x0)
         x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x) * self.ln_scale, w[:4], v_embed, rope)
-        hidden = F.leaky_relu(linear(rms_norm(x) * self.ln_scale, up_w), 0.5)
-        return x + self.mlp_scale.to(x.dtype) * linear(hidden.square(), down_w)
+        return x + self.mlp_scale.to(x.dtype) * self.mlp(rms_norm(x) * self.ln_scale, *w[4:])
+
+
+class ParallelBlock(Block):
+    """GPT-J parallel residual (SPEC-FRONTIER 5; the 04-09 record from PARALLEL_RESIDUAL_START=7): attention and
+    MLP read the same normalised input and both add to it, x + a*Attn(n) + b*MLP(n). Same parameters as Block."""
+
+    def forward(self, x, x0, w, v_embed, rope):
+        x = self.mix_in(x, x0)
+        n = rms_norm(x) * self.ln_scale
+        attn = self.attn(n, w[:4], v_embed, rope)
+        return x + self.attn_scale.to(x.dtype) * attn + self.mlp_scale.to(x.dtype) * self.mlp(n, *w[4:])
+
+
+def virtual_layers(num_layers, num_loops=0, loop_start=0, loop_end=-1):
+    """Depth recurrence (SPEC-FRONTIER 4): the physical layer indices in the order they run, split into the
+    U-Net's encoder (first half, rounded down) and decoder. With num_loops > 0 the span loop_start..loop_end
+    runs num_loops + 1 times in a row, e.g. 11 layers, (2, 3, 5) -> [0,1,2,3,4,5,3,4] + [5,3,4,5,6,7,8,9,10]."""
+    order = list(range(num_layers))
+    if num_loops > 0:
+        order = order[:loop_start] + order[loop_start:loop_end + 1] * (num_loops + 1) + order[loop_end + 1:]
+    half = len(order) // 2
+    return order[:half], order[half:]
 
 
 class BigramHash(nn.Module):
@@ -967,21 +1052,28 @@ class ValueEmbedding(nn.Module):
 
 
 class GPT(nn.Module):
-    """U-Net of blocks whose matrices live in four banks (one Muon-optimised tensor per kind)."""
+    """U-Net of blocks whose matrices live in four banks (one Muon-optimised tensor per kind). With NUM_LOOPS > 0
+    some layers run more than once once `looping` is switched on (virtual_layers); the skip rows are sized for
+    the looped order, and the plain order uses the first of them."""
 
     def __init__(self, h):
         super().__init__()
         n, d, kv = h.num_layers, h.model_dim, h.num_kv_heads * h.head_dim
-        self.num_layers, self.num_encoder, self.logit_softcap = n, n // 2, h.logit_softcap
+        self.num_layers, self.logit_softcap = n, h.logit_softcap
+        self.orders = {False: virtual_layers(n), True: virtual_layers(n, h.num_loops, h.loop_start, h.loop_end)}
+        self.looping = False  # switched on during training (ENABLE_LOOPING_AT); a compiled graph per value
         self.tok_emb = CastedEmbedding(h.vocab_size, d)
         self.bigram = BigramHash(h.bigram_vocab_size, h.bigram_dim, d) if h.bigram_vocab_size > 0 else None
-        self.smear = SmearGate(d)
-        self.skip_weights = nn.Parameter(torch.ones(min(self.num_encoder, n - self.num_encoder), d))
+        self.smear = SmearGate(d) if h.smear_gate else None
+        num_skips = min(len(half) for half in self.orders[h.num_loops > 0])
+        self.skip_weights = nn.Parameter(torch.ones(num_skips, d))
+        self.skip_gates = nn.Parameter(torch.zeros(num_skips, d)) if h.skip_gates else None
         self.qo_bank = nn.Parameter(torch.empty(2 * n, d, d))
         self.kv_bank = nn.Parameter(torch.empty(2 * n, kv, d))
         self.mlp_up_bank = nn.Parameter(torch.empty(n, h.mlp_hidden, d))
         self.mlp_down_bank = nn.Parameter(torch.empty(n, d, h.mlp_hidden))
-        self.blocks = nn.ModuleList([Block(h, i) for i in range(n)])
+        parallel = range(max(h.parallel_residual_start, 0), n) if h.parallel_residual_start >= 0 else ()
+        self.blocks = nn.ModuleList([(ParallelBlock if i in parallel else Block)(h, i) for i in range(n)])
         self.rope_dims, self.rope_base = h.rope_dims or h.head_dim, h.rope_base
         self.ve_layers = list(h.ve_layers) if h.ve_enabled else []
         self.ve_shared = ValueEmbedding(h.vocab_size, h.ve_dim, kv) if self.ve_layers else None
@@ -1031,20 +1123,34 @@ class GPT(nn.Module):
         x = self.tok_emb(ids)
         if self.bigram is not None:
             x = x + self.bigram(ids)
-        x0 = x = self.smear(rms_norm(x))
+        x0 = x = rms_norm(x) if self.smear is None else self.smear(rms_norm(x))
         ve = self.ve_shared(ids) if self.ve_shared is not None else None
         rope = rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device)
+        encoder, decoder = self.orders[self.looping]
         skips = []
-        for i, block in enumerate(self.blocks):
-            if i >= self.num_encoder and skips:
-                x = x + self.skip_weights[i - self.num_encoder].to(x.dtype) * skips.pop()
-            v_embed = ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype) if i in self.ve_layers else None
-            x = block(x, x0, self.block_weights(i), v_embed, rope)
-            if i < self.num_encoder:
-                skips.append(x)
+        for i in encoder:
+            x = self._block(i, x, x0, ve, rope)
+            skips.append(x)
+        for j, i in enumerate(decoder):
+            if j < len(self.skip_weights) and skips:
+                x = self._merge_skip(j, x, skips.pop())
+            x = self._block(i, x, x0, ve, rope)
         x = rms_norm(x)
         logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.tok_emb.weight)
         return self.logit_softcap * torch.tanh(logits / self.logit_softcap)
+
+    def _block(self, i, x, x0, ve, rope):
+        v_embed = ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype) if i in self.ve_layers else None
+        return self.blocks[i](x, x0, self.block_weights(i), v_embed, rope)
+
+    def _merge_skip(self, j, x, skip):
+        """U-Net skip j: x + w*skip, or with SKIP_GATES the sigmoid-gated lerp s*x + (1-s)*(w*skip), s = sigmoid(g)
+        (SPEC-FRONTIER 6; g = 0 at init, an even mix)."""
+        scaled = self.skip_weights[j].to(x.dtype) * skip
+        if self.skip_gates is None:
+            return x + scaled
+        s = torch.sigmoid(self.skip_gates[j].to(x.dtype))
+        return s * x + (1 - s) * scaled
 
     def forward(self, ids, targets):
         logits = self.forward_logits(ids)
@@ -1083,18 +1189,41 @@ def build_model(h):
 # OPTIMISER
 # ==================================================
 
-def zeropower_via_newtonschulz5(g, steps=5, eps=1e-7, dtype=torch.bfloat16):
+NS_COEFFICIENTS = {  # (a, b, c) of Newton-Schulz iterations 1, 2, ...; the last repeats
+    "fixed": ((3.4445, -4.7750, 2.0315),),  # the record's quintic
+    # Polar Express (SPEC-FRONTIER 9; 04-23 record): one triple per iteration, at most these 5 iterations
+    "polar_express": ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                      (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                      (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                      (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                      (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)),
+}
+
+
+def ns_schedule(kind, steps):
+    """The (a, b, c) of each iteration: "fixed" repeats one triple `steps` times; "polar_express" is capped at 5."""
+    table = NS_COEFFICIENTS[kind]
+    return [table[0]] * steps if len(table) == 1 else list(table[:steps])
+
+
+def zeropower_via_newtonschulz5(g, steps=5, eps=1e-7, dtype=torch.bfloat16, coeffs="fixed"):
     """Orthogonalise each trailing matrix of g (quintic Newton-Schulz in bf16 as the record; fp32 runs: fp32)."""
-    a, b, c = 3.4445, -4.7750, 2.0315
     x = g.to(dtype)
     transposed = x.size(-2) > x.size(-1)
     if transposed:
         x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
-    for _ in range(steps):
+    for a, b, c in ns_schedule(coeffs, steps):
         m = x @ x.mT
         x = a * x + (b * m + c * (m @ m)) @ x
     return x.mT if transposed else x
+
+
+def normalize_rows(u, eps=1e-7):
+    """MuonEq-R (SPEC-FRONTIER 9; 04-03 record): each row of each matrix divided by max(its L2 norm, eps), before
+    Newton-Schulz. Norms in fp32."""
+    u32 = u.float()
+    return (u32 / u32.norm(dim=-1, keepdim=True).clamp_min(eps)).to(u.dtype)
 
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -1106,8 +1235,10 @@ class Muon(torch.optim.Optimizer):
     reduce-scatters after backward; `step()` then, bank by bank, runs momentum + Newton-Schulz on this
     rank's shard, starts its all-gather and applies the previous bank's update."""
 
-    def __init__(self, params, lr, momentum, backend_steps, weight_decay, ns_dtype=torch.bfloat16):
-        super().__init__(params, dict(lr=lr, momentum=momentum, backend_steps=backend_steps, weight_decay=weight_decay))
+    def __init__(self, params, lr, momentum, backend_steps, weight_decay, ns_dtype=torch.bfloat16,
+                 ns_coeffs="fixed", row_normalize=False):
+        super().__init__(params, dict(lr=lr, momentum=momentum, backend_steps=backend_steps, weight_decay=weight_decay,
+                                      ns_coeffs=ns_coeffs, row_normalize=row_normalize))
         self._meta = self._pending = None
         self.ns_dtype = ns_dtype
 
@@ -1162,7 +1293,11 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(g)
             mom = group["momentum"]
             buf = state["momentum_buffer"].mul_(mom).add_(g)
-            update = zeropower_via_newtonschulz5(g.add(buf, alpha=mom), group["backend_steps"], dtype=self.ns_dtype)
+            u = g.add(buf, alpha=mom)
+            if group["row_normalize"]:
+                u = normalize_rows(u)
+            update = zeropower_via_newtonschulz5(u, group["backend_steps"], dtype=self.ns_dtype,
+                                                 coeffs=group["ns_coeffs"])
             if not distributed:
                 self._apply(m, update)
                 continue
@@ -1193,15 +1328,16 @@ def build_optimizers(h, model, ns_dtype=torch.bfloat16):
             scalar.append(p)
     fused = next(model.parameters()).is_cuda
 
-    def adam(params, lr):
+    def adam(params, lr, wd=h.adam_wd):
         return torch.optim.AdamW([dict(params=params, lr=lr, base_lr=lr)], betas=(h.beta1, h.beta2),
-                                 eps=h.adam_eps, weight_decay=h.adam_wd, fused=fused)
+                                 eps=h.adam_eps, weight_decay=wd, fused=fused)
 
-    adams = [adam(embed, h.tied_embed_lr if h.tie_embeddings else h.embed_lr), adam(scalar, h.scalar_lr)]
+    adams = [adam(embed, h.tied_embed_lr if h.tie_embeddings else h.embed_lr, h.embed_wd), adam(scalar, h.scalar_lr)]
     if head:
         adams.append(adam(head, h.head_lr))
     muon = Muon(banks, lr=h.matrix_lr, momentum=h.muon_momentum, backend_steps=h.muon_backend_steps,
-                weight_decay=h.muon_wd, ns_dtype=ns_dtype)
+                weight_decay=h.muon_wd, ns_dtype=ns_dtype, ns_coeffs=h.muon_ns_coeffs,
+                row_normalize=h.muon_row_normalize)
     for g in muon.param_groups:
         g["base_lr"] = h.matrix_lr
     return muon, adams
@@ -1361,16 +1497,29 @@ def log_environment(rt):
     rt.log("=" * 100, console=False)
 
 
+def training_fraction(h, step, elapsed_ms):
+    """How far training is: elapsed / the loop's cap (net of the GPTQ reserve), or step / ITERATIONS without a cap."""
+    if h.max_wallclock_ms is None:
+        return step / max(h.iterations, 1)
+    return elapsed_ms / max(h.max_wallclock_ms, 1e-9)
+
+
 def lr_multiplier(h, step, elapsed_ms):
-    """1 until warmdown, then linear to 0: by step without a wallclock cap, by time with one."""
+    """1 until warmdown, then linear to 0 (floored at MIN_LR). WARMDOWN_ITERS (the record): by step without a
+    wallclock cap, by time with one. WARMDOWN_FRAC (SPEC-FRONTIER 10): the last fraction of training_fraction."""
+    if h.warmdown_frac > 0:
+        left = 1.0 - training_fraction(h, step, elapsed_ms)
+        return 1.0 if left > h.warmdown_frac else max(left / h.warmdown_frac, h.min_lr)
     if h.warmdown_iters <= 0:
         return 1.0
     if h.max_wallclock_ms is None:
         start = max(h.iterations - h.warmdown_iters, 0)
-        return max((h.iterations - step) / h.warmdown_iters, 0.0) if start <= step < h.iterations else 1.0
-    warmdown_ms = h.warmdown_iters * (elapsed_ms / max(step, 1))
-    remaining = max(h.max_wallclock_ms - elapsed_ms, 0.0)
-    return remaining / max(warmdown_ms, 1e-9) if remaining <= warmdown_ms else 1.0
+        m = max((h.iterations - step) / h.warmdown_iters, 0.0) if start <= step < h.iterations else 1.0
+    else:
+        warmdown_ms = h.warmdown_iters * (elapsed_ms / max(step, 1))
+        remaining = max(h.max_wallclock_ms - elapsed_ms, 0.0)
+        m = remaining / max(warmdown_ms, 1e-9) if remaining <= warmdown_ms else 1.0
+    return max(m, h.min_lr)
 
 
 def muon_momentum_at(h, step):
@@ -1486,14 +1635,19 @@ def make_train_loader(rt):
 
 
 def warmup_and_restore(rt, trainer):
-    """WARMUP_STEPS real steps (compile, kernels), then restore the initial state; returns a fresh loader."""
+    """WARMUP_STEPS real steps (compile, kernels) in every layer order the run will use (with NUM_LOOPS > 0 both,
+    so that both compiled graphs exist before the timer), then restore the initial state; returns a fresh loader."""
     h, model = rt.h, trainer.model
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt_states = [copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers]
     loader = make_train_loader(rt)
-    for i in range(h.warmup_steps):
-        trainer.step(loader, 1.0, muon_momentum_at(h, 0))
-        rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}")
+    start = model.looping
+    for looping in sorted({start, h.num_loops > 0}):
+        model.looping = looping
+        for i in range(h.warmup_steps):
+            trainer.step(loader, 1.0, muon_momentum_at(h, 0))
+            rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}" + (" looping:1" if looping else ""))
+    model.looping = start
     loader.shutdown()  # first: its thread must not advance the stream during the rewind
     model.load_state_dict(weights, strict=True)
     for opt, state in zip(trainer.optimizers, opt_states):
@@ -1579,9 +1733,14 @@ def train(rt, model, val_tokens, luts):
     h = rt.h
     trainer = Trainer(rt, model)
     model.set_qat(h.qat_enabled)
+    model.looping = h.num_loops > 0 and h.enable_looping_at == 0
     loader = warmup_and_restore(rt, trainer) if h.warmup_steps > 0 else make_train_loader(rt)
     try:
         qat_on, train_ms = _train_loop(rt, trainer, loader, val_tokens, luts)
+        if h.num_loops > 0 and not model.looping:
+            model.looping = True
+            rt.log(f"layer_loop:enabled after training (ENABLE_LOOPING_AT={h.enable_looping_at:g} not reached): "
+                   "Hessians and evaluation run looped")
         if h.quant != "gptq":
             return qat_on, None
         stage("collecting GPTQ Hessians")
@@ -1605,6 +1764,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts):
     profiler = StepProfiler(rt)
     cap_ms = h.max_wallclock_ms
     train_ms, stop_after, step = 0.0, None, 0
+    elapsed_ms, loop_due = 0.0, False  # agreed by all ranks after each step
     qat_on = h.qat_enabled
     trainer.data_wait_ms = 0.0
     wait_total, wait_max, wait_since_log, steps_since_log = 0.0, 0.0, 0.0, 0
@@ -1625,7 +1785,12 @@ def _train_loop(rt, trainer, loader, val_tokens, luts):
             if stop_after is not None and step < h.iterations:
                 rt.log(f"stopping_early: wallclock_cap train_time:{train_ms:.0f}ms step:{step}/{h.iterations}")
             break
-        scale = lr_multiplier(h, step, train_ms + 1000.0 * (time.perf_counter() - t0))
+        if loop_due and not model.looping:
+            model.looping = True
+            encoder, decoder = model.orders[True]
+            rt.log(f"layer_loop:enabled step:{step} frac:{training_fraction(h, step, elapsed_ms):.4f} "
+                   f"encoder:{encoder} decoder:{decoder}")
+        scale = lr_multiplier(h, step, elapsed_ms)
         if h.late_qat_threshold > 0 and scale < h.late_qat_threshold and not qat_on:
             qat_on = True
             model.set_qat(True)
@@ -1648,15 +1813,17 @@ def _train_loop(rt, trainer, loader, val_tokens, luts):
             timer.steps += 1
             if step <= 10 or step % h.training_timing_every == 0:
                 rt.log(timer.pop_line(step))
-        # One all-reduce: a non-finite loss on any rank stops the run; the cap stops all ranks at one step.
-        flags = torch.stack((~torch.isfinite(train_loss.detach()),
-                             torch.tensor(cap_ms is not None and approx_ms >= cap_ms, device=rt.device)))
-        diverged, reached = rt.all_reduce(flags.to(torch.int32), op=dist.ReduceOp.MAX).tolist()
+        # One all-reduce (max over ranks): a non-finite loss on any rank stops the run, and the slowest clock is
+        # everyone's elapsed time, so the cap, the LR schedule and the loop switch act at one step on all ranks.
+        flags = torch.stack(((~torch.isfinite(train_loss.detach())).double(),
+                             torch.tensor(approx_ms, dtype=torch.float64, device=rt.device)))
+        diverged, elapsed_ms = rt.all_reduce(flags, op=dist.ReduceOp.MAX).tolist()
         if diverged:
             raise RunError(f"training loss is not finite at step {step}; stopped, no artifact written (lower "
                            "MATRIX_LR, SCALAR_LR, TIED_EMBED_LR)")
-        if reached and stop_after is None:
+        if cap_ms is not None and elapsed_ms >= cap_ms and stop_after is None:
             stop_after = step
+        loop_due = h.num_loops > 0 and training_fraction(h, step, elapsed_ms) >= h.enable_looping_at
     profiler.finish()
     rt.log(f"data_wait: total_ms:{wait_total:.1f} mean_ms_per_step:{wait_total / max(step, 1):.3f} "
            f"max_step_ms:{wait_max:.3f}")
@@ -2056,6 +2223,7 @@ def load_artifact(path, h):
     model.load_state_dict(rebank_state_dict(flat, model.num_layers), strict=True)
     # The record's artifacts have no flag; its runs always end with late QAT on.
     model.set_qat(bool(obj.get("late_qat", True)))
+    model.looping = h.num_loops > 0  # a looped model is evaluated looped (SPEC-FRONTIER 4)
     return model
 
 
@@ -2321,6 +2489,10 @@ def run(rt):
     h = rt.h
     log_environment(rt)
     backend = select_attention_backend(rt.device)
+    overrides = [name for name in PRESETS[h.preset] if h.effective[name][1] == "env"]
+    rt.log(f"preset:{h.preset}" + (f" overridden_by_env:{','.join(overrides)}" if overrides else ""))
+    for line in h.dump():
+        rt.log(line, console=False)
     rt.log(f"seed:{h.seed}")
     rt.log(f"device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps} "
            f"attention_backend:{backend} compile:{int(compile_enabled(rt))}")
@@ -2359,6 +2531,10 @@ def run(rt):
     stage("building the model")
     model = rt.prepare_model(build_model(h))
     rt.log(f"model_params:{sum(p.numel() for p in model.parameters())}")
+    if h.num_loops > 0:
+        (enc, dec), (loop_enc, loop_dec) = model.orders[False], model.orders[True]
+        rt.log(f"layer_loop: encoder:{enc} decoder:{dec}, looped from ENABLE_LOOPING_AT={h.enable_looping_at:g}: "
+               f"encoder:{loop_enc} decoder:{loop_dec}")
     stage("training")
     qat_on, hessians = train(rt, model, val_tokens, luts)
 
