@@ -102,6 +102,11 @@ class Hyperparameters:
         self.iterations = self._env("ITERATIONS", 9000)
         self.warmdown_iters = self._env("WARMDOWN_ITERS", 3500)
         self.warmdown_frac = self._env("WARMDOWN_FRAC", 0.0, float)
+        if self.warmdown_frac > 0 and self.warmdown_iters > 0:  # the fraction replaces the default step count
+            if self.effective["WARMDOWN_ITERS"][1] != "default":
+                raise ConfigError(f"WARMDOWN_FRAC={self.warmdown_frac:g} and WARMDOWN_ITERS={self.warmdown_iters} "
+                                  "both set the warmdown; set one of them to 0")
+            self.warmdown_iters = self._resolved("WARMDOWN_ITERS", 0)
         self.min_lr = self._env("MIN_LR", 0.0, float)
         self.warmup_steps = self._env("WARMUP_STEPS", 20)
         self.train_batch_tokens = self._env("TRAIN_BATCH_TOKENS", 786432)

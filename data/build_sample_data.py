@@ -10,10 +10,16 @@ SentencePiece BPE tokenizer on the training part and writes token shards:
     <out-dir>/datasets/sample_sp<V>/fineweb_train_000000.bin ...
     <out-dir>/datasets/sample_sp<V>/fineweb_val_000000.bin
 
+That text (about 1.3 MB) serves vocabularies up to 4096 and is all they use.
+Larger ones (up to 8192, the vocabulary of the sp8192 records) also take the
+docstrings of a second fixed module list and the comment blocks of all listed
+modules' source files (about 1.9 MB in all), so that fewer of their pieces are
+left rare or unused in the train tokens.
+
 The output is byte-identical across runs with the same arguments on the same
 Python version (docstrings change between Python releases).
 
-    python data/build_sample_data.py [--out-dir DIR] [--vocab-size 1024]
+    python data/build_sample_data.py [--out-dir DIR] [--vocab-size 1024|...|8192]
         [--train-shards 4] [--val-tokens 32769] [--seed 0]
 """
 
@@ -21,10 +27,12 @@ import contextlib
 import importlib
 import inspect
 import io
+import math
 import os
 import random
 import sys
 import time
+import tokenize
 import warnings
 
 import numpy as np
@@ -79,6 +87,31 @@ DOC_MODULES = (
     "xml.sax.xmlreader", "xmlrpc.client", "xmlrpc.server", "zipapp", "zipfile",
     "zipimport", "zoneinfo",
 )
+# More pure-Python modules present from Python 3.10 on, and always built: used
+# only for vocabularies above LARGE_VOCAB (see collect_documents).
+EXTRA_DOC_MODULES = (
+    "_collections_abc", "_compat_pickle", "_markupbase", "_pydecimal", "_pyio",
+    "_sitebuiltins", "_strptime", "_threading_local", "_weakrefset",
+    "asyncio.base_subprocess", "asyncio.exceptions", "asyncio.format_helpers",
+    "asyncio.protocols", "asyncio.runners", "asyncio.selector_events",
+    "asyncio.sslproto", "asyncio.staggered", "asyncio.threads",
+    "asyncio.transports", "asyncio.trsock", "concurrent.futures.process",
+    "concurrent.futures.thread", "dbm", "dbm.dumb", "email._encoded_words",
+    "email._header_value_parser", "email._parseaddr", "email._policybase",
+    "email.base64mime", "email.iterators", "email.quoprimime", "encodings",
+    "encodings.idna", "encodings.punycode", "genericpath", "html.entities",
+    "importlib.readers", "json.scanner", "multiprocessing.context",
+    "multiprocessing.dummy", "multiprocessing.forkserver", "multiprocessing.heap",
+    "multiprocessing.reduction", "multiprocessing.resource_tracker",
+    "multiprocessing.spawn", "multiprocessing.util", "ntpath", "pydoc",
+    "rlcompleter", "unittest.async_case", "unittest.signals", "unittest.util",
+    "venv", "webbrowser", "xml.dom.expatbuilder", "xml.dom.minicompat",
+    "xml.dom.xmlbuilder", "xml.etree.ElementInclude", "xml.sax._exceptions",
+    "xml.sax.expatreader",
+)
+# Vocabularies above this size also get the extra text: the docstrings of
+# EXTRA_DOC_MODULES and the comment blocks of every listed module's source.
+LARGE_VOCAB = 4096
 # One-liners ("Return self+value.") carry little text and mostly repeat.
 MIN_DOC_CHARS = 120
 
@@ -87,18 +120,21 @@ MIN_DOC_CHARS = 120
 # tiny model evaluates it in seconds on a CPU.
 DEFAULT_VAL_TOKENS = 32 * 1024 + 1
 MIN_VAL_TOKENS = 4 * 1024 + 1
-# Documents are moved to val until they hold this many characters per wanted
-# val token. The stdlib text averages about 2.8 characters per token with a
-# 1024-piece vocabulary; the margin makes a short val split unlikely, and any
-# surplus is cut off after encoding.
+# Documents are moved to val until they hold val_chars_per_token(vocab size)
+# characters per wanted val token: VAL_CHARS_PER_TOKEN up to 1024 pieces, plus
+# VAL_CHARS_PER_TOKEN_STEP per doubling above. The val text averages about 2.8
+# characters per token with 1024 pieces, 4.0 with 4096 and 4.3 with 8192; the
+# margin makes a short val split unlikely, and any surplus is cut off after
+# encoding.
 VAL_CHARS_PER_TOKEN = 3.5
+VAL_CHARS_PER_TOKEN_STEP = 0.6
 # At most this fraction of the text may be held out for val.
 MAX_VAL_TEXT_FRACTION = 0.5
 
 # Lower bound: room for the 256 byte-fallback pieces, 4 special pieces and the
-# base characters. Upper bound: ~1.3 MB of text supports no meaningfully larger
-# vocabulary.
-MIN_VOCAB, MAX_VOCAB = 512, 4096
+# base characters. Upper bound: the ~1.9 MB of the extended text supports no
+# meaningfully larger vocabulary.
+MIN_VOCAB, MAX_VOCAB = 512, 8192
 MAX_TRAIN_SHARDS = 64
 
 # Trainer settings mirror the challenge's fineweb_*_bpe tokenizers (same special
@@ -125,7 +161,8 @@ def parse_args(argv):
     p.add_argument("--out-dir", default=DATA_DIR,
                    help="root for tokenizers/ and datasets/ (default: the folder holding this script)")
     p.add_argument("--vocab-size", type=int, default=1024,
-                   help=f"tokenizer vocabulary size, {MIN_VOCAB}..{MAX_VOCAB} (default 1024)")
+                   help=f"tokenizer vocabulary size, {MIN_VOCAB}..{MAX_VOCAB} (default 1024; above "
+                        f"{LARGE_VOCAB} more stdlib text is used)")
     p.add_argument("--train-shards", type=int, default=4,
                    help=f"number of train shards, 1..{MAX_TRAIN_SHARDS} (default 4)")
     p.add_argument("--val-tokens", type=int, default=DEFAULT_VAL_TOKENS,
@@ -178,22 +215,54 @@ def _collect_module_docstrings(module):
     return docs
 
 
-def collect_documents():
+def _comment_blocks(path):
+    """Runs of consecutive whole-line comments in the Python source at `path`,
+    one string per run, with the '#' marks and surrounding blanks removed."""
+    blocks, block = [], []
+    with tokenize.open(path) as f:  # decodes as the file's coding cookie says
+        for line in f:
+            stripped = line.strip()
+            if stripped.startswith("#"):
+                block.append(stripped.lstrip("#").strip())
+                continue
+            if block:
+                blocks.append("\n".join(block).strip())
+                block = []
+    if block:
+        blocks.append("\n".join(block).strip())
+    return blocks
+
+
+def collect_documents(extended=False):
     """Return (documents, modules that failed to import), in a fixed order.
 
-    One document per pydoc help topic and per docstring. Documents that differ
-    only in whitespace are kept once (the tokenizer's normalization would make
-    them identical), so no val document also appears in train.
+    One document per pydoc help topic and per docstring of DOC_MODULES; with
+    `extended`, then also one per docstring of EXTRA_DOC_MODULES and per comment
+    block of the source files of both lists' modules. Documents that differ only
+    in whitespace are kept once (the tokenizer's normalization would make them
+    identical), so no val document also appears in train.
     """
     import pydoc_data.topics
 
     candidates = [pydoc_data.topics.topics[key].strip() for key in sorted(pydoc_data.topics.topics)]
-    failed = []
-    for name in DOC_MODULES:
+    failed, imported = [], []
+    for name in DOC_MODULES + (EXTRA_DOC_MODULES if extended else ()):
         try:
             candidates.extend(_module_docstrings(name))
+            imported.append(sys.modules[name])
         except Exception:  # an interpreter built without this module: leave it out
             failed.append(name)
+    if extended:
+        sources = []
+        for module in imported:
+            path = getattr(module, "__file__", None)  # None for built-in modules
+            if isinstance(path, str) and path.endswith(".py") and path not in sources:
+                sources.append(path)
+        for path in sources:
+            try:
+                candidates.extend(_comment_blocks(path))
+            except (OSError, SyntaxError, UnicodeDecodeError):  # unreadable here: leave it out
+                pass
     documents, seen = [], set()
     for doc in candidates:
         key = " ".join(doc.split())
@@ -203,14 +272,21 @@ def collect_documents():
     return documents, failed
 
 
-def split_documents(documents, val_tokens, seed):
+def val_chars_per_token(vocab_size):
+    """Characters of val text to set aside per wanted val token (see VAL_CHARS_PER_TOKEN)."""
+    if vocab_size <= 1024:
+        return VAL_CHARS_PER_TOKEN
+    return VAL_CHARS_PER_TOKEN + VAL_CHARS_PER_TOKEN_STEP * math.log2(vocab_size / 1024)
+
+
+def split_documents(documents, val_tokens, seed, chars_per_token=VAL_CHARS_PER_TOKEN):
     """Seeded shuffle, then the first documents (enough for val_tokens) go to val."""
     order = list(documents)
     random.Random(seed).shuffle(order)
     total_chars = sum(len(d) for d in order)
-    budget = val_tokens * VAL_CHARS_PER_TOKEN
+    budget = val_tokens * chars_per_token
     if budget > MAX_VAL_TEXT_FRACTION * total_chars:
-        most = int(MAX_VAL_TEXT_FRACTION * total_chars / VAL_CHARS_PER_TOKEN)
+        most = int(MAX_VAL_TEXT_FRACTION * total_chars / chars_per_token)
         raise UsageError(f"--val-tokens {val_tokens} would hold out more than "
                          f"{MAX_VAL_TEXT_FRACTION:.0%} of the {total_chars}-character sample text; "
                          f"use at most {most}")
@@ -251,8 +327,10 @@ def build(args):
     import sentencepiece as spm
 
     start = time.perf_counter()
-    documents, failed = collect_documents()
-    train_docs, val_docs = split_documents(documents, args.val_tokens, args.seed)
+    extended = args.vocab_size > LARGE_VOCAB
+    documents, failed = collect_documents(extended)
+    train_docs, val_docs = split_documents(documents, args.val_tokens, args.seed,
+                                           val_chars_per_token(args.vocab_size))
 
     model_bytes = train_tokenizer(train_docs, args.vocab_size)
     sp = spm.SentencePieceProcessor(model_proto=model_bytes)
@@ -287,6 +365,7 @@ def build(args):
     write_shard(shard_paths[-1], val_tokens)
 
     print(f"documents: {len(train_docs)} train, {len(val_docs)} val"
+          + (f", with the extra text of vocabularies above {LARGE_VOCAB}" if extended else "")
           + (f" (modules not importable here, skipped: {' '.join(failed)})" if failed else ""))
     print(f"tokens: {len(train_tokens)} train in {args.train_shards} shards, "
           f"{len(val_tokens)} val (of {len(val_all)} in the val documents)")

@@ -1,18 +1,26 @@
-"""Download the challenge's published FineWeb export from the Hugging Face hub.
+"""Download the challenge's published FineWeb exports from the Hugging Face hub.
 
-    python data/cached_challenge_fineweb.py --variant sp1024 [--train-shards N]
+    python data/cached_challenge_fineweb.py --variant sp1024|sp4096|sp8192 [--train-shards N]
 
-fetches the tokenizer, every val shard and the first N train shards (default 80,
-8B tokens; 100M tokens per shard) of the dataset repo willdepueoai/parameter-golf
-(override with MATCHED_FINEWEB_REPO_ID) into, relative to this script's folder:
+fetches the variant's tokenizer, every val shard and the first N train shards
+(all of them when the export publishes fewer; an sp1024 shard holds 100M
+tokens) from a Hugging Face dataset repo into, relative to this script's folder:
 
-    datasets/fineweb10B_sp1024/fineweb_{val,train}_XXXXXX.bin
-    tokenizers/fineweb_1024_bpe.{model,vocab}
+    datasets/fineweb10B_sp<V>/fineweb_{val,train}_XXXXXX.bin
+    tokenizers/fineweb_<V>_bpe.{model,vocab}
+    datasets/manifest.json   (the manifest of the last download, for reference)
 
-The file lists come from the export's manifest (datasets/manifest.json in the
-repo); without one the conventional file names are used. Shards already on
-disk with a valid header and size are skipped, so an interrupted download can
-simply be run again. Without network access use build_sample_data.py.
+    variant  dataset repo                 default N
+    sp1024   willdepueoai/parameter-golf  80  (the challenge's export)
+    sp4096   kevclark/parameter-golf      143 (what the sp4096 records downloaded)
+    sp8192   kevclark/parameter-golf      128 (what the sp8192 records downloaded)
+
+MATCHED_FINEWEB_REPO_ID, when set, replaces the repo of every variant; the
+repo used is printed first. Every repo is read the same way: the export
+lives in its datasets/ folder and datasets/manifest.json lists the files (without
+a manifest the conventional file names are used). Shards already on disk with a
+valid header and size are skipped, so an interrupted download can simply be
+run again. Without network access use build_sample_data.py.
 """
 
 import http.client
@@ -34,12 +42,18 @@ os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
 os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "60")
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ID = os.environ.get("MATCHED_FINEWEB_REPO_ID", "willdepueoai/parameter-golf")
+REPO_ENV = "MATCHED_FINEWEB_REPO_ID"  # overrides the repo of every variant
 REMOTE_ROOT = "datasets"  # the export lives in this folder of the repo
 MANIFEST = "manifest.json"
-# variant -> (dataset folder, tokenizer name) in the export
-VARIANTS = {"sp1024": ("fineweb10B_sp1024", "fineweb_1024_bpe")}
-DEFAULT_TRAIN_SHARDS = 80
+# variant -> (dataset folder, tokenizer name, dataset repo, default train shards).
+# sp1024 is the challenge's own export; the sp4096 and sp8192 exports are the ones
+# the records with those vocabularies used, and their defaults are the train shard
+# counts those records fetched.
+VARIANTS = {
+    "sp1024": ("fineweb10B_sp1024", "fineweb_1024_bpe", "willdepueoai/parameter-golf", 80),
+    "sp4096": ("fineweb10B_sp4096", "fineweb_4096_bpe", "kevclark/parameter-golf", 143),
+    "sp8192": ("fineweb10B_sp8192", "fineweb_8192_bpe", "kevclark/parameter-golf", 128),
+}
 MAX_TRAIN_SHARDS = 1000  # sanity bound; the manifest gives the real count
 OFFLINE_HINT = ("check your network or set HF_ENDPOINT; "
                 "for an offline sample run use python data/build_sample_data.py")
@@ -55,11 +69,13 @@ class RemoteFileMissing(Exception):
 
 def parse_args(argv):
     p = OneLineParser(description=__doc__.split("\n\n")[0])
+    repos = "; ".join(f"{v} from {VARIANTS[v][2]}" for v in sorted(VARIANTS))
     p.add_argument("--variant", required=True,
-                   help=f"tokenizer variant of the export: {', '.join(sorted(VARIANTS))}")
+                   help=f"tokenizer variant of the export: {repos} ({REPO_ENV} replaces the repo)")
+    defaults = ", ".join(f"{v} {VARIANTS[v][3]}" for v in sorted(VARIANTS))
     p.add_argument("--train-shards", type=int, default=None,
                    help=f"number of train shards to fetch, 0..{MAX_TRAIN_SHARDS} "
-                        f"(default {DEFAULT_TRAIN_SHARDS}, or all published if fewer)")
+                        f"(default per variant: {defaults}; all published if fewer)")
     args = p.parse_args(argv)
     if args.variant not in VARIANTS:
         raise UsageError(f"unknown --variant {args.variant!r}; choose from {', '.join(sorted(VARIANTS))}")
@@ -109,7 +125,7 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None  # a redirect is an answer; do not follow it
 
 
-def check_hub_reachable(remote_path):
+def check_hub_reachable(repo_id, remote_path):
     """Fail fast, in one line, when the hub cannot be reached at all.
 
     huggingface_hub retries a failing connection for half a minute or more
@@ -119,7 +135,7 @@ def check_hub_reachable(remote_path):
     """
     from huggingface_hub import constants, hf_hub_url
 
-    url = hf_hub_url(REPO_ID, remote_path, repo_type="dataset")
+    url = hf_hub_url(repo_id, remote_path, repo_type="dataset")
     request = urllib.request.Request(url, method="HEAD")
     try:
         urllib.request.build_opener(_NoRedirect).open(request, timeout=constants.HF_HUB_ETAG_TIMEOUT).close()
@@ -129,11 +145,11 @@ def check_hub_reachable(remote_path):
         cause = e.reason if isinstance(e, urllib.error.URLError) and isinstance(e.reason, BaseException) else e
         if not isinstance(cause, ssl.SSLError):
             text = (str(cause).strip().splitlines() or [""])[0][:200]
-            raise _unreachable(f"{remote_path} from {REPO_ID}", f"{type(cause).__name__}: {text}") from None
+            raise _unreachable(f"{remote_path} from {repo_id}", f"{type(cause).__name__}: {text}") from None
 
 
-def hub_download(remote_path, staging_dir):
-    """Download a repo file into staging_dir; return the local path of the file.
+def hub_download(repo_id, remote_path, staging_dir):
+    """Download a file of dataset repo repo_id into staging_dir; return its local path.
 
     Raises RemoteFileMissing when the repo has no such file, FetchError otherwise.
     """
@@ -141,15 +157,15 @@ def hub_download(remote_path, staging_dir):
     from huggingface_hub.utils import (EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError,
                                        RepositoryNotFoundError)
 
-    what = f"{remote_path} from {REPO_ID}"
+    what = f"{remote_path} from {repo_id}"
     try:
-        return hf_hub_download(REPO_ID, remote_path, repo_type="dataset", local_dir=staging_dir)
+        return hf_hub_download(repo_id, remote_path, repo_type="dataset", local_dir=staging_dir)
     except Exception as e:  # noqa: BLE001  (classified below)
         if isinstance(e, EntryNotFoundError) and not isinstance(e, LocalEntryNotFoundError):
             raise RemoteFileMissing(what) from None
         if isinstance(e, RepositoryNotFoundError):
-            raise FetchError(f"dataset repo {REPO_ID} not found or not accessible on {constants.ENDPOINT} "
-                             f"({_root_cause(e)}); check MATCHED_FINEWEB_REPO_ID") from None
+            raise FetchError(f"dataset repo {repo_id} not found or not accessible on {constants.ENDPOINT} "
+                             f"({_root_cause(e)}); check {REPO_ENV}") from None
         if _is_connection_error(e):
             raise _unreachable(what, _root_cause(e)) from None
         if isinstance(e, HfHubHTTPError):
@@ -201,25 +217,25 @@ def _tokenizer_paths(manifest, tokenizer_name):
     return paths or conventional
 
 
-def plan_from_manifest(manifest, variant):
+def plan_from_manifest(manifest, variant, repo_id):
     """(val shard names, train shard names, tokenizer repo paths) of a variant.
 
     Raises FetchError with a one-line reason when the manifest cannot be read.
     """
-    dataset, tokenizer_name = VARIANTS[variant]
+    dataset, tokenizer_name = VARIANTS[variant][:2]
     if not isinstance(manifest, dict):
-        raise FetchError(f"{REMOTE_ROOT}/{MANIFEST} of {REPO_ID}: expected a JSON object, "
+        raise FetchError(f"{REMOTE_ROOT}/{MANIFEST} of {repo_id}: expected a JSON object, "
                          f"got {type(manifest).__name__}")
     datasets = _named_entries(manifest, "datasets")
     if dataset not in datasets:
         known = ", ".join(sorted(datasets)) or "none"
-        raise FetchError(f"{REMOTE_ROOT}/{MANIFEST} of {REPO_ID} does not list dataset {dataset} "
+        raise FetchError(f"{REMOTE_ROOT}/{MANIFEST} of {repo_id} does not list dataset {dataset} "
                          f"(it lists: {known})")
     entry = datasets[dataset]
     val_files, train_files = _split_files(entry, "val"), _split_files(entry, "train")
     if not val_files or train_files is None:
         raise FetchError(f"cannot tell the val/train shard files of {dataset} from {REMOTE_ROOT}/{MANIFEST} "
-                         f"of {REPO_ID} (entry keys: {', '.join(sorted(entry))})")
+                         f"of {repo_id} (entry keys: {', '.join(sorted(entry))})")
     for key in ("tokenizer_name", "tokenizer"):
         if isinstance(entry.get(key), str) and entry[key]:
             tokenizer_name = entry[key]
@@ -228,7 +244,7 @@ def plan_from_manifest(manifest, variant):
 
 
 def conventional_plan(variant, train_shards):
-    _, tokenizer_name = VARIANTS[variant]
+    tokenizer_name = VARIANTS[variant][1]
     return (["fineweb_val_000000.bin"],
             [f"fineweb_train_{i:06d}.bin" for i in range(train_shards)],
             [f"tokenizers/{tokenizer_name}.model", f"tokenizers/{tokenizer_name}.vocab"])
@@ -244,8 +260,8 @@ def _valid_shard(path):
         return False
 
 
-def fetch(remote_path, dest, staging_dir):
-    """Download REMOTE_ROOT/remote_path to dest unless a good copy is already there."""
+def fetch(repo_id, remote_path, dest, staging_dir):
+    """Download REMOTE_ROOT/remote_path of repo_id to dest unless a good copy is already there."""
     is_shard = dest.endswith(".bin")
     if os.path.exists(dest):
         if is_shard and not _valid_shard(dest):
@@ -255,7 +271,7 @@ def fetch(remote_path, dest, staging_dir):
             print(f"exists: {dest}")
             return
     try:
-        staged = hub_download(f"{REMOTE_ROOT}/{remote_path}", staging_dir)
+        staged = hub_download(repo_id, f"{REMOTE_ROOT}/{remote_path}", staging_dir)
     except RemoteFileMissing as e:
         raise FetchError(f"{e} does not exist (is the export incomplete, or --train-shards too large?)") from None
     if is_shard:
@@ -275,19 +291,41 @@ def fetch(remote_path, dest, staging_dir):
     print(f"fetched: {dest} ({os.path.getsize(dest) / 1e6:.1f} MB)")
 
 
+def resolve_repo(variant):
+    """(dataset repo id, where that choice comes from) for a variant.
+
+    Raises UsageError when MATCHED_FINEWEB_REPO_ID is set to something that is
+    not a repo id (checked before any network access).
+    """
+    default = VARIANTS[variant][2]
+    override = os.environ.get(REPO_ENV)
+    if override is None:
+        return default, f"the default for {variant}; {REPO_ENV} overrides it"
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(override)
+    except HFValidationError as e:
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise UsageError(f"{REPO_ENV}={override!r} is not a Hugging Face repo id ({reason})") from None
+    return override, f"from {REPO_ENV}; the default for {variant} is {default}"
+
+
 def download(variant, train_shards):
-    dataset, _ = VARIANTS[variant]
+    dataset, _, _, default_shards = VARIANTS[variant]
+    repo_id, origin = resolve_repo(variant)
     dataset_dir = os.path.join(DATA_DIR, "datasets", dataset)
     tokenizer_dir = os.path.join(DATA_DIR, "tokenizers")
     # Downloads land here first and are moved into place once complete; the
     # folder sits outside dataset_dir so its files never match the shard globs.
     staging_dir = os.path.join(DATA_DIR, "datasets", ".hf_staging")
-    requested = DEFAULT_TRAIN_SHARDS if train_shards is None else train_shards
+    requested = default_shards if train_shards is None else train_shards
+    print(f"source: dataset repo {repo_id} ({origin})")
 
     manifest_remote = f"{REMOTE_ROOT}/{MANIFEST}"
-    check_hub_reachable(manifest_remote)
+    check_hub_reachable(repo_id, manifest_remote)
     try:
-        staged = hub_download(manifest_remote, staging_dir)
+        staged = hub_download(repo_id, manifest_remote, staging_dir)
     except RemoteFileMissing:
         staged = None
     if staged is not None:
@@ -295,26 +333,26 @@ def download(variant, train_shards):
             with open(staged, encoding="utf-8") as f:
                 manifest = json.load(f)
         except (OSError, ValueError) as e:
-            raise FetchError(f"{manifest_remote} of {REPO_ID} is not readable JSON ({e})") from None
-        val_files, train_files, tokenizer_paths = plan_from_manifest(manifest, variant)
+            raise FetchError(f"{manifest_remote} of {repo_id} is not readable JSON ({e})") from None
+        val_files, train_files, tokenizer_paths = plan_from_manifest(manifest, variant, repo_id)
         if requested > len(train_files):
             if train_shards is not None:
                 raise UsageError(f"--train-shards {train_shards} is more than the {len(train_files)} "
-                                 f"train shards {REPO_ID} publishes for {variant}")
-            print(f"note: {REPO_ID} publishes {len(train_files)} train shards for {variant}; fetching all")
+                                 f"train shards {repo_id} publishes for {variant}")
+            print(f"note: {repo_id} publishes {len(train_files)} train shards for {variant}; fetching all")
         train_files = train_files[:requested]
         os.makedirs(os.path.join(DATA_DIR, "datasets"), exist_ok=True)
         os.replace(staged, os.path.join(DATA_DIR, "datasets", MANIFEST))  # kept for reference
     else:
-        print(f"note: {REPO_ID} has no {manifest_remote}; using the conventional file names")
+        print(f"note: {repo_id} has no {manifest_remote}; using the conventional file names")
         val_files, train_files, tokenizer_paths = conventional_plan(variant, requested)
 
     for path in tokenizer_paths:
-        fetch(path, os.path.join(tokenizer_dir, posixpath.basename(path)), staging_dir)
+        fetch(repo_id, path, os.path.join(tokenizer_dir, posixpath.basename(path)), staging_dir)
     for name in val_files + train_files:
-        fetch(f"datasets/{dataset}/{name}", os.path.join(dataset_dir, name), staging_dir)
+        fetch(repo_id, f"datasets/{dataset}/{name}", os.path.join(dataset_dir, name), staging_dir)
     shutil.rmtree(staging_dir, ignore_errors=True)
-    print(f"done: {len(val_files)} val and {len(train_files)} train shards in {dataset_dir}, "
+    print(f"done: {len(val_files)} val and {len(train_files)} train shards from {repo_id} in {dataset_dir}, "
           f"tokenizer in {tokenizer_dir}")
 
 

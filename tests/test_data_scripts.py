@@ -184,7 +184,58 @@ def test_sample_build_is_deterministic_and_idempotent(sample, tmp_path):
     assert tree_bytes(out) == tree_bytes(first)
 
 
-@pytest.mark.parametrize("args", [["--vocab-size", "100"], ["--vocab-size", "99999"],
+@pytest.fixture(scope="module")
+def sample_8192(tmp_path_factory):
+    """A build at the sp8192 records' vocabulary size, 2 train shards (about a second)."""
+    out = tmp_path_factory.mktemp("sample_8192")
+    args = [BUILDER, "--out-dir", out, "--vocab-size", "8192", "--train-shards", "2"]
+    proc = run(args, env={**os.environ, "PYTHONHASHSEED": "1"})
+    assert proc.returncode == 0, proc.stderr
+    return out, proc.stdout, args
+
+
+def test_sample_8192_build(sample_8192):
+    import sentencepiece as spm
+
+    out, stdout, _ = sample_8192
+    assert "with the extra text of vocabularies above 4096" in stdout
+    assert sorted(os.listdir(out / "tokenizers")) == ["sample_8192_bpe.model", "sample_8192_bpe.vocab"]
+    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizers" / "sample_8192_bpe.model"))
+    assert sp.vocab_size() == 8192 and sp.bos_id() == 1
+    assert sum(sp.is_byte(i) for i in range(8192)) == 256
+    assert len((out / "tokenizers" / "sample_8192_bpe.vocab").read_text(encoding="utf-8").splitlines()) == 8192
+    data_dir = out / "datasets" / "sample_sp8192"
+    names = ["fineweb_train_000000.bin", "fineweb_train_000001.bin", "fineweb_val_000000.bin"]
+    assert sorted(os.listdir(data_dir)) == names
+    tokens = {}
+    for name in names:
+        header = np.fromfile(data_dir / name, dtype="<i4", count=256)
+        assert header[:2].tolist() == [20240520, 1] and not header[3:].any()
+        assert (data_dir / name).stat().st_size == 1024 + 2 * int(header[2])
+        tokens[name] = shards.read_shard(data_dir / name)
+        assert int(tokens[name].max()) < 8192
+    train = np.concatenate([tokens[n] for n in names[:2]])
+    val = tokens["fineweb_val_000000.bin"]
+    assert train[0] == 1 and val[0] == 1  # every document starts with <s>
+    assert val.size == 32 * 1024 + 1  # the val documents hold enough text at this vocabulary size
+    assert train.size > 300_000
+    # The upper half of the vocabulary is really used: most of its pieces occur
+    # in train, and a good share of the val tokens are among them.
+    assert np.unique(train[train > 4096]).size > 3000
+    assert int((val > 4096).sum()) > val.size // 10
+    train_docs = set(split_docs(train, bos=1))
+    assert not train_docs.intersection(split_docs(val, bos=1)[:-1])
+
+
+def test_sample_8192_build_is_deterministic(sample_8192, tmp_path):
+    first, _, args = sample_8192
+    out = tmp_path / "again"
+    proc = run([*args[:2], out, *args[3:]], cwd=tmp_path, env={**os.environ, "PYTHONHASHSEED": "2"})
+    assert proc.returncode == 0, proc.stderr
+    assert tree_bytes(out) == tree_bytes(first)
+
+
+@pytest.mark.parametrize("args", [["--vocab-size", "100"], ["--vocab-size", "8193"], ["--vocab-size", "99999"],
                                   ["--train-shards", "0"], ["--val-tokens", "10"],
                                   ["--val-tokens", "10000000"], ["--vocab-size", "x"], ["--bogus"]])
 def test_sample_builder_bad_args(tmp_path, args):
@@ -217,19 +268,23 @@ def isolated_downloader(tmp_path):
     return folder, env
 
 
-def test_downloader_offline_fails_fast_with_one_line(isolated_downloader):
+@pytest.mark.parametrize("variant, repo", [("sp1024", "willdepueoai/parameter-golf"),
+                                           ("sp8192", "kevclark/parameter-golf")])
+def test_downloader_offline_fails_fast_with_one_line(isolated_downloader, variant, repo):
     folder, env = isolated_downloader
     start = time.monotonic()
-    proc = run([folder / "cached_challenge_fineweb.py", "--variant", "sp1024", "--train-shards", "1"],
+    proc = run([folder / "cached_challenge_fineweb.py", "--variant", variant, "--train-shards", "1"],
                cwd=folder.parent, env=env, timeout=60)
     assert time.monotonic() - start < 30
     assert_one_line_error(proc, 1)
-    assert "could not reach the Hugging Face hub" in proc.stderr
+    assert "could not reach the Hugging Face hub" in proc.stderr and f"from {repo} " in proc.stderr
+    assert proc.stdout.startswith(f"source: dataset repo {repo} ")
     assert "build_sample_data.py" in proc.stderr
     assert sorted(os.listdir(folder)) == ["cached_challenge_fineweb.py", "shards.py"]
 
 
-@pytest.mark.parametrize("args", [["--variant", "sp999"], ["--variant", "sp1024", "--train-shards", "-1"],
+@pytest.mark.parametrize("args", [["--variant", "sp999"], ["--variant", "sp2048"],
+                                  ["--variant", "sp1024", "--train-shards", "-1"],
                                   ["--variant", "sp1024", "--train-shards", "100000"],
                                   ["--variant", "sp1024", "--train-shards", "many"], []])
 def test_downloader_bad_args(isolated_downloader, args):
@@ -238,48 +293,75 @@ def test_downloader_bad_args(isolated_downloader, args):
     assert_one_line_error(proc, 2)
 
 
+SP1024_REPO = "willdepueoai/parameter-golf"
+KEVCLARK_REPO = "kevclark/parameter-golf"
+
+
 class FakeHub:
-    """Stands in for hub_download, serving files from a folder."""
+    """Stands in for hub_download, serving each dataset repo from its own folder."""
 
-    def __init__(self, root: Path):
-        self.root = root
-        self.downloads: list[str] = []
+    def __init__(self, repos: dict[str, Path]):
+        self.repos = repos
+        self.downloads: list[tuple[str, str]] = []  # (repo id, remote path)
 
-    def download(self, remote_path, staging_dir):
-        src = self.root / remote_path
+    @property
+    def root(self) -> Path:  # the sp1024 repo, which most tests use
+        return self.repos[SP1024_REPO]
+
+    def paths(self, repo_id=SP1024_REPO) -> list[str]:
+        return sorted(path for repo, path in self.downloads if repo == repo_id)
+
+    def download(self, repo_id, remote_path, staging_dir):
+        if repo_id not in self.repos:
+            raise dl.FetchError(f"dataset repo {repo_id} not found or not accessible (fake hub)")
+        src = self.repos[repo_id] / remote_path
         if not src.is_file():
             raise dl.RemoteFileMissing(remote_path)
-        self.downloads.append(remote_path)
+        self.downloads.append((repo_id, remote_path))
         dst = Path(staging_dir) / remote_path
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src, dst)
         return str(dst)
 
 
-MANIFEST = {
-    "datasets": [{"name": "fineweb10B_sp1024", "tokenizer_name": "sp_bpe_1024",
-                  "stats": {"files_train": 3, "files_val": 1}}],
-    "tokenizers": [{"name": "sp_bpe_1024", "model_path": "tokenizers/fineweb_1024_bpe.model",
-                    "vocab_path": "tokenizers/fineweb_1024_bpe.vocab"}],
-}
+def manifest_for(exports: dict[int, int]) -> dict:
+    """A manifest in the challenge's schema for {vocab size: number of train shards}."""
+    return {
+        "datasets": [{"name": f"fineweb10B_sp{v}", "tokenizer_name": f"sp_bpe_{v}",
+                      "stats": {"files_train": n, "files_val": 1}} for v, n in exports.items()],
+        "tokenizers": [{"name": f"sp_bpe_{v}", "model_path": f"tokenizers/fineweb_{v}_bpe.model",
+                        "vocab_path": f"tokenizers/fineweb_{v}_bpe.vocab"} for v in exports],
+    }
+
+
+MANIFEST = manifest_for({1024: 3})
+
+
+def publish(root: Path, exports: dict[int, int], mark: int = 0) -> Path:
+    """Lay out a dataset repo like the real ones: datasets/manifest.json, shards and
+    tokenizers under datasets/. Train shard i of vocab v holds v + mark + i + arange(100)."""
+    for v, n_train in exports.items():
+        shard_dir = root / "datasets" / "datasets" / f"fineweb10B_sp{v}"
+        shard_dir.mkdir(parents=True)
+        for i in range(n_train):
+            shards.write_shard(shard_dir / f"fineweb_train_{i:06d}.bin", np.arange(100) + v + mark + i)
+        shards.write_shard(shard_dir / "fineweb_val_000000.bin", np.arange(50) + v + mark)
+        (root / "datasets" / "tokenizers").mkdir(exist_ok=True)
+        for ext in ("model", "vocab"):
+            (root / "datasets" / "tokenizers" / f"fineweb_{v}_bpe.{ext}").write_bytes(f"{ext} {v} {mark}".encode())
+    (root / "datasets" / "manifest.json").write_text(json.dumps(manifest_for(exports)))
+    return root
 
 
 @pytest.fixture
 def fake_hub(tmp_path, monkeypatch):
-    root = tmp_path / "repo"
-    shard_dir = root / "datasets" / "datasets" / "fineweb10B_sp1024"
-    shard_dir.mkdir(parents=True)
-    for i in range(3):
-        shards.write_shard(shard_dir / f"fineweb_train_{i:06d}.bin", np.arange(100) + i)
-    shards.write_shard(shard_dir / "fineweb_val_000000.bin", np.arange(50))
-    (root / "datasets" / "tokenizers").mkdir()
-    (root / "datasets" / "tokenizers" / "fineweb_1024_bpe.model").write_bytes(b"model")
-    (root / "datasets" / "tokenizers" / "fineweb_1024_bpe.vocab").write_bytes(b"vocab")
-    (root / "datasets" / "manifest.json").write_text(json.dumps(MANIFEST))
-    hub = FakeHub(root)
+    """The sp1024 repo (3 train shards) and Kevin Clark's repo (sp4096 and sp8192, 3 each)."""
+    hub = FakeHub({SP1024_REPO: publish(tmp_path / "repo", {1024: 3}),
+                   KEVCLARK_REPO: publish(tmp_path / "kevclark", {4096: 3, 8192: 3})})
     local = tmp_path / "data"
+    monkeypatch.delenv("MATCHED_FINEWEB_REPO_ID", raising=False)
     monkeypatch.setattr(dl, "DATA_DIR", str(local))
-    monkeypatch.setattr(dl, "check_hub_reachable", lambda remote_path: None)
+    monkeypatch.setattr(dl, "check_hub_reachable", lambda repo_id, remote_path: None)
     monkeypatch.setattr(dl, "hub_download", hub.download)
     return hub, local
 
@@ -290,10 +372,12 @@ def test_download_places_files_and_skips_existing(fake_hub, capsys):
     shard_dir = local / "datasets" / "fineweb10B_sp1024"
     assert sorted(os.listdir(shard_dir)) == ["fineweb_train_000000.bin", "fineweb_train_000001.bin",
                                              "fineweb_val_000000.bin"]
-    assert (local / "tokenizers" / "fineweb_1024_bpe.model").read_bytes() == b"model"
-    assert (local / "tokenizers" / "fineweb_1024_bpe.vocab").read_bytes() == b"vocab"
+    assert (local / "tokenizers" / "fineweb_1024_bpe.model").read_bytes() == b"model 1024 0"
+    assert (local / "tokenizers" / "fineweb_1024_bpe.vocab").read_bytes() == b"vocab 1024 0"
     assert not (local / "datasets" / ".hf_staging").exists()
-    assert shards.read_shard(shard_dir / "fineweb_train_000001.bin").tolist() == list(range(1, 101))
+    assert shards.read_shard(shard_dir / "fineweb_train_000001.bin").tolist() == list(range(1025, 1125))
+    assert {repo for repo, _ in hub.downloads} == {SP1024_REPO}
+    assert capsys.readouterr().out.startswith(f"source: dataset repo {SP1024_REPO} (the default for sp1024;")
 
     # Second run, default shard count (80) is more than the 3 published: all of
     # them, and only the missing shard and a corrupted one are downloaded again.
@@ -301,9 +385,9 @@ def test_download_places_files_and_skips_existing(fake_hub, capsys):
         f.truncate(1500)
     hub.downloads.clear()
     assert dl.main(["--variant", "sp1024"]) == 0
-    assert sorted(hub.downloads) == ["datasets/datasets/fineweb10B_sp1024/fineweb_train_000000.bin",
-                                     "datasets/datasets/fineweb10B_sp1024/fineweb_train_000002.bin",
-                                     "datasets/manifest.json"]
+    assert hub.paths() == ["datasets/datasets/fineweb10B_sp1024/fineweb_train_000000.bin",
+                           "datasets/datasets/fineweb10B_sp1024/fineweb_train_000002.bin",
+                           "datasets/manifest.json"]
     assert shards.shard_num_tokens(shard_dir / "fineweb_train_000000.bin") == 100
     assert "fetching all" in capsys.readouterr().out
 
@@ -337,8 +421,87 @@ def test_download_without_manifest_uses_conventional_names(fake_hub, capsys):
     assert "fineweb_train_000003.bin" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("vocab", [4096, 8192])
+def test_download_large_vocab_variants_from_their_repo(fake_hub, capsys, vocab):
+    hub, local = fake_hub
+    assert dl.main(["--variant", f"sp{vocab}", "--train-shards", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"source: dataset repo {KEVCLARK_REPO} (the default for sp{vocab}; "
+                          "MATCHED_FINEWEB_REPO_ID overrides it)\n")
+    assert {repo for repo, _ in hub.downloads} == {KEVCLARK_REPO}
+    remote = f"datasets/datasets/fineweb10B_sp{vocab}"
+    assert hub.paths(KEVCLARK_REPO) == [f"{remote}/fineweb_train_000000.bin", f"{remote}/fineweb_train_000001.bin",
+                                        f"{remote}/fineweb_val_000000.bin", "datasets/manifest.json",
+                                        f"datasets/tokenizers/fineweb_{vocab}_bpe.model",
+                                        f"datasets/tokenizers/fineweb_{vocab}_bpe.vocab"]
+    shard_dir = local / "datasets" / f"fineweb10B_sp{vocab}"
+    assert sorted(os.listdir(local / "datasets")) == [f"fineweb10B_sp{vocab}", "manifest.json"]
+    assert sorted(os.listdir(shard_dir)) == ["fineweb_train_000000.bin", "fineweb_train_000001.bin",
+                                             "fineweb_val_000000.bin"]
+    assert shards.read_shard(shard_dir / "fineweb_train_000001.bin").tolist() == list(range(vocab + 1, vocab + 101))
+    assert sorted(os.listdir(local / "tokenizers")) == [f"fineweb_{vocab}_bpe.model", f"fineweb_{vocab}_bpe.vocab"]
+    assert (local / "tokenizers" / f"fineweb_{vocab}_bpe.model").read_bytes() == f"model {vocab} 0".encode()
+    assert json.loads((local / "datasets" / "manifest.json").read_text()) == manifest_for({4096: 3, 8192: 3})
+    assert f"2 train shards from {KEVCLARK_REPO} in {shard_dir}" in out
+
+
+def test_download_default_train_shards_per_variant(fake_hub, tmp_path, capsys):
+    hub, local = fake_hub
+    # Published: one shard more than sp8192's default of 128, and fewer than sp4096's 143.
+    hub.repos[KEVCLARK_REPO] = publish(tmp_path / "kevclark_full", {4096: 2, 8192: 129})
+    assert dl.main(["--variant", "sp8192"]) == 0
+    names = os.listdir(local / "datasets" / "fineweb10B_sp8192")
+    assert len(names) == 129 and "fineweb_train_000127.bin" in names and "fineweb_train_000128.bin" not in names
+    assert dl.main(["--variant", "sp4096"]) == 0
+    assert len(os.listdir(local / "datasets" / "fineweb10B_sp4096")) == 3
+    assert f"{KEVCLARK_REPO} publishes 2 train shards for sp4096; fetching all" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        dl.parse_args(["--help"])
+    assert "sp1024 80, sp4096 143, sp8192 128" in " ".join(capsys.readouterr().out.split())
+
+
+def test_download_repo_override_applies_to_every_variant(fake_hub, tmp_path, monkeypatch, capsys):
+    hub, local = fake_hub
+    hub.repos["someone/mirror"] = publish(tmp_path / "mirror", {1024: 2, 8192: 2}, mark=7)
+    monkeypatch.setenv("MATCHED_FINEWEB_REPO_ID", "someone/mirror")
+    assert dl.main(["--variant", "sp8192", "--train-shards", "1"]) == 0
+    assert dl.main(["--variant", "sp1024", "--train-shards", "2"]) == 0
+    out = capsys.readouterr().out
+    assert ("source: dataset repo someone/mirror (from MATCHED_FINEWEB_REPO_ID; the default for sp8192 is "
+            f"{KEVCLARK_REPO})") in out
+    assert f"source: dataset repo someone/mirror (from MATCHED_FINEWEB_REPO_ID; the default for sp1024 is " \
+           f"{SP1024_REPO})" in out
+    assert {repo for repo, _ in hub.downloads} == {"someone/mirror"}
+    tokens = shards.read_shard(local / "datasets" / "fineweb10B_sp8192" / "fineweb_train_000000.bin")
+    assert tokens.tolist() == list(range(8192 + 7, 8192 + 107))
+    assert (local / "tokenizers" / "fineweb_8192_bpe.model").read_bytes() == b"model 8192 7"
+    assert len(os.listdir(local / "datasets" / "fineweb10B_sp1024")) == 3
+    # The mirror has no sp4096 export: one line naming the mirror, not the default repo.
+    assert dl.main(["--variant", "sp4096"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "someone/mirror does not list dataset fineweb10B_sp4096" in err[0]
+
+
+@pytest.mark.parametrize("value", ["", "not a repo", "a/b/c"])
+def test_download_rejects_bad_repo_override(fake_hub, monkeypatch, capsys, value):
+    hub, local = fake_hub
+    monkeypatch.setenv("MATCHED_FINEWEB_REPO_ID", value)
+    assert dl.main(["--variant", "sp8192", "--train-shards", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"MATCHED_FINEWEB_REPO_ID={value!r} is not a Hugging Face repo id" in err[0]
+    assert hub.downloads == [] and not local.exists()
+
+
+def test_download_unknown_variant_names_the_known_ones(fake_hub, capsys):
+    hub, _ = fake_hub
+    assert dl.main(["--variant", "sp2048"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown --variant 'sp2048'; choose from sp1024, sp4096, sp8192" in err[0]
+    assert hub.downloads == []
+
+
 def test_manifest_schemas():
-    val, train, tok = dl.plan_from_manifest(MANIFEST, "sp1024")
+    val, train, tok = dl.plan_from_manifest(MANIFEST, "sp1024", SP1024_REPO)
     assert val == ["fineweb_val_000000.bin"]
     assert train == [f"fineweb_train_{i:06d}.bin" for i in range(3)]
     assert tok == ["tokenizers/fineweb_1024_bpe.model", "tokenizers/fineweb_1024_bpe.vocab"]
@@ -346,11 +509,11 @@ def test_manifest_schemas():
     listed = {"datasets": {"fineweb10B_sp1024": {
         "val_files": ["datasets/fineweb10B_sp1024/fineweb_val_000000.bin"],
         "train_files": ["fineweb_train_000000.bin", "fineweb_train_000001.bin"]}}}
-    val, train, tok = dl.plan_from_manifest(listed, "sp1024")
+    val, train, tok = dl.plan_from_manifest(listed, "sp1024", SP1024_REPO)
     assert val == ["fineweb_val_000000.bin"] and len(train) == 2
     assert tok == ["tokenizers/fineweb_1024_bpe.model", "tokenizers/fineweb_1024_bpe.vocab"]
     for bad, reason in [([], "JSON object"), ({"datasets": []}, "does not list"),
                         ({"datasets": [{"name": "fineweb10B_sp1024", "stats": {}}]}, "cannot tell")]:
         with pytest.raises(dl.FetchError, match=reason) as info:
-            dl.plan_from_manifest(bad, "sp1024")
+            dl.plan_from_manifest(bad, "sp1024", SP1024_REPO)
         assert "\n" not in str(info.value)

@@ -357,3 +357,132 @@ def test_min_lr_floors_the_record_warmdown_too_and_is_off_by_default():
                                   "MIN_LR": "0.2"})
     assert tg.lr_multiplier(floored, 99, 0.0) == pytest.approx(0.2)
     assert tg.lr_multiplier(floored, 85, 0.0) == pytest.approx(0.75)
+
+
+def test_warmdown_frac_replaces_the_default_iters_and_conflicts_with_explicit_iters():
+    h = tg.Hyperparameters({"WARMDOWN_FRAC": "0.5"})
+    assert h.warmdown_iters == 0 and "setting WARMDOWN_ITERS=0 [default]" in h.dump()
+    with pytest.raises(tg.ConfigError, match="WARMDOWN_FRAC=0.72 and WARMDOWN_ITERS=3500 both set the warmdown"):
+        tg.Hyperparameters({"PRESET": "record_0409", "WARMDOWN_ITERS": "3500"})
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+def _weights_digest(sd):
+    import hashlib
+    d = hashlib.sha256()
+    for k, v in sd.items():
+        d.update(k.encode())
+        d.update(v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return d.hexdigest()
+
+
+def test_default_tiny_run_is_bit_identical_to_before_the_frontier_toggles(tmp_path, sample_data):
+    """Weights and artifact of a tiny fp32 run of the defaults, pinned from the commit before this issue
+    (b7e590b; same bytes after it). Machine-specific like any pinned float result: fp32, one thread."""
+    env = {**TINY_ENV, **sample_data, "RUN_ID": "pin", "ITERATIONS": "6", "WARMDOWN_ITERS": "3",
+           "VAL_LOSS_EVERY": "3", "LATE_QAT_THRESHOLD": "0.5", "AUTOCAST_DTYPE": "fp32"}
+    proc = run_training(env, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import hashlib
+    assert _weights_digest(torch.load(tmp_path / "final_model.pt")) == \
+        "bb74764ab09a3f15da0dfa85271034cccdf64e2eac8ca268b877a6aefe815a78"
+    assert hashlib.sha256((tmp_path / "final_model.int6.ptz").read_bytes()).hexdigest() == \
+        "2a33e898e2402c252f0337601ed03beba8f5f3e5a1c018b5eb83681a210691a2"
+    assert "legal_ttt_exact val_loss:6.86999249 val_bpb:3.79399561" in read_log(tmp_path, "pin")
+
+
+CLOCK_WRAPPER = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+import torch
+import train_gpt as tg
+
+class SkewedClock:
+    '''Rank r's perf_counter runs (1 + r) times as fast as the real one.'''
+    def __init__(self, rate):
+        self.rate, self.start = rate, time.perf_counter()
+    def __getattr__(self, name):
+        return getattr(time, name)
+    def perf_counter(self):
+        return self.start + (time.perf_counter() - self.start) * self.rate
+
+rank = int(os.environ["RANK"])
+tg.time = SkewedClock(1.0 + rank)
+train = tg.train
+
+def train_and_save(rt, model, *args):
+    out = train(rt, model, *args)
+    torch.save(model.state_dict(), f"rank{{rank}}.pt")
+    return out
+
+tg.train = train_and_save
+tg.main()
+"""
+
+
+def test_two_ranks_with_different_clocks_switch_looping_at_one_step_and_agree(tmp_path, sample_data):
+    """Rank 1's clock runs twice as fast: the cap, the LR warmdown and the loop switch must still act at the same
+    step on both ranks (one agreed elapsed time), so both end with equal weights."""
+    wrapper = tmp_path / "clock_run.py"
+    wrapper.write_text(CLOCK_WRAPPER.format(repo=str(REPO)))
+    env = {**clean_environ(), **TINY_ENV, **sample_data, "RUN_ID": "clock", "OMP_NUM_THREADS": "1",
+           "ITERATIONS": "100000", "MAX_WALLCLOCK_SECONDS": "3", "WARMDOWN_ITERS": "0", "WARMDOWN_FRAC": "0.5",
+           "NUM_LOOPS": "1", "LOOP_START": "1", "LOOP_END": "2", "ENABLE_LOOPING_AT": "0.3", "TRAIN_LOG_EVERY": "0",
+           "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "WARMUP_STEPS": "0"}
+    import subprocess
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(wrapper)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = read_log(tmp_path, "clock")
+    switch = re.search(r"^layer_loop:enabled step:(\d+) frac:(\S+) encoder:\[0, 1, 2\] decoder:\[1, 2, 3\]$", log,
+                       re.M)
+    stop = re.search(r"^stopping_early: wallclock_cap train_time:\d+ms step:(\d+)/100000$", log, re.M)
+    assert switch and stop, log[-3000:]
+    assert 0 < int(switch.group(1)) < int(stop.group(1))
+    a, b = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_tiny_record_0409_run_logs_preset_settings_loop_switch_and_evaluates(tmp_path, sample_data):
+    from conftest import short_val_data
+    data = short_val_data(sample_data, tmp_path, 4 * 128 + 1)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {**TINY_ENV, **data, "PRESET": "record_0409", "RUN_ID": "p0409", "VOCAB_SIZE": "1024",
+           "WARMDOWN_ITERS": "0", "NUM_LAYERS": "5", "LOOP_START": "1", "LOOP_END": "2", "XSA_LAST_N": "5",
+           "PARALLEL_RESIDUAL_START": "3", "ITERATIONS": "6", "WARMUP_STEPS": "1", "GPTQ_CALIBRATION_BATCHES": "2",
+           "VE_LAYERS": "3,4"}
+    proc = run_training(env, run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = read_log(run_dir, "p0409")
+    assert re.search(r"^preset:record_0409 overridden_by_env:DATA_PATH,TOKENIZER_PATH,VOCAB_SIZE,WARMDOWN_ITERS,"
+                     r"XSA_LAST_N,LOOP_START,LOOP_END,PARALLEL_RESIDUAL_START,GPTQ_CALIBRATION_BATCHES$", log, re.M), log[-4000:]
+    for line in ("setting NUM_LOOPS=2 [preset]", "setting LOOP_START=1 [env]", "setting MUON_ROW_NORMALIZE=1 [preset]",
+                 "setting QUANT=gptq [preset]", "setting COMPRESSOR=brotli [preset]", "setting SEED=1337 [env]",
+                 "setting EMA_DECAY=0.9965 [preset]", "setting TTT_LR=0.005 [preset]"):
+        assert f"\n{line}\n" in log, line
+    assert "\nwarmup_step:1/1\nwarmup_step:1/1 looping:1\n" in log
+    assert ("layer_loop: encoder:[0, 1] decoder:[2, 3, 4], looped from ENABLE_LOOPING_AT=0.35: "
+            "encoder:[0, 1, 2, 1] decoder:[2, 1, 2, 3, 4]") in log
+    # step-based fraction without a cap: 3/6 >= 0.35 after step 3 (2/6 is not)
+    assert "\nlayer_loop:enabled step:3 frac:0.5000 encoder:[0, 1, 2, 1] decoder:[2, 1, 2, 3, 4]\n" in log
+    assert re.search(r"^gptq: hessians:\d+ batches:2x1 ", log, re.M)
+    exact = re.findall(r"^(final_int6_roundtrip|final_int6_sliding_window|legal_ttt)_exact (.*)$", log, re.M)
+    assert [k for k, _ in exact] == ["final_int6_roundtrip", "final_int6_sliding_window", "legal_ttt"]
+    # the artifact alone reproduces it: a fresh process reads it back and evaluates looped
+    again = run_training({**env, "RUN_ID": "p0409_eval", "EVAL_ONLY": str(run_dir / "final_model.int6.ptz")}, run_dir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert re.findall(r"^(final_int6_roundtrip|final_int6_sliding_window|legal_ttt)_exact (.*)$",
+                      read_log(run_dir, "p0409_eval"), re.M) == exact
+
+
+def test_a_looped_artifact_loads_looped(tmp_path):
+    h = _looped_hparams(ENABLE_LOOPING_AT="0.5")
+    model = tg.build_model(h)
+    tg.save_artifact(tmp_path / "a.ptz", model, False, h)
+    assert tg.load_artifact(tmp_path / "a.ptz", h).looping is True
+    plain = tg.Hyperparameters({**TINY_ENV})
+    tg.save_artifact(tmp_path / "b.ptz", tg.build_model(plain), False, plain)
+    assert tg.load_artifact(tmp_path / "b.ptz", plain).looping is False
