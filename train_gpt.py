@@ -1,7 +1,8 @@
 """Parameter Golf: 11-layer GPT, LeakyReLU^2 MLP, Parallel Muon, int6+lzma artifact, legal score-first TTT.
 
 Run: torchrun --standalone --nproc_per_node=8 train_gpt.py   (settings: environment variables, see --help)
-Defaults reproduce the 2026-03-23 record; improvements sit behind toggles. Sections in pipeline order.
+Defaults reproduce the 2026-03-23 record; improvements sit behind toggles, and PRESET=record_0409 sets the
+2026-04-09 record's values. Sections in pipeline order.
 """
 
 from __future__ import annotations
@@ -1057,8 +1058,8 @@ class ValueEmbedding(nn.Module):
 
 
 class GPT(nn.Module):
-    """U-Net of blocks whose matrices live in four banks (one Muon-optimised tensor per kind). With NUM_LOOPS > 0
-    some layers run more than once once `looping` is switched on (virtual_layers); the skip rows are sized for
+    """U-Net of blocks whose matrices live in four banks (one Muon-optimised tensor per kind). With NUM_LOOPS > 0,
+    switching `looping` on makes some layers run several times (virtual_layers); the skip rows are sized for
     the looped order, and the plain order uses the first of them."""
 
     def __init__(self, h):
@@ -1077,8 +1078,8 @@ class GPT(nn.Module):
         self.kv_bank = nn.Parameter(torch.empty(2 * n, kv, d))
         self.mlp_up_bank = nn.Parameter(torch.empty(n, h.mlp_hidden, d))
         self.mlp_down_bank = nn.Parameter(torch.empty(n, d, h.mlp_hidden))
-        parallel = range(max(h.parallel_residual_start, 0), n) if h.parallel_residual_start >= 0 else ()
-        self.blocks = nn.ModuleList([(ParallelBlock if i in parallel else Block)(h, i) for i in range(n)])
+        start = h.parallel_residual_start  # -1: none
+        self.blocks = nn.ModuleList([(ParallelBlock if 0 <= start <= i else Block)(h, i) for i in range(n)])
         self.rope_dims, self.rope_base = h.rope_dims or h.head_dim, h.rope_base
         self.ve_layers = list(h.ve_layers) if h.ve_enabled else []
         self.ve_shared = ValueEmbedding(h.vocab_size, h.ve_dim, kv) if self.ve_layers else None
@@ -2572,10 +2573,12 @@ def fail(rt, message):
 
 def main():
     if sys.argv[1:] in (["-h"], ["--help"]):
-        rows = "".join(f"\n  {n:<28}{d}" for n, d in Hyperparameters({}).settings)
+        rows = "".join(f"\n  {n:<28}{d:<42}{PRESETS['record_0409'].get(n, '')}".rstrip()
+                       for n, d in Hyperparameters({}).settings)
         try:
             print(f"usage: [VAR=VALUE ...] python3 train_gpt.py (or torchrun ... train_gpt.py)\nSettings are "
-                  f"environment variables (README.md). No data? {GET_DATA}\n\n  {'variable':<28}default{rows}")
+                  f"environment variables (README.md). No data? {GET_DATA}\n\n"
+                  f"  {'variable':<28}{'default (PRESET=record_0323)':<42}PRESET=record_0409{rows}")
             sys.stdout.flush()
         except BrokenPipeError:  # `--help | head`
             os._exit(0)

@@ -279,8 +279,11 @@ def test_help_prints_the_settings_and_exits_0(tmp_path):
     settings = tg.Hyperparameters({}).settings
     assert len(settings) > 80
     for name, default in settings:
-        assert re.search(rf"^  {name} +{re.escape(default)}$", proc.stdout, re.M), name
-    assert re.search(r"^  SEED +1337$", proc.stdout, re.M) and re.search(r"^  TTT_LR +0.002$", proc.stdout, re.M)
+        preset = tg.PRESETS["record_0409"].get(name)
+        tail = rf" +{re.escape(preset)}" if preset else ""
+        assert re.search(rf"^  {name} +{re.escape(default)}{tail}$", proc.stdout, re.M), name
+    assert re.search(r"^  SEED +1337$", proc.stdout, re.M) and re.search(r"^  TTT_LR +0.002 +0.005$", proc.stdout, re.M)
+    assert re.search(r"^  NUM_LOOPS +0 +2$", proc.stdout, re.M)
     assert "data/build_sample_data.py" in proc.stdout and "cached_challenge_fineweb.py" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # no run started: no logs/
 
