@@ -7,12 +7,13 @@
 #
 #   bash scripts/compare_frontier.sh                  # every variant, 90 s of training each
 #   SECONDS_PER_RUN=60 VARIANTS="default loops" bash scripts/compare_frontier.sh
+#   STEPS=60 bash scripts/compare_frontier.sh         # equal steps instead (no time cap; sample_env's schedule)
 #
 # Runs one after another (never in parallel: equal time means equal CPU). TTT is off (sliding window only);
 # the 6-layer analogues of the record's layer choices are LOOP_START=2 LOOP_END=3, PARALLEL_RESIDUAL_START=4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-: "${PYTHON:=python3}" "${SECONDS_PER_RUN:=90}"
+: "${PYTHON:=python3}" "${SECONDS_PER_RUN:=90}" "${STEPS:=0}"
 ALL="default loops parallel skip_gates no_extras qk525 muon_eq_r polar_express warmdown_frac min_lr embed_wd"
 ALL="$ALL preset_1024 default_8192 preset_8192"
 : "${VARIANTS:=$ALL}"
@@ -53,10 +54,14 @@ for v in $VARIANTS; do
   settings=$(variant_env "$v")
   echo "== $v: ${settings:-(defaults)}" >&2
   (
-    ITERATIONS=100000 source scripts/sample_env.sh
-    # the schedule of a 200-step sample run, timed against the budget instead of a step count
-    export WARMDOWN_ITERS=80 MUON_MOMENTUM_WARMUP_STEPS=100 EMA_DECAY=0.98 VAL_LOSS_EVERY=0 TRAIN_LOG_EVERY=50
-    export MAX_WALLCLOCK_SECONDS="$SECONDS_PER_RUN" TTT_ENABLED=0 RUN_ID="frontier_$v"
+    if (( STEPS > 0 )); then
+      export ITERATIONS="$STEPS" && source scripts/sample_env.sh  # its schedule for STEPS steps, no time cap
+    else
+      export ITERATIONS=100000 && source scripts/sample_env.sh
+      # the schedule of a 200-step sample run, timed against the budget instead of a step count
+      export WARMDOWN_ITERS=80 MUON_MOMENTUM_WARMUP_STEPS=100 EMA_DECAY=0.98 MAX_WALLCLOCK_SECONDS="$SECONDS_PER_RUN"
+    fi
+    export VAL_LOSS_EVERY=0 TRAIN_LOG_EVERY=50 TTT_ENABLED=0 RUN_ID="frontier_$v"
     for kv in $settings; do export "${kv?}"; done
     "$PYTHON" train_gpt.py >/dev/null
   ) || { echo "scripts/compare_frontier.sh: variant $v failed (log: logs/frontier_$v.txt)" >&2; exit 1; }
@@ -71,7 +76,7 @@ for row in sys.argv[1:]:
     name, settings = row.split("|", 1)
     log = open(f"logs/frontier_{name}.txt", encoding="utf-8").read()
     log = log[log.index("\nRunning Python"):]
-    last = re.findall(r"^step:(\d+)/\d+ train_loss:\S+ train_time:(\d+)ms step_avg:(\S+)ms", log, re.M)[-1]
+    last = re.findall(r"^step:(\d+)/\d+ val_loss:\S+ val_bpb:\S+ train_time:(\d+)ms step_avg:(\S+)ms", log, re.M)[-1]
     post = re.search(r"^DIAGNOSTIC post_ema val_loss:\S+ val_bpb:(\S+)", log, re.M).group(1)
     rt = re.search(r"^final_int6_roundtrip_exact val_loss:\S+ val_bpb:(\S+)", log, re.M).group(1)
     sw = re.search(r"^final_int6_sliding_window_exact val_loss:\S+ val_bpb:(\S+)", log, re.M).group(1)
