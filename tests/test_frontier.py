@@ -481,11 +481,11 @@ def test_tiny_record_0409_run_logs_preset_settings_loop_switch_and_evaluates(tmp
 def test_a_looped_artifact_loads_looped(tmp_path):
     h = _looped_hparams(ENABLE_LOOPING_AT="0.5")
     model = tg.build_model(h)
-    tg.save_artifact(tmp_path / "a.ptz", model, False, h)
-    assert tg.load_artifact(tmp_path / "a.ptz", h).looping is True
+    tg.save_artifact(str(tmp_path / "a.ptz"), model, False, h)
+    assert tg.load_artifact(str(tmp_path / "a.ptz"), h).looping is True
     plain = tg.Hyperparameters({**TINY_ENV})
-    tg.save_artifact(tmp_path / "b.ptz", tg.build_model(plain), False, plain)
-    assert tg.load_artifact(tmp_path / "b.ptz", plain).looping is False
+    tg.save_artifact(str(tmp_path / "b.ptz"), tg.build_model(plain), False, plain)
+    assert tg.load_artifact(str(tmp_path / "b.ptz"), plain).looping is False
 
 
 def test_compare_script_refuses_an_unknown_variant_in_one_line():
