@@ -221,7 +221,7 @@ class Hyperparameters:
     def _env(self, name, default, kind=int):
         """Read one environment variable as `kind` (int, float, str or bool '0'/'1'); floats must be finite.
         Unset (or empty) falls back to the PRESET's value, then to `default`."""
-        self.settings.append((name, {None: "auto", "": "-", True: "1", False: "0"}.get(default, str(default))))
+        self.settings.append((name, self._text(default)))
         raw, source = self._environ.get(name, "").strip(), "env"
         if raw == "" and name in self._preset:
             raw, source = self._preset[name], "preset"
@@ -250,11 +250,14 @@ class Hyperparameters:
             raise ConfigError(f"{name}={raw!r} must be a finite number")
         return value
 
+    @staticmethod
+    def _text(value):
+        """A setting's value as --help and the settings dump show it."""
+        return {None: "auto", "": "-", True: "1", False: "0"}.get(value, str(value))
+
     def dump(self):
         """The effective value and source of every setting, one per line: a log alone says what ran."""
-        shown = {True: "1", False: "0", None: "auto", "": "-"}
-        return [f"setting {name}={shown.get(v, v) if isinstance(v, (bool, str, type(None))) else v} [{src}]"
-                for name, (v, src) in self.effective.items()]
+        return [f"setting {name}={self._text(v)} [{src}]" for name, (v, src) in self.effective.items()]
 
     def _env_int_list(self, name, default):
         raw = self._env(name, default, str)

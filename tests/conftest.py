@@ -56,6 +56,17 @@ def short_val_data(sample_data: dict[str, str], out: Path, val_tokens: int) -> d
     return {"DATA_PATH": str(out), "TOKENIZER_PATH": sample_data["TOKENIZER_PATH"]}
 
 
+def config_error(environ: dict[str, str]) -> str:
+    """The message of the ConfigError that Hyperparameters(environ) raises, checked to be one line."""
+    import train_gpt as tg
+
+    with pytest.raises(tg.ConfigError) as err:
+        tg.Hyperparameters(environ)
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
 def clean_environ() -> dict[str, str]:
     """os.environ without torchrun's variables (a test decides world size itself)."""
     return {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
