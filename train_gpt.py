@@ -1102,11 +1102,13 @@ class GPT(nn.Module):
                 nn.init.orthogonal_(w)
         nn.init.zeros_(self.qo_bank[n:])
         nn.init.zeros_(self.mlp_down_bank)
-        # Orthogonal as in the record (its re-init of all Linears >= 64 wide overrode zero init); a zero
-        # bigram.proj beside the zero bigram.embed would leave both with zero gradient forever.
+        # As in the record: zero, then its re-init of every Linear with both sides >= 64 makes them orthogonal
+        # (at the record's shapes both are; a narrower one stays zero, e.g. ve proj below 64 kv dims).
         for lin in (getattr(self.bigram, "proj", None), getattr(self.ve_shared, "proj", None)):
-            if lin is not None:
+            if lin is not None and min(lin.weight.shape) >= 64:
                 nn.init.orthogonal_(lin.weight)
+            elif lin is not None:
+                nn.init.zeros_(lin.weight)
         if self.lm_head is not None:
             nn.init.zeros_(self.lm_head.weight)
 
