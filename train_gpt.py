@@ -64,7 +64,7 @@ PRESETS = {
         "VOCAB_SIZE": "8192", "TRAIN_LOADER": "shuffled", "WARMDOWN_ITERS": "0", "WARMDOWN_FRAC": "0.72",
         "MLP_MULT": "4", "XSA_LAST_N": "11", "QK_GAIN_INIT": "5.25", "BIGRAM_VOCAB_SIZE": "0", "VE_ENABLED": "0",
         "SMEAR_GATE": "0", "NUM_LOOPS": "2", "LOOP_START": "3", "LOOP_END": "5", "ENABLE_LOOPING_AT": "0.35",
-        "PARALLEL_RESIDUAL_START": "7", "SKIP_GATES": "1",
+        "PARALLEL_RESIDUAL_START": "7", "SKIP_GATES": "1", "ROPE_TRAIN_SEQ_LEN": "2048",
         "MATRIX_LR": "0.022", "SCALAR_LR": "0.02", "TIED_EMBED_LR": "0.03", "MUON_ROW_NORMALIZE": "1",
         "MUON_WD": "0.095", "EMBED_WD": "0.085", "ADAM_WD": "0.02", "EMA_DECAY": "0.9965", "LATE_QAT_THRESHOLD": "0",
         "QUANT": "gptq", "GPTQ_RESERVE_SECONDS": "12", "GPTQ_CALIBRATION_BATCHES": "64",
@@ -145,6 +145,8 @@ class Hyperparameters:
         self.loop_start = self._env("LOOP_START", 3)
         self.loop_end = self._env("LOOP_END", 5)
         self.enable_looping_at = self._env("ENABLE_LOOPING_AT", 0.0, float)
+        # ---- the 2026-04-27 model (issue 18; SPEC-FRONTIER 5, 8, 18)
+        self.rope_train_seq_len = self._env("ROPE_TRAIN_SEQ_LEN", 1024)
         # ---- optimisers
         self.embed_lr = self._env("EMBED_LR", 0.6, float)
         self.head_lr = self._env("HEAD_LR", 0.008, float)
@@ -319,7 +321,8 @@ class Hyperparameters:
                 ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
                  "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
                  "TTT_CHUNK_TOKENS TTT_BATCH_SEQS WORLD_SIZE LOCAL_WORLD_SIZE DIST_TIMEOUT_SECONDS MLP_MULT "
-                 "LOGIT_SOFTCAP QK_GAIN_INIT TRAIN_PREFETCH_QUEUE TRAINING_TIMING_EVERY GPTQ_CALIBRATION_BATCHES",
+                 "LOGIT_SOFTCAP QK_GAIN_INIT TRAIN_PREFETCH_QUEUE TRAINING_TIMING_EVERY GPTQ_CALIBRATION_BATCHES "
+                 "ROPE_TRAIN_SEQ_LEN",
                  lambda v: v > 0, "> 0"),
                 ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM ENABLE_LOOPING_AT "
                  "WARMDOWN_FRAC MIN_LR", lambda v: 0 <= v < 1, "in [0, 1)")):
@@ -351,8 +354,10 @@ class Hyperparameters:
         need(self.head_dim % 2 == 0, f"MODEL_DIM/NUM_HEADS={self.head_dim} must be even for rotary embeddings")
         need(self.rope_dims % 2 == 0 and self.rope_dims <= self.head_dim,
              f"ROPE_DIMS={self.rope_dims} must be even and <= head dim {self.head_dim} (0 = full head dim)")
-        need((self.rope_dims or self.head_dim) > 2 or max(self.train_seq_len, self.eval_seq_len) <= 1024,
-             f"ROPE_DIMS={self.rope_dims}: NTK scaling beyond 1024 tokens needs >= 4 rotated dims")
+        need((self.rope_dims or self.head_dim) > 2
+             or max(self.train_seq_len, self.eval_seq_len) <= self.rope_train_seq_len,
+             f"ROPE_DIMS={self.rope_dims}: NTK scaling beyond ROPE_TRAIN_SEQ_LEN={self.rope_train_seq_len} "
+             "tokens needs >= 4 rotated dims")
         need(self.mlp_hidden > 0, f"MLP_MULT={self.mlp_mult} gives an empty MLP")
         need(self.xsa_last_n <= self.num_layers, f"XSA_LAST_N={self.xsa_last_n} exceeds NUM_LAYERS={self.num_layers}")
         if self.num_loops > 0:
@@ -908,8 +913,9 @@ class CastedLinear(nn.Linear):
 
 
 def rotary_tables(seq_len, rd, base, device, train_len=1024):
-    """(cos, sin) for partial RoPE on rd dims, NTK-scaled beyond train_len tokens. Rebuilt each forward:
-    cheap, and no cache for torch.compile or inference_mode to trip over."""
+    """(cos, sin) for partial RoPE on rd dims, NTK-scaled beyond train_len tokens (ROPE_TRAIN_SEQ_LEN: 1024 in the
+    03-23 record, 2048 from 04-09). Rebuilt each forward: cheap, and no cache for torch.compile or
+    inference_mode to trip over."""
     if seq_len > train_len:
         base = base * (seq_len / train_len) ** (rd / (rd - 2))
     inv_freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
@@ -1084,6 +1090,7 @@ class GPT(nn.Module):
         start = h.parallel_residual_start  # -1: none
         self.blocks = nn.ModuleList([(ParallelBlock if 0 <= start <= i else Block)(h, i) for i in range(n)])
         self.rope_dims, self.rope_base = h.rope_dims or h.head_dim, h.rope_base
+        self.rope_train_len = h.rope_train_seq_len
         self.ve_layers = list(h.ve_layers) if h.ve_enabled else []
         self.ve_shared = ValueEmbedding(h.vocab_size, h.ve_dim, kv) if self.ve_layers else None
         self.ve_layer_scales = nn.ParameterList(
@@ -1134,7 +1141,7 @@ class GPT(nn.Module):
             x = x + self.bigram(ids)
         x0 = x = rms_norm(x) if self.smear is None else self.smear(rms_norm(x))
         ve = self.ve_shared(ids) if self.ve_shared is not None else None
-        rope = rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device)
+        rope = rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device, self.rope_train_len)
         encoder, decoder = self.orders[self.looping]
         skips = []
         for i in encoder:
