@@ -69,6 +69,7 @@ PRESETS = {
         "MUON_WD": "0.095", "EMBED_WD": "0.085", "ADAM_WD": "0.02", "EMA_DECAY": "0.9965", "LATE_QAT_THRESHOLD": "0",
         "QUANT": "gptq", "GPTQ_RESERVE_SECONDS": "12", "GPTQ_CALIBRATION_BATCHES": "64",
         "MATRIX_CLIP_SIGMAS": "12.85", "EMBED_CLIP_SIGMAS": "20", "COMPRESSOR": "brotli", "TTT_LR": "0.005",
+        "MUON_MOMENTUM_FP32": "1", "MUON_NS_CA_FIRST": "1",
     },
 }
 
@@ -173,6 +174,10 @@ class Hyperparameters:
         self.beta2 = self._env("BETA2", 0.95, float)
         self.adam_eps = self._env("ADAM_EPS", 1e-8, float)
         self.grad_clip_norm = self._env("GRAD_CLIP_NORM", 0.3, float)
+        # ---- the records' training semantics (issue 18; SPEC-FRONTIER 9, 18)
+        self.grad_clip_scope = self._env("GRAD_CLIP_SCOPE", "local", str)
+        self.muon_momentum_fp32 = self._env("MUON_MOMENTUM_FP32", False, bool)
+        self.muon_ns_ca_first = self._env("MUON_NS_CA_FIRST", False, bool)
         # ---- weight averaging and quantisation-aware training
         self.ema_enabled = self._env("EMA_ENABLED", True, bool)
         self.ema_decay = self._env("EMA_DECAY", 0.997, float)
@@ -341,7 +346,7 @@ class Hyperparameters:
                               ("QUANT", ("gptq_lite", "gptq")), ("COMPRESSOR", ("lzma", "brotli")),
                               ("EMBED_BITS", (8, 7)), ("MUON_NS_COEFFS", tuple(NS_COEFFICIENTS)),
                               ("SMEAR_GATE", (0, 1, 2)), ("ATTN_GATE", ("none", "sparse", "output", "dense")),
-                              ("PARALLEL_MODE", ("gptj", "lanes"))):
+                              ("PARALLEL_MODE", ("gptj", "lanes")), ("GRAD_CLIP_SCOPE", ("local", "reduced"))):
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
         need(self.compressor != "brotli" or importlib.util.find_spec("brotli") is not None,
@@ -1325,8 +1330,10 @@ def ns_schedule(kind, steps):
     return [table[0]] * steps if len(table) == 1 else list(table[:steps])
 
 
-def zeropower_via_newtonschulz5(g, steps=5, eps=1e-7, dtype=torch.bfloat16, coeffs="fixed"):
-    """Orthogonalise each trailing matrix of g (quintic Newton-Schulz in bf16 as the record; fp32 runs: fp32)."""
+def zeropower_via_newtonschulz5(g, steps=5, eps=1e-7, dtype=torch.bfloat16, coeffs="fixed", ca_first=False):
+    """Orthogonalise each trailing matrix of g (quintic Newton-Schulz in bf16 as the record; fp32 runs: fp32):
+    X <- aX + (bA + cA^2)X, A = XX^T. The last term is c(AA); ca_first (MUON_NS_CA_FIRST) rounds it as (cA)A,
+    as the 04-09 record's code does (SPEC-FRONTIER 9)."""
     x = g.to(dtype)
     transposed = x.size(-2) > x.size(-1)
     if transposed:
@@ -1334,7 +1341,7 @@ def zeropower_via_newtonschulz5(g, steps=5, eps=1e-7, dtype=torch.bfloat16, coef
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
     for a, b, c in ns_schedule(coeffs, steps):
         m = x @ x.mT
-        x = a * x + (b * m + c * (m @ m)) @ x
+        x = a * x + (b * m + ((c * m) @ m if ca_first else c * (m @ m))) @ x
     return x.mT if transposed else x
 
 
@@ -1355,11 +1362,14 @@ class Muon(torch.optim.Optimizer):
     rank's shard, starts its all-gather and applies the previous bank's update."""
 
     def __init__(self, params, lr, momentum, backend_steps, weight_decay, ns_dtype=torch.bfloat16,
-                 ns_coeffs="fixed", row_normalize=False):
+                 ns_coeffs="fixed", row_normalize=False, momentum_fp32=False, ns_ca_first=False):
         super().__init__(params, dict(lr=lr, momentum=momentum, backend_steps=backend_steps, weight_decay=weight_decay,
                                       ns_coeffs=ns_coeffs, row_normalize=row_normalize))
         self._meta = self._pending = None
         self.ns_dtype = ns_dtype
+        # MUON_MOMENTUM_FP32: momentum and Nesterov step in fp32 (the 04-09 record), not on the bf16 gradient
+        self.momentum_dtype = torch.float32 if momentum_fp32 else torch.bfloat16
+        self.ns_ca_first = ns_ca_first
 
     def _build(self):
         self._ws = ws = dist.get_world_size() if dist.is_initialized() else 1
@@ -1384,6 +1394,22 @@ class Muon(torch.optim.Optimizer):
             m["padded"][:m["rows"]].copy_(m["p"].grad)
             self._pending.append(_reduce_scatter(m["recv"], m["padded"], op=dist.ReduceOp.AVG, async_op=True))
 
+    def reduced_bank_grads(self):
+        """This rank's shards of the bank gradients averaged over ranks (waits for the reduce-scatters);
+        one process: the gradients themselves."""
+        if self._meta is None:
+            self._build()
+        if self._ws == 1:
+            return [m["p"].grad for m in self._meta]
+        if self._pending is None:
+            self.launch_reduce_scatters()
+        for handle in self._pending:
+            if handle is not None:
+                handle.wait()
+        # waited once: a gloo handle waited again copies its result over the shard anew
+        self._pending = [None] * len(self._pending)
+        return [m["recv"] for m in self._meta]
+
     def _apply(self, m, update):
         # Looked up on every use: load_state_dict() replaces the group dicts.
         p, group = m["p"], self.param_groups[m["group_index"]]
@@ -1403,10 +1429,11 @@ class Muon(torch.optim.Optimizer):
         for i, m in enumerate(self._meta):
             group = self.param_groups[m["group_index"]]
             if distributed:
-                self._pending[i].wait()
-                g = m["recv"]
+                if self._pending[i] is not None:  # None: waited by reduced_bank_grads
+                    self._pending[i].wait()
+                g = m["recv"].to(self.momentum_dtype)
             else:
-                g = m["p"].grad.bfloat16()
+                g = m["p"].grad.to(self.momentum_dtype)
             state = self.state[m["p"]]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g)
@@ -1416,7 +1443,7 @@ class Muon(torch.optim.Optimizer):
             if group["row_normalize"]:
                 u = normalize_rows(u)
             update = zeropower_via_newtonschulz5(u, group["backend_steps"], dtype=self.ns_dtype,
-                                                 coeffs=group["ns_coeffs"])
+                                                 coeffs=group["ns_coeffs"], ca_first=self.ns_ca_first)
             if not distributed:
                 self._apply(m, update)
                 continue
@@ -1456,7 +1483,7 @@ def build_optimizers(h, model, ns_dtype=torch.bfloat16):
         adams.append(adam(head, h.head_lr))
     muon = Muon(banks, lr=h.matrix_lr, momentum=h.muon_momentum, backend_steps=h.muon_backend_steps,
                 weight_decay=h.muon_wd, ns_dtype=ns_dtype, ns_coeffs=h.muon_ns_coeffs,
-                row_normalize=h.muon_row_normalize)
+                row_normalize=h.muon_row_normalize, momentum_fp32=h.muon_momentum_fp32, ns_ca_first=h.muon_ns_ca_first)
     for g in muon.param_groups:
         g["base_lr"] = h.matrix_lr
     return muon, adams
@@ -1721,20 +1748,39 @@ class Trainer:
             total += loss.detach()
             with phase("backward"):
                 (loss * (1.0 / accum)).backward()
+        # As the records (03-23 and 04-27, SPEC-FRONTIER 18): each rank's local gradients, before any communication;
+        # GRAD_CLIP_SCOPE=reduced: the rank-averaged gradients (one process: the same thing).
+        clip_reduced = h.grad_clip_norm > 0 and h.grad_clip_scope == "reduced" and rt.distributed
         with phase("clip"):
-            if h.grad_clip_norm > 0:
-                # As the record: clip each rank's local gradients, before any communication.
+            if h.grad_clip_norm > 0 and not clip_reduced:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip_norm)
         with phase("optimizer"):
             self.muon.launch_reduce_scatters()
             for p in self.replicated:
                 if p.grad is not None:
                     rt.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            if clip_reduced:
+                clip_reduced_grads(rt, self.muon, self.replicated, h.grad_clip_norm)
             for opt in self.adams:
                 opt.step()
             self.muon.step()
         self.zero_grad()
         return total / accum
+
+
+@torch.no_grad()
+def clip_reduced_grads(rt, muon, replicated, max_norm):
+    """GRAD_CLIP_SCOPE=reduced: clip the norm of the rank-averaged gradient (the banks' reduce-scattered shards and
+    the all-reduced replicated gradients), as one process with the mean gradient clips: coefficient
+    min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_."""
+    shards = muon.reduced_bank_grads()
+    rep = [p.grad for p in replicated if p.grad is not None]
+    # each rank holds different bank rows (zero-padded), the same replicated gradients
+    bank_sq = rt.all_reduce(sum(s.float().square().sum() for s in shards))
+    norm = (bank_sq + sum(g.float().square().sum() for g in rep)).sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in (*shards, *rep):
+        g.mul_(coef.to(g.dtype))
 
 
 def make_train_loader(rt):

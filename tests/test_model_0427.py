@@ -332,3 +332,153 @@ def test_newest_logits_equal_the_04_27_records_code(record_0427, looping):
         for b in ours.blocks:
             b.attn.attn_gate.scale = 1.0
         assert _rel(ours.forward_logits(ids), want) > 1e-4
+
+
+# ---------------------------------------------------------------------------------------------- training semantics
+
+def _eager_ns(record):
+    """The record's Newton-Schulz as written (it wraps it in torch.compile, whose fused kernels round otherwise)."""
+    return record.zeropower_via_newtonschulz5._torchdynamo_orig_callable
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (48, 40)])
+def test_newton_schulz_ca_first_is_the_04_09_records_function(record_0409, shape):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    theirs = _eager_ns(record_0409)(g, steps=5)
+    ours = tg.zeropower_via_newtonschulz5(g[None], 5, ca_first=True)[0]
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(tg.zeropower_via_newtonschulz5(g[None], 5)[0], theirs)  # c(AA): rounds differently
+
+
+def _muon_steps(step_fn, p, grads):
+    for g in grads:
+        p.grad = g.clone()
+        step_fn()
+    return p.detach().clone()
+
+
+@pytest.mark.parametrize("fp32_momentum_ca_first", [True, False])
+def test_muon_with_fp32_momentum_and_ca_first_is_the_04_09_records_muon(record_0409, fp32_momentum_ca_first,
+                                                                           monkeypatch):
+    monkeypatch.setattr(record_0409, "zeropower_via_newtonschulz5", _eager_ns(record_0409))
+    gen = torch.Generator().manual_seed(4)
+    w0 = torch.randn(32, 48, generator=gen) * 0.1
+    grads = [torch.randn(32, 48, generator=gen) for _ in range(4)]
+    theirs_p = torch.nn.Parameter(w0.clone())
+    theirs = record_0409.Muon([theirs_p], lr=0.02, momentum=0.95, backend_steps=5, weight_decay=0.095,
+                              row_normalize=True)
+    ours_p = torch.nn.Parameter(w0[None].clone())
+    ours = tg.Muon([ours_p], lr=0.02, momentum=0.95, backend_steps=5, weight_decay=0.095, row_normalize=True,
+                   momentum_fp32=fp32_momentum_ca_first, ns_ca_first=fp32_momentum_ca_first)
+    want = _muon_steps(theirs.step, theirs_p, grads)
+    got = _muon_steps(ours.step, ours_p, [g[None] for g in grads])[0]
+    assert torch.equal(got, want) == fp32_momentum_ca_first
+    assert ours.state[ours_p]["momentum_buffer"].dtype == (torch.float32 if fp32_momentum_ca_first else torch.bfloat16)
+
+
+def test_record_0409_preset_uses_the_records_muon_arithmetic_and_the_default_does_not():
+    h, d = tg.Hyperparameters({"PRESET": "record_0409"}), tg.Hyperparameters({})
+    assert (h.muon_momentum_fp32, h.muon_ns_ca_first) == (True, True)
+    assert (d.muon_momentum_fp32, d.muon_ns_ca_first, d.grad_clip_scope) == (False, False, "local")
+    assert "GRAD_CLIP_SCOPE='global' must be local or reduced" in config_error({"GRAD_CLIP_SCOPE": "global"})
+
+
+class _Batches:
+    def __init__(self, h):
+        self.gen, self.h = torch.Generator().manual_seed(5), h
+
+    def next_batch(self):
+        x = torch.randint(0, self.h.vocab_size, (2, 32), generator=self.gen)
+        return x, torch.roll(x, -1, 1)
+
+
+def _trainer(env):
+    from conftest import TINY_ENV
+    h = tg.Hyperparameters({**TINY_ENV, "TRAIN_SEQ_LEN": "32", "TRAIN_BATCH_TOKENS": "512", "GRAD_ACCUM_STEPS": "1",
+                            "GRAD_CLIP_NORM": "0.05", **env})
+    rt = tg.Runtime(h, torch.device("cpu"), False, True, None, autocast_dtype=None)
+    return h, tg.Trainer(rt, rt.prepare_model(tg.build_model(h)))
+
+
+def test_tied_embedding_is_held_and_updated_in_bf16_with_an_fp32_ema():
+    h, trainer = _trainer({})
+    ema = tg.WeightAverager(h, trainer.model)
+    before = trainer.model.tok_emb.weight.detach().clone()
+    trainer.step(_Batches(h), 1.0, 0.95)
+    ema.update(0, 1.0)
+    w = trainer.model.tok_emb.weight
+    assert w.dtype == torch.bfloat16 and not torch.equal(w, before)
+    assert ema.ema["tok_emb.weight"].dtype == torch.float32
+
+
+CLIP_SCRIPT = r"""
+import sys
+sys.path.insert(0, {repo!r})
+import torch, torch.distributed as dist
+import train_gpt as tg
+
+BANKS, REPLICATED = [(3, 8, 6), (5, 4, 4)], [(6,), (2, 3)]
+
+
+def grads(rank):
+    g = torch.Generator().manual_seed(7 + rank)
+    # integers / 8: every value and every two-rank mean is exact in bf16; norms far above the clip
+    return [torch.randint(-64, 65, s, generator=g).float() / 8 for s in BANKS + REPLICATED]
+
+
+def params():
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s)) for s in BANKS + REPLICATED]
+
+
+class Rt:
+    distributed = True
+    def all_reduce(self, t):
+        dist.all_reduce(t)
+        return t
+
+
+mean = [(a + b) / 2 for a, b in zip(grads(0), grads(1))]
+ref = params()
+for p, g in zip(ref, mean):
+    p.grad = g.clone()
+torch.nn.utils.clip_grad_norm_(ref, 1.0)  # one process, the mean gradient
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for scope in ("reduced", "local"):
+    ps = params()
+    for p, g in zip(ps, grads(rank)):
+        p.grad = g.clone()
+    if scope == "local":
+        torch.nn.utils.clip_grad_norm_(ps, 1.0)
+    muon = tg.Muon(ps[:2], lr=0.1, momentum=0.0, backend_steps=5, weight_decay=0.0)
+    muon.launch_reduce_scatters()
+    for p in ps[2:]:
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    if scope == "reduced":
+        tg.clip_reduced_grads(Rt(), muon, ps[2:], 1.0)
+    shards = muon.reduced_bank_grads()
+    got = [s[:b[0] - rank * s.size(0)] for s, b in zip(shards, BANKS)]  # this rank's real rows
+    want = [r.grad[rank * s.size(0):(rank + 1) * s.size(0)] for r, s in zip(ref[:2], shards)]
+    same = all(torch.allclose(g.float(), w, rtol=1e-2, atol=1e-3) for g, w in zip(got, want))
+    same = same and all(torch.allclose(p.grad, r.grad, rtol=1e-6) for p, r in zip(ps[2:], ref[2:]))
+    print(f"clip-{{scope}}-equals-one-process:{{int(same)}} rank:{{rank}}")
+dist.destroy_process_group()
+"""
+
+
+def test_reduced_clip_on_two_ranks_equals_one_process_with_the_mean_gradient(tmp_path):
+    """GRAD_CLIP_SCOPE=reduced: after the reduce-scatters and all-reduces, 2 gloo ranks hold the clipped mean
+    gradient of one process (bank shards in bf16); the local clip (the default, as the records) does not."""
+    import subprocess
+    from conftest import REPO, clean_environ
+    script = tmp_path / "clip.py"
+    script.write_text(CLIP_SCRIPT.replace("{repo!r}", repr(str(REPO))).replace("{{", "{").replace("}}", "}"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**clean_environ(), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"clip-reduced-equals-one-process:1 rank:{rank}" in proc.stdout, proc.stdout
+        assert f"clip-local-equals-one-process:0 rank:{rank}" in proc.stdout, proc.stdout
