@@ -482,3 +482,31 @@ def test_reduced_clip_on_two_ranks_equals_one_process_with_the_mean_gradient(tmp
     for rank in (0, 1):
         assert f"clip-reduced-equals-one-process:1 rank:{rank}" in proc.stdout, proc.stdout
         assert f"clip-local-equals-one-process:0 rank:{rank}" in proc.stdout, proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------- a tiny run
+
+def test_tiny_two_rank_run_with_every_04_27_switch_trains_quantizes_evaluates_and_reloads(tmp_path, sample_data):
+    """Every forward path with SmearGate v2, the sparse gate and the two lanes (training, GPTQ calibration, the
+    artifact's evaluations, TTT), on 2 gloo ranks with the reduced clip; EVAL_ONLY reproduces the scores."""
+    from conftest import TINY_ENV, read_log, run_training, short_val_data
+    data = short_val_data(sample_data, tmp_path, 4 * 128 + 1)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {**TINY_ENV, **data, **NEWEST, "RUN_ID": "n0427", "VOCAB_SIZE": "1024", "WARMDOWN_ITERS": "0",
+           "NUM_LAYERS": "5", "LOOP_START": "1", "LOOP_END": "2", "XSA_LAST_N": "5", "PARALLEL_RESIDUAL_START": "3",
+           "ITERATIONS": "4", "WARMUP_STEPS": "1", "GPTQ_CALIBRATION_BATCHES": "1", "VE_LAYERS": "3,4",
+           "GRAD_CLIP_SCOPE": "reduced", "BETA2": "0.99", "MUON_MOMENTUM": "0.97"}
+    proc = run_training(env, run_dir, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = read_log(run_dir, "n0427")
+    for line in ("setting SMEAR_GATE=2 [env]", "setting ATTN_GATE=sparse [env]", "setting PARALLEL_MODE=lanes [env]",
+                 "setting GRAD_CLIP_SCOPE=reduced [env]", "setting ROPE_TRAIN_SEQ_LEN=2048 [preset]"):
+        assert f"\n{line}\n" in log, line
+    exact = re.findall(r"^(final_int6_roundtrip|final_int6_sliding_window|legal_ttt)_exact (.*)$", log, re.M)
+    assert [k for k, _ in exact] == ["final_int6_roundtrip", "final_int6_sliding_window", "legal_ttt"]
+    again = run_training({**env, "RUN_ID": "n0427_eval", "EVAL_ONLY": str(run_dir / "final_model.int6.ptz")},
+                         run_dir, nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert re.findall(r"^(final_int6_roundtrip|final_int6_sliding_window|legal_ttt)_exact (.*)$",
+                      read_log(run_dir, "n0427_eval"), re.M) == exact
