@@ -1158,7 +1158,8 @@ class ValueEmbedding(nn.Module):
 class GPT(nn.Module):
     """U-Net of blocks whose matrices live in four banks (one Muon-optimised tensor per kind). With NUM_LOOPS > 0,
     switching `looping` on makes some layers run several times (virtual_layers); the skip rows are sized for
-    the looped order, and the plain order uses the first of them."""
+    the looped order, and the plain order uses the first of them. With PARALLEL_MODE=lanes the decoder runs two
+    lanes (TwoLaneResidual) from its first step at a physical layer >= PARALLEL_RESIDUAL_START to its end."""
 
     def __init__(self, h):
         super().__init__()
