@@ -64,11 +64,12 @@ PRESETS = {
         "VOCAB_SIZE": "8192", "TRAIN_LOADER": "shuffled", "WARMDOWN_ITERS": "0", "WARMDOWN_FRAC": "0.72",
         "MLP_MULT": "4", "XSA_LAST_N": "11", "QK_GAIN_INIT": "5.25", "BIGRAM_VOCAB_SIZE": "0", "VE_ENABLED": "0",
         "SMEAR_GATE": "0", "NUM_LOOPS": "2", "LOOP_START": "3", "LOOP_END": "5", "ENABLE_LOOPING_AT": "0.35",
-        "PARALLEL_RESIDUAL_START": "7", "SKIP_GATES": "1",
+        "PARALLEL_RESIDUAL_START": "7", "SKIP_GATES": "1", "ROPE_TRAIN_SEQ_LEN": "2048",
         "MATRIX_LR": "0.022", "SCALAR_LR": "0.02", "TIED_EMBED_LR": "0.03", "MUON_ROW_NORMALIZE": "1",
         "MUON_WD": "0.095", "EMBED_WD": "0.085", "ADAM_WD": "0.02", "EMA_DECAY": "0.9965", "LATE_QAT_THRESHOLD": "0",
         "QUANT": "gptq", "GPTQ_RESERVE_SECONDS": "12", "GPTQ_CALIBRATION_BATCHES": "64",
         "MATRIX_CLIP_SIGMAS": "12.85", "EMBED_CLIP_SIGMAS": "20", "COMPRESSOR": "brotli", "TTT_LR": "0.005",
+        "MUON_MOMENTUM_FP32": "1", "MUON_NS_CA_FIRST": "1",
     },
 }
 
@@ -138,13 +139,21 @@ class Hyperparameters:
         self.ve_enabled = self._env("VE_ENABLED", True, bool)
         self.ve_dim = self._env("VE_DIM", 128)
         self.ve_layers = self._env_int_list("VE_LAYERS", "9,10")
-        self.smear_gate = self._env("SMEAR_GATE", True, bool)
+        self.smear_gate = self._env("SMEAR_GATE", 1)  # 0 off, 1 the 03-23 record's, 2 v2 with the BOS mask
         self.skip_gates = self._env("SKIP_GATES", False, bool)
         self.parallel_residual_start = self._env("PARALLEL_RESIDUAL_START", -1)
         self.num_loops = self._env("NUM_LOOPS", 0)
         self.loop_start = self._env("LOOP_START", 3)
         self.loop_end = self._env("LOOP_END", 5)
         self.enable_looping_at = self._env("ENABLE_LOOPING_AT", 0.0, float)
+        # ---- the 2026-04-27 model (issue 18; SPEC-FRONTIER 5, 8, 18)
+        self.rope_train_seq_len = self._env("ROPE_TRAIN_SEQ_LEN", 1024)
+        self.bos_id = self._env("BOS_ID", 1)
+        self.gate_window = self._env("GATE_WINDOW", 12)
+        self.attn_gate = self._env("ATTN_GATE", "none", str)
+        self.attn_gate_scale = self._env("ATTN_GATE_SCALE", 1.0, float)
+        self.attn_gate_init_std = self._env("ATTN_GATE_INIT_STD", 0.0, float)
+        self.parallel_mode = self._env("PARALLEL_MODE", "gptj", str)
         # ---- optimisers
         self.embed_lr = self._env("EMBED_LR", 0.6, float)
         self.head_lr = self._env("HEAD_LR", 0.008, float)
@@ -165,6 +174,10 @@ class Hyperparameters:
         self.beta2 = self._env("BETA2", 0.95, float)
         self.adam_eps = self._env("ADAM_EPS", 1e-8, float)
         self.grad_clip_norm = self._env("GRAD_CLIP_NORM", 0.3, float)
+        # ---- the records' training semantics (issue 18; SPEC-FRONTIER 9, 18)
+        self.grad_clip_scope = self._env("GRAD_CLIP_SCOPE", "local", str)
+        self.muon_momentum_fp32 = self._env("MUON_MOMENTUM_FP32", False, bool)
+        self.muon_ns_ca_first = self._env("MUON_NS_CA_FIRST", False, bool)
         # ---- weight averaging and quantisation-aware training
         self.ema_enabled = self._env("EMA_ENABLED", True, bool)
         self.ema_decay = self._env("EMA_DECAY", 0.997, float)
@@ -315,11 +328,13 @@ class Hyperparameters:
                  "RANK LOCAL_RANK OMP_NUM_THREADS VAL_PROGRESS_LOG_EVERY MAX_WALLCLOCK_SECONDS EMBED_LR HEAD_LR "
                  "TIED_EMBED_LR MATRIX_LR SCALAR_LR MUON_WD ADAM_WD GRAD_CLIP_NORM TTT_LR TTT_GRAD_CLIP ADAM_EPS "
                  "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD GPTQ_RESERVE_SECONDS MATRIX_CLIP_SIGMAS EMBED_CLIP_SIGMAS "
-                 "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD", lambda v: v >= 0, ">= 0"),
+                 "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD BOS_ID ATTN_GATE_INIT_STD",
+                 lambda v: v >= 0, ">= 0"),
                 ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
                  "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
                  "TTT_CHUNK_TOKENS TTT_BATCH_SEQS WORLD_SIZE LOCAL_WORLD_SIZE DIST_TIMEOUT_SECONDS MLP_MULT "
-                 "LOGIT_SOFTCAP QK_GAIN_INIT TRAIN_PREFETCH_QUEUE TRAINING_TIMING_EVERY GPTQ_CALIBRATION_BATCHES",
+                 "LOGIT_SOFTCAP QK_GAIN_INIT TRAIN_PREFETCH_QUEUE TRAINING_TIMING_EVERY GPTQ_CALIBRATION_BATCHES "
+                 "ROPE_TRAIN_SEQ_LEN GATE_WINDOW",
                  lambda v: v > 0, "> 0"),
                 ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM ENABLE_LOOPING_AT "
                  "WARMDOWN_FRAC MIN_LR", lambda v: 0 <= v < 1, "in [0, 1)")):
@@ -329,7 +344,9 @@ class Hyperparameters:
         for name, choices in (("DEVICE", ("", "cpu", "cuda")), ("TRAIN_LOADER", ("stream", "shuffled")),
                               ("VAL_BYTECOUNT_DEVICE", ("cpu", "cuda")), ("AUTOCAST_DTYPE", ("auto", "bf16", "fp32")),
                               ("QUANT", ("gptq_lite", "gptq")), ("COMPRESSOR", ("lzma", "brotli")),
-                              ("EMBED_BITS", (8, 7)), ("MUON_NS_COEFFS", tuple(NS_COEFFICIENTS))):
+                              ("EMBED_BITS", (8, 7)), ("MUON_NS_COEFFS", tuple(NS_COEFFICIENTS)),
+                              ("SMEAR_GATE", (0, 1, 2)), ("ATTN_GATE", ("none", "sparse", "output", "dense")),
+                              ("PARALLEL_MODE", ("gptj", "lanes")), ("GRAD_CLIP_SCOPE", ("local", "reduced"))):
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
         need(self.compressor != "brotli" or importlib.util.find_spec("brotli") is not None,
@@ -351,8 +368,10 @@ class Hyperparameters:
         need(self.head_dim % 2 == 0, f"MODEL_DIM/NUM_HEADS={self.head_dim} must be even for rotary embeddings")
         need(self.rope_dims % 2 == 0 and self.rope_dims <= self.head_dim,
              f"ROPE_DIMS={self.rope_dims} must be even and <= head dim {self.head_dim} (0 = full head dim)")
-        need((self.rope_dims or self.head_dim) > 2 or max(self.train_seq_len, self.eval_seq_len) <= 1024,
-             f"ROPE_DIMS={self.rope_dims}: NTK scaling beyond 1024 tokens needs >= 4 rotated dims")
+        need((self.rope_dims or self.head_dim) > 2
+             or max(self.train_seq_len, self.eval_seq_len) <= self.rope_train_seq_len,
+             f"ROPE_DIMS={self.rope_dims}: NTK scaling beyond ROPE_TRAIN_SEQ_LEN={self.rope_train_seq_len} "
+             "tokens needs >= 4 rotated dims")
         need(self.mlp_hidden > 0, f"MLP_MULT={self.mlp_mult} gives an empty MLP")
         need(self.xsa_last_n <= self.num_layers, f"XSA_LAST_N={self.xsa_last_n} exceeds NUM_LAYERS={self.num_layers}")
         if self.num_loops > 0:
@@ -360,6 +379,10 @@ class Hyperparameters:
                  f"LOOP_END={self.loop_end} must satisfy LOOP_START <= LOOP_END < NUM_LAYERS={self.num_layers}")
         need(-1 <= self.parallel_residual_start < self.num_layers, f"PARALLEL_RESIDUAL_START="
              f"{self.parallel_residual_start} must be a layer index < NUM_LAYERS={self.num_layers}, or -1 (off)")
+        need(self.parallel_mode != "lanes" or self.parallel_residual_start >= 0,
+             "PARALLEL_MODE=lanes needs PARALLEL_RESIDUAL_START >= 0 (the first layer of the two lanes)")
+        need(self.gate_window <= self.model_dim, f"GATE_WINDOW={self.gate_window} exceeds MODEL_DIM={self.model_dim}")
+        need(self.bos_id < self.vocab_size, f"BOS_ID={self.bos_id} must be < VOCAB_SIZE={self.vocab_size}")
         need(self.bigram_vocab_size != 1, "BIGRAM_VOCAB_SIZE=1 leaves no hash bucket (use 0 to disable, or >= 2)")
         need(self.ttt_freeze_blocks <= self.num_layers,
              f"TTT_FREEZE_BLOCKS={self.ttt_freeze_blocks} exceeds NUM_LAYERS={self.num_layers}")
@@ -908,8 +931,9 @@ class CastedLinear(nn.Linear):
 
 
 def rotary_tables(seq_len, rd, base, device, train_len=1024):
-    """(cos, sin) for partial RoPE on rd dims, NTK-scaled beyond train_len tokens. Rebuilt each forward:
-    cheap, and no cache for torch.compile or inference_mode to trip over."""
+    """(cos, sin) for partial RoPE on rd dims, NTK-scaled beyond train_len tokens (ROPE_TRAIN_SEQ_LEN: 1024 in the
+    03-23 record, 2048 from 04-09). Rebuilt each forward: cheap, and no cache for torch.compile or
+    inference_mode to trip over."""
     if seq_len > train_len:
         base = base * (seq_len / train_len) ** (rd / (rd - 2))
     inv_freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
@@ -924,8 +948,36 @@ def apply_rotary(x, cos, sin, rope_dims):
     return torch.cat((a * cos + b * sin, -a * sin + b * cos, rest), dim=-1)
 
 
+class AttentionGate(nn.Module):
+    """A per-head gate on the attention output (SPEC-FRONTIER 8, 18; ATTN_GATE), applied after XSA and before the
+    output projection: y_{t,h} *= g_{t,h}, read from the attention input x_t (the block's normed input):
+      sparse (04-23, 04-27): g = sigmoid(k * W_h . x_t[0:GATE_WINDOW]), k = ATTN_GATE_SCALE;
+      output (04-16):        g = 2 * sigmoid(W_h . x_t[0:GATE_WINDOW]);
+      dense (04-19):         g = sigmoid(W_h . x_t), W_h over the full width.
+    W (heads x width) starts at zero (g = 0.5, 1, 0.5) or, with ATTN_GATE_INIT_STD > 0, N(0, std^2)."""
+
+    def __init__(self, kind, num_heads, model_dim, window, scale, init_std):
+        super().__init__()
+        self.kind, self.scale = kind, scale
+        self.width = model_dim if kind == "dense" else window
+        w = torch.zeros(num_heads, self.width, dtype=torch.float32)
+        if init_std > 0:
+            nn.init.normal_(w, std=init_std)
+        self.weight = nn.Parameter(w)
+
+    def forward(self, y, x):
+        z = F.linear(x[..., :self.width], self.weight.to(x.dtype))
+        if self.kind == "sparse":
+            g = torch.sigmoid(self.scale * z)
+        elif self.kind == "output":
+            g = 2.0 * torch.sigmoid(z)
+        else:
+            g = torch.sigmoid(z)
+        return y * g[..., None]
+
+
 class CausalSelfAttention(nn.Module):
-    """GQA attention with QK-norm, partial RoPE, a per-head query gain and optional XSA."""
+    """GQA attention with QK-norm, partial RoPE, a per-head query gain, optional XSA and an optional output gate."""
 
     def __init__(self, h, use_xsa):
         super().__init__()
@@ -933,6 +985,8 @@ class CausalSelfAttention(nn.Module):
         self.rope_dims = h.rope_dims or h.head_dim
         self.q_gain = nn.Parameter(torch.full((h.num_heads,), h.qk_gain_init, dtype=torch.float32))
         self.use_xsa = use_xsa
+        self.attn_gate = None if h.attn_gate == "none" else AttentionGate(
+            h.attn_gate, h.num_heads, h.model_dim, h.gate_window, h.attn_gate_scale, h.attn_gate_init_std)
 
     def forward(self, x, w, v_embed, rope):
         q_w, k_w, v_w, out_w = w
@@ -950,6 +1004,8 @@ class CausalSelfAttention(nn.Module):
         y = causal_attention(q, k, v)
         if self.use_xsa:
             y = self._exclude_self_value(y, v)
+        if self.attn_gate is not None:
+            y = self.attn_gate(y, x)
         return linear(y.reshape(B, T, D), out_w)
 
     def _exclude_self_value(self, y, v):
@@ -998,6 +1054,27 @@ class ParallelBlock(Block):
         return x + self.attn_scale.to(x.dtype) * attn + self.mlp_scale.to(x.dtype) * self.mlp(n, *w[4:])
 
 
+class TwoLaneResidual(nn.Module):
+    """Two-lane parallel residuals (SPEC-FRONTIER 5, 18; the 04-27 record; PARALLEL_MODE=lanes): an attention lane a
+    and an MLP lane m. Layer l, from the lanes before its update (c = the block's LN scale):
+      A = attn_scale * Attn(RMS(mu0*a + mu1*x0) * c),  M = mlp_scale * MLP(RMS(m) * c)  (the MLP lane: no x0),
+      a <- rho[l,0]*a + pi[l,0,0]*A + pi[l,1,0]*M,    m <- rho[l,1]*m + pi[l,0,1]*A + pi[l,1,1]*M.
+    pi (routing, layers x 2 x 2) starts at 1, rho (lane residual, layers x 2) at 1.1, one row per physical layer."""
+
+    def __init__(self, num_layers):
+        super().__init__()
+        self.post = nn.Parameter(torch.ones(num_layers, 2, 2, dtype=torch.float32))
+        self.resid = nn.Parameter(torch.full((num_layers, 2), 1.1, dtype=torch.float32))
+
+    def forward(self, i, block, a, m, x0, w, v_embed, rope):
+        attn = block.attn(rms_norm(block.mix_in(a, x0)) * block.ln_scale, w[:4], v_embed, rope)
+        attn = block.attn_scale.to(a.dtype) * attn
+        mlp = block.mlp_scale.to(m.dtype) * block.mlp(rms_norm(m) * block.ln_scale, *w[4:])
+        post, resid = self.post[i].to(a.dtype), self.resid[i].to(a.dtype)
+        return (resid[0] * a + post[0, 0] * attn + post[1, 0] * mlp,
+                resid[1] * m + post[0, 1] * attn + post[1, 1] * mlp)
+
+
 def virtual_layers(num_layers, num_loops=0, loop_start=0, loop_end=-1):
     """Depth recurrence (SPEC-FRONTIER 4): the physical layer indices in the order they run, split into the
     U-Net's encoder (first half, rounded down) and decoder. With num_loops > 0 the span loop_start..loop_end
@@ -1044,6 +1121,24 @@ class SmearGate(nn.Module):
         return (1 - g) * x + g * prev
 
 
+class SmearGateBOS(nn.Module):
+    """SmearGate v2 (SPEC-FRONTIER 8, 18; the 04-16 gate with the 04-27 BOS fix; SMEAR_GATE=2), on the raw input
+    embeddings e before the first RMSNorm: e'_0 = e_0, e'_t = e_t + lam * sigmoid(w . e_t[0:GATE_WINDOW]) * e_{t-1}
+    * [ids_t != BOS_ID]. w (1 x window) and lam start at zero: the identity at init. The mask keeps the last token
+    of one document out of the next document's BOS position in a packed row."""
+
+    def __init__(self, window, bos_id):
+        super().__init__()
+        self.window, self.bos_id = window, bos_id
+        self.gate = nn.Parameter(torch.zeros(1, window, dtype=torch.float32))
+        self.lam = nn.Parameter(torch.zeros(1, dtype=torch.float32))
+
+    def forward(self, e, ids):
+        g = self.lam.to(e.dtype) * torch.sigmoid(F.linear(e[:, 1:, :self.window], self.gate.to(e.dtype)))
+        keep = (ids[:, 1:] != self.bos_id).to(e.dtype).unsqueeze(-1)
+        return torch.cat((e[:, :1], e[:, 1:] + g * e[:, :-1] * keep), dim=1)
+
+
 class ValueEmbedding(nn.Module):
     """A token embedding added to the attention values of selected layers."""
 
@@ -1063,7 +1158,8 @@ class ValueEmbedding(nn.Module):
 class GPT(nn.Module):
     """U-Net of blocks whose matrices live in four banks (one Muon-optimised tensor per kind). With NUM_LOOPS > 0,
     switching `looping` on makes some layers run several times (virtual_layers); the skip rows are sized for
-    the looped order, and the plain order uses the first of them."""
+    the looped order, and the plain order uses the first of them. With PARALLEL_MODE=lanes the decoder runs two
+    lanes (TwoLaneResidual) from its first step at a physical layer >= PARALLEL_RESIDUAL_START to its end."""
 
     def __init__(self, h):
         super().__init__()
@@ -1073,7 +1169,8 @@ class GPT(nn.Module):
         self.looping = False  # switched on during training (ENABLE_LOOPING_AT); a compiled graph per value
         self.tok_emb = CastedEmbedding(h.vocab_size, d)
         self.bigram = BigramHash(h.bigram_vocab_size, h.bigram_dim, d) if h.bigram_vocab_size > 0 else None
-        self.smear = SmearGate(d) if h.smear_gate else None
+        self.smear = SmearGate(d) if h.smear_gate == 1 else None
+        self.smear_bos = SmearGateBOS(h.gate_window, h.bos_id) if h.smear_gate == 2 else None
         num_skips = min(len(half) for half in self.orders[h.num_loops > 0])
         self.skip_weights = nn.Parameter(torch.ones(num_skips, d))
         self.skip_gates = nn.Parameter(torch.zeros(num_skips, d)) if h.skip_gates else None
@@ -1082,8 +1179,12 @@ class GPT(nn.Module):
         self.mlp_up_bank = nn.Parameter(torch.empty(n, h.mlp_hidden, d))
         self.mlp_down_bank = nn.Parameter(torch.empty(n, d, h.mlp_hidden))
         start = h.parallel_residual_start  # -1: none
-        self.blocks = nn.ModuleList([(ParallelBlock if 0 <= start <= i else Block)(h, i) for i in range(n)])
+        gptj = h.parallel_mode == "gptj"
+        self.blocks = nn.ModuleList([(ParallelBlock if gptj and 0 <= start <= i else Block)(h, i) for i in range(n)])
+        self.lanes = TwoLaneResidual(n) if not gptj and start >= 0 else None
+        self.lane_start = start
         self.rope_dims, self.rope_base = h.rope_dims or h.head_dim, h.rope_base
+        self.rope_train_len = h.rope_train_seq_len
         self.ve_layers = list(h.ve_layers) if h.ve_enabled else []
         self.ve_shared = ValueEmbedding(h.vocab_size, h.ve_dim, kv) if self.ve_layers else None
         self.ve_layer_scales = nn.ParameterList(
@@ -1134,25 +1235,40 @@ class GPT(nn.Module):
         x = self.tok_emb(ids)
         if self.bigram is not None:
             x = x + self.bigram(ids)
+        if self.smear_bos is not None:
+            x = self.smear_bos(x, ids)
         x0 = x = rms_norm(x) if self.smear is None else self.smear(rms_norm(x))
         ve = self.ve_shared(ids) if self.ve_shared is not None else None
-        rope = rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device)
+        rope = rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device, self.rope_train_len)
         encoder, decoder = self.orders[self.looping]
         skips = []
         for i in encoder:
             x = self._block(i, x, x0, ve, rope)
             skips.append(x)
+        lanes = None  # (attention lane, MLP lane) once the two lanes have started
         for j, i in enumerate(decoder):
-            if j < len(self.skip_weights) and skips:
-                x = self._merge_skip(j, x, skips.pop())
-            x = self._block(i, x, x0, ve, rope)
+            if lanes is None and self.lanes is not None and i >= self.lane_start:
+                lanes = (x, x)
+            if lanes is None:
+                if j < len(self.skip_weights) and skips:
+                    x = self._merge_skip(j, x, skips.pop())
+                x = self._block(i, x, x0, ve, rope)
+                continue
+            a, m = lanes
+            if j < len(self.skip_weights) and skips:  # the skip joins the attention lane only
+                a = self._merge_skip(j, a, skips.pop())
+            lanes = self.lanes(i, self.blocks[i], a, m, x0, self.block_weights(i), self._value_embed(i, ve), rope)
+        if lanes is not None:
+            x = 0.5 * (lanes[0] + lanes[1])
         x = rms_norm(x)
         logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.tok_emb.weight)
         return self.logit_softcap * torch.tanh(logits / self.logit_softcap)
 
+    def _value_embed(self, i, ve):
+        return ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype) if i in self.ve_layers else None
+
     def _block(self, i, x, x0, ve, rope):
-        v_embed = ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype) if i in self.ve_layers else None
-        return self.blocks[i](x, x0, self.block_weights(i), v_embed, rope)
+        return self.blocks[i](x, x0, self.block_weights(i), self._value_embed(i, ve), rope)
 
     def _merge_skip(self, j, x, skip):
         """U-Net skip j: x + w*skip, or with SKIP_GATES the sigmoid-gated lerp s*x + (1-s)*(w*skip), s = sigmoid(g)
@@ -1217,8 +1333,10 @@ def ns_schedule(kind, steps):
     return [table[0]] * steps if len(table) == 1 else list(table[:steps])
 
 
-def zeropower_via_newtonschulz5(g, steps=5, eps=1e-7, dtype=torch.bfloat16, coeffs="fixed"):
-    """Orthogonalise each trailing matrix of g (quintic Newton-Schulz in bf16 as the record; fp32 runs: fp32)."""
+def zeropower_via_newtonschulz5(g, steps=5, eps=1e-7, dtype=torch.bfloat16, coeffs="fixed", ca_first=False):
+    """Orthogonalise each trailing matrix of g (quintic Newton-Schulz in bf16 as the record; fp32 runs: fp32):
+    X <- aX + (bA + cA^2)X, A = XX^T. The last term is c(AA); ca_first (MUON_NS_CA_FIRST) rounds it as (cA)A,
+    as the 04-09 record's code does (SPEC-FRONTIER 9)."""
     x = g.to(dtype)
     transposed = x.size(-2) > x.size(-1)
     if transposed:
@@ -1226,7 +1344,7 @@ def zeropower_via_newtonschulz5(g, steps=5, eps=1e-7, dtype=torch.bfloat16, coef
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
     for a, b, c in ns_schedule(coeffs, steps):
         m = x @ x.mT
-        x = a * x + (b * m + c * (m @ m)) @ x
+        x = a * x + (b * m + ((c * m) @ m if ca_first else c * (m @ m))) @ x
     return x.mT if transposed else x
 
 
@@ -1247,11 +1365,14 @@ class Muon(torch.optim.Optimizer):
     rank's shard, starts its all-gather and applies the previous bank's update."""
 
     def __init__(self, params, lr, momentum, backend_steps, weight_decay, ns_dtype=torch.bfloat16,
-                 ns_coeffs="fixed", row_normalize=False):
+                 ns_coeffs="fixed", row_normalize=False, momentum_fp32=False, ns_ca_first=False):
         super().__init__(params, dict(lr=lr, momentum=momentum, backend_steps=backend_steps, weight_decay=weight_decay,
                                       ns_coeffs=ns_coeffs, row_normalize=row_normalize))
         self._meta = self._pending = None
         self.ns_dtype = ns_dtype
+        # MUON_MOMENTUM_FP32: momentum and Nesterov step in fp32 (the 04-09 record), not on the bf16 gradient
+        self.momentum_dtype = torch.float32 if momentum_fp32 else torch.bfloat16
+        self.ns_ca_first = ns_ca_first
 
     def _build(self):
         self._ws = ws = dist.get_world_size() if dist.is_initialized() else 1
@@ -1276,6 +1397,22 @@ class Muon(torch.optim.Optimizer):
             m["padded"][:m["rows"]].copy_(m["p"].grad)
             self._pending.append(_reduce_scatter(m["recv"], m["padded"], op=dist.ReduceOp.AVG, async_op=True))
 
+    def reduced_bank_grads(self):
+        """This rank's shards of the bank gradients averaged over ranks (waits for the reduce-scatters);
+        one process: the gradients themselves."""
+        if self._meta is None:
+            self._build()
+        if self._ws == 1:
+            return [m["p"].grad for m in self._meta]
+        if self._pending is None:
+            self.launch_reduce_scatters()
+        for handle in self._pending:
+            if handle is not None:
+                handle.wait()
+        # waited once: a gloo handle waited again copies its result over the shard anew
+        self._pending = [None] * len(self._pending)
+        return [m["recv"] for m in self._meta]
+
     def _apply(self, m, update):
         # Looked up on every use: load_state_dict() replaces the group dicts.
         p, group = m["p"], self.param_groups[m["group_index"]]
@@ -1295,10 +1432,11 @@ class Muon(torch.optim.Optimizer):
         for i, m in enumerate(self._meta):
             group = self.param_groups[m["group_index"]]
             if distributed:
-                self._pending[i].wait()
-                g = m["recv"]
+                if self._pending[i] is not None:  # None: waited by reduced_bank_grads
+                    self._pending[i].wait()
+                g = m["recv"].to(self.momentum_dtype)
             else:
-                g = m["p"].grad.bfloat16()
+                g = m["p"].grad.to(self.momentum_dtype)
             state = self.state[m["p"]]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g)
@@ -1308,7 +1446,7 @@ class Muon(torch.optim.Optimizer):
             if group["row_normalize"]:
                 u = normalize_rows(u)
             update = zeropower_via_newtonschulz5(u, group["backend_steps"], dtype=self.ns_dtype,
-                                                 coeffs=group["ns_coeffs"])
+                                                 coeffs=group["ns_coeffs"], ca_first=self.ns_ca_first)
             if not distributed:
                 self._apply(m, update)
                 continue
@@ -1348,7 +1486,7 @@ def build_optimizers(h, model, ns_dtype=torch.bfloat16):
         adams.append(adam(head, h.head_lr))
     muon = Muon(banks, lr=h.matrix_lr, momentum=h.muon_momentum, backend_steps=h.muon_backend_steps,
                 weight_decay=h.muon_wd, ns_dtype=ns_dtype, ns_coeffs=h.muon_ns_coeffs,
-                row_normalize=h.muon_row_normalize)
+                row_normalize=h.muon_row_normalize, momentum_fp32=h.muon_momentum_fp32, ns_ca_first=h.muon_ns_ca_first)
     for g in muon.param_groups:
         g["base_lr"] = h.matrix_lr
     return muon, adams
@@ -1613,20 +1751,39 @@ class Trainer:
             total += loss.detach()
             with phase("backward"):
                 (loss * (1.0 / accum)).backward()
+        # As the records (03-23 and 04-27, SPEC-FRONTIER 18): each rank's local gradients, before any communication;
+        # GRAD_CLIP_SCOPE=reduced: the rank-averaged gradients (one process: the same thing).
+        clip_reduced = h.grad_clip_norm > 0 and h.grad_clip_scope == "reduced" and rt.distributed
         with phase("clip"):
-            if h.grad_clip_norm > 0:
-                # As the record: clip each rank's local gradients, before any communication.
+            if h.grad_clip_norm > 0 and not clip_reduced:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip_norm)
         with phase("optimizer"):
             self.muon.launch_reduce_scatters()
             for p in self.replicated:
                 if p.grad is not None:
                     rt.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            if clip_reduced:
+                clip_reduced_grads(rt, self.muon, self.replicated, h.grad_clip_norm)
             for opt in self.adams:
                 opt.step()
             self.muon.step()
         self.zero_grad()
         return total / accum
+
+
+@torch.no_grad()
+def clip_reduced_grads(rt, muon, replicated, max_norm):
+    """GRAD_CLIP_SCOPE=reduced: clip the norm of the rank-averaged gradient (the banks' reduce-scattered shards and
+    the all-reduced replicated gradients), as one process with the mean gradient clips: coefficient
+    min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_."""
+    shards = muon.reduced_bank_grads()
+    rep = [p.grad for p in replicated if p.grad is not None]
+    # each rank holds different bank rows (zero-padded), the same replicated gradients
+    bank_sq = rt.all_reduce(sum(s.float().square().sum() for s in shards))
+    norm = (bank_sq + sum(g.float().square().sum() for g in rep)).sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in (*shards, *rep):
+        g.mul_(coef.to(g.dtype))
 
 
 def make_train_loader(rt):

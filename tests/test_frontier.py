@@ -32,7 +32,8 @@ RECORD_0409 = {
     "ttt_batch_seqs": 32, "ttt_grad_clip": 1.0, "ttt_freeze_blocks": 0, "val_loss_every": 4000,
     "train_batch_tokens": 786432, "train_seq_len": 2048, "eval_seq_len": 2048, "num_layers": 11, "model_dim": 512,
     "num_heads": 8, "num_kv_heads": 4, "rope_dims": 16, "logit_softcap": 30.0, "grad_clip_norm": 0.3,
-    "max_wallclock_seconds": 600.0, "train_loader": "shuffled",
+    "max_wallclock_seconds": 600.0, "train_loader": "shuffled", "rope_train_seq_len": 2048,
+    "muon_momentum_fp32": True, "muon_ns_ca_first": True, "grad_clip_scope": "local",
 }
 
 
