@@ -28,7 +28,17 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ANCHORS = REPO.parent / "shared" / "anchors"
+
+
+def find_anchors():
+    """The records' files: BENCH_ANCHORS, else shared/anchors inside the checkout (the copy that travels to a
+    device machine; git-ignored), else ../shared/anchors beside it (the developers' layout)."""
+    candidates = [os.environ.get("BENCH_ANCHORS", ""), REPO / "shared" / "anchors", REPO.parent / "shared" / "anchors"]
+    return next((Path(c).resolve() for c in candidates if c and (Path(c) / "record_2026-03-23").is_dir()),
+                REPO.parent / "shared" / "anchors")
+
+
+ANCHORS = find_anchors()
 RECORD_SCRIPT = ANCHORS / "record_2026-03-23" / "train_gpt.py"
 COLUMNS = ("row", "settings", "status", "ms_per_step", "tokens_per_s", "data_wait_ms", "peak_mib", "compile_s",
            "mfu", "ours_vs_record", "bpb", "note")
@@ -116,6 +126,7 @@ def run_logged(cmd, env, cwd, timeout, stop_when=None):
         status = "stopped" if stopped.is_set() else "timeout"
     reader.join(timeout=5)
     proc.wait()
+    kill_group(proc)  # compile workers or other children left behind
     return status, proc.returncode, lines
 
 
@@ -213,10 +224,13 @@ def build_data(cfg, vocab):
 # ---------------------------------------------------------------------------------------------- rows
 
 
-def child_env(extra):
+def child_env(cfg, extra):
+    """The environment of a row's process: ours without BENCH_* and torchrun variables, unbuffered output, and
+    one Inductor cache for all rows (under BENCH_DIR, so a warm device machine keeps it between calls)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cfg["dir"] / "inductor_cache"))
     env.update(PYTHONUNBUFFERED="1", **extra)
     return env
 
@@ -232,19 +246,23 @@ def training_env(cfg, data, run_id):
 
 
 def plan_rows(cfg, help_text, presets, backends):
-    """The rows of this run as dicts: name, settings (env), kind (ours|record|skip), note. Optional rows exist
-    only when train_gpt.py --help lists their setting or preset; otherwise a 'skipped' row says why."""
-    rows = []
-    for prefetch in ("0", "1"):
-        for stream in ("0", "1"):
-            name = f"ours p{prefetch}c{stream}" + (" (default)" if prefetch == stream == "1" else "")
-            rows.append({"name": name, "env": {"TRAIN_PREFETCH": prefetch, "TRAIN_COPY_STREAM": stream},
-                         "kind": "ours"})
+    """The rows of this run in the order they run (the comparison with the record first, so that a run cut short by
+    BENCH_BUDGET still has it): dicts with name, env, kind (ours | record | eval | skip) and note. Optional rows
+    run only when train_gpt.py --help lists their setting (presets: train_gpt.PRESETS); else 'skipped' says why."""
+    loader = {f"ours p{p}c{c}": {"TRAIN_PREFETCH": p, "TRAIN_COPY_STREAM": c} for p in "01" for c in "01"}
+    rows = [{"name": "ours p1c1 (default)", "kind": "ours", "env": loader.pop("ours p1c1"),
+             "vs_record": backends["ours"] == backends["record"]}]
     if backends["ours"] != backends["record"]:  # e.g. FA2 installed, FA3 not: compare on the record's backend
         rows.append({"name": "ours default, record's backend", "kind": "ours", "vs_record": True,
                      "env": {"ATTENTION_BACKEND": backends["record"]}})
-    else:
-        rows[-1]["vs_record"] = True
+    record = {"name": "record 2026-03-23 (its script)", "kind": "record",
+              "env": {"BIGRAM_VOCAB_SIZE": "1536", "TTT_FREEZE_BLOCKS": "0"}}  # its README command's values
+    if cfg["tiny"]:
+        record.update(kind="skip", note="skipped: needs CUDA (its main() requires it)")
+    elif not RECORD_SCRIPT.is_file():
+        record.update(kind="skip", note=f"skipped: {RECORD_SCRIPT} is not here (BENCH_ANCHORS)")
+    rows += [record, {"name": "eval", "kind": "eval", "env": {}}]
+    rows += [{"name": name, "kind": "ours", "env": env} for name, env in loader.items()]
     if backends["fa4"]:
         rows.append({"name": "ours default, FA4", "kind": "ours", "env": {"ATTENTION_BACKEND": "flash_attn_4"}})
     for setting in ("FUSED_MLP", "FUSED_CE"):
@@ -267,13 +285,6 @@ def plan_rows(cfg, help_text, presets, backends):
                          "env": {**base, "ENABLE_LOOPING_AT": "0"}})
         else:
             rows.append({"name": f"PRESET={preset}", "kind": "ours", "env": base})
-    record = {"name": "record 2026-03-23 (its script)", "kind": "record", "env": {"BIGRAM_VOCAB_SIZE": "1536",
-                                                                                 "TTT_FREEZE_BLOCKS": "0"}}
-    if cfg["tiny"]:
-        record.update(kind="skip", note="skipped: needs CUDA (its main() requires it)")
-    elif not RECORD_SCRIPT.is_file():
-        record.update(kind="skip", note=f"skipped: {RECORD_SCRIPT} is not here")
-    rows.append(record)
     if cfg["only"]:
         rows = [r for r in rows if any(o.strip() in r["name"] for o in cfg["only"])]
     return rows
@@ -294,7 +305,7 @@ def run_training_row(cfg, row, data_for, deadline, hparams_for):
             row["backend"] = "sdpa (anchors stand-in)"
     else:
         cmd, stop = [sys.executable, str(REPO / "train_gpt.py")], r"^final_weights:"
-    status, code, lines = run_logged(cmd, child_env(env), cfg["dir"], timeout, stop)
+    status, code, lines = run_logged(cmd, child_env(cfg, env), cfg["dir"], timeout, stop)
     (cfg["dir"] / f"{run_id}.console.txt").write_text("".join(f"{t:9.3f} {ln}\n" for t, ln in lines))
     result = {"log": f"{run_id}.console.txt"}
     if status != "stopped" and not (status == "exited" and code == 0):
@@ -314,7 +325,7 @@ def run_training_row(cfg, row, data_for, deadline, hparams_for):
 def internal(mode, cfg, env, timeout):
     """Runs this script in `mode` (matmul | eval) as a child under a time limit; returns (dict or None, note)."""
     status, code, lines = run_logged([sys.executable, str(Path(__file__).resolve()), f"--{mode}"],
-                                     child_env(env), cfg["dir"], timeout)
+                                     child_env(cfg, env), cfg["dir"], timeout)
     (cfg["dir"] / f"bench_{mode}.console.txt").write_text("".join(f"{t:9.3f} {ln}\n" for t, ln in lines))
     tag = EVAL_TAG if mode == "eval" else MATMUL_TAG
     for _, line in lines:
@@ -481,7 +492,7 @@ def training_cells(row, result, peak, record_ms):
                  compile_s=fmt(result.get("compile_s"), ".1f"))
     if peak:
         cells["mfu"] = f"{100 * result['flops_per_token'] * result['tokens_per_s'] / (peak * 1e12):.1f}%"
-    if record_ms and row.get("ratio"):
+    if record_ms and row.get("vs_record"):
         cells["ours_vs_record"] = f"{ms / record_ms:.3f}"
     backend = result.get("backend")
     cells["note"] = "; ".join(filter(None, [f"backend {backend}" if backend else "",
@@ -532,6 +543,9 @@ def environment_lines(cfg, backends, peak_info):
                                      if peak_info else "not measured"))
     lines.append("ms_per_step: (train_time at the last step - at step 1) / (steps - 1); MFU: FLOPs/token x tokens/s "
                  "/ peak; compile_s: warm-up time minus its steps at ms_per_step")
+    if cfg["tiny"]:
+        lines.append("tiny mode tests this script: its timings (CPU, tiny model) and MFU (small fp32 matmul peak) "
+                     "say nothing about a GPU")
     return lines
 
 
@@ -549,6 +563,21 @@ def backend_plan():
         return {"ours": "sdpa", "record": "sdpa", "fa4": False}
     ours = "flash_attn_3" if fa3 else ("flash_attn_2" if importable("flash_attn") else "sdpa")
     return {"ours": ours, "record": "flash_attn_3" if fa3 else "sdpa", "fa4": importable("flash_attn.cute")}
+
+
+def run_eval(cfg, data_for, backends, deadline):
+    """The evaluation comparison in its own process: (result or None, note)."""
+    _, eval_dir, tokenizer = data_for({"env": {}})
+    left = deadline - time.monotonic()
+    if left < 20:
+        return None, "skipped: BENCH_BUDGET used up (BENCH_ROWS=eval runs it alone)"
+    if not RECORD_SCRIPT.is_file():
+        return None, f"skipped: {RECORD_SCRIPT} is not here (BENCH_ANCHORS)"
+    env = {**cfg["model"], "DATA_PATH": str(eval_dir), "TOKENIZER_PATH": str(tokenizer), "RUN_ID": "bench_eval",
+           "TTT_ENABLED": "1", "SEED": "1337", "ATTENTION_BACKEND": backends["record"]}  # one model for both sides
+    if cfg["tiny"]:  # the record's functions autocast only on CUDA: compare in fp32, eager, on CPU
+        env.update(DEVICE="cpu", AUTOCAST_DTYPE="fp32", TORCHDYNAMO_DISABLE="1")
+    return internal("eval", cfg, env, min(cfg["row_timeout"] * 2, left))
 
 
 def main():
@@ -585,33 +614,22 @@ def main():
     peak_info, peak_note = internal("matmul", cfg, {k: v for k, v in cfg["model"].items() if k == "DEVICE"}, 120)
     results = []
     for row in rows:
+        if row["kind"] != "skip":
+            print(f"bench_gpu: {row['name']} ...", file=sys.stderr, flush=True)
         if row["kind"] == "skip":
             results.append((row, {"status": row["note"]}))
-            continue
-        print(f"bench_gpu: {row['name']} ...", file=sys.stderr, flush=True)
-        results.append((row, run_training_row(cfg, row, data_for, deadline, hparams_for)))
+        elif row["kind"] == "eval":
+            results.append((row, run_eval(cfg, data_for, backends, deadline)))
+        else:
+            results.append((row, run_training_row(cfg, row, data_for, deadline, hparams_for)))
     record_ms = next((res["ms_per_step"] for row, res in results if row["kind"] == "record"
                       and res.get("status") == "ok"), None)
     out_rows = []
     for row, res in results:
-        row["ratio"] = row.get("vs_record", False)
-        out_rows.append(training_cells(row, res, peak_info and peak_info["tflops"], record_ms))
-    _, eval_dir, tokenizer = data_for({"env": {}})
-    left = deadline - time.monotonic()
-    if left < 20:
-        eval_result, eval_note = None, "skipped: BENCH_BUDGET used up (BENCH_ROWS=eval runs it alone)"
-    elif cfg["only"] and not any("eval" in o for o in cfg["only"]):
-        eval_result, eval_note = None, "skipped: not in BENCH_ROWS"
-    elif not RECORD_SCRIPT.is_file():
-        eval_result, eval_note = None, f"skipped: {RECORD_SCRIPT} is not here"
-    else:
-        env = {**cfg["model"], "DATA_PATH": str(eval_dir), "TOKENIZER_PATH": str(tokenizer), "RUN_ID": "bench_eval",
-               "TTT_ENABLED": "1", "SEED": "1337"}
-        env["ATTENTION_BACKEND"] = backends["record"]  # both functions run on this one model
-        if cfg["tiny"]:  # the record's functions autocast only on CUDA: compare in fp32, eager, on CPU
-            env.update(DEVICE="cpu", AUTOCAST_DTYPE="fp32", TORCHDYNAMO_DISABLE="1")
-        eval_result, eval_note = internal("eval", cfg, env, min(cfg["row_timeout"] * 2, left))
-    out_rows += eval_cells(eval_result, eval_note)
+        if row["kind"] == "eval":
+            out_rows += eval_cells(*res)
+        else:
+            out_rows.append(training_cells(row, res, peak_info and peak_info["tflops"], record_ms))
     if peak_info is None:
         out_rows.append({"row": "matmul peak", "status": peak_note})
     text = "\n".join(environment_lines(cfg, backends, peak_info) + ["", table(out_rows), "",
