@@ -168,21 +168,27 @@ def parse_training(lines):
             out["warmup_steps"], out["warmup_s"] = int(m.group(1)), int(m.group(2)) / 1000.0
         elif m := BACKEND_LINE.search(line):
             out.setdefault("backend", m.group(1))
-    if "warmup_s" not in out:  # the record logs no warmup time: take it from the lines' arrival times
+    if "warmup_s" not in out:  # the record logs no warmup time: from its lines' arrival times, after 'seed:'
         idx = [i for i, (_, line) in enumerate(lines) if WARMUP_STEP_LINE.match(line)]
+        before = [i for i in range(idx[0]) if lines[i][1].startswith("seed:")] if idx else []
         if idx and idx[0] > 0:
             out["warmup_steps"] = len(idx)
-            out["warmup_s"] = lines[idx[-1]][0] - lines[idx[0] - 1][0]
+            out["warmup_s"] = lines[idx[-1]][0] - lines[before[-1] if before else idx[0] - 1][0]
     if "warmup_s" in out:
         out["compile_s"] = max(out["warmup_s"] - out["warmup_steps"] * out["ms_per_step"] / 1000.0, 0.0)
     return out
 
 
 def failure_note(status, code, lines, timeout):
+    """One line for a row without a result: the time limit, or the run's own error line (the exception line
+    that ends a traceback, else the last 'error...' line, else the last line)."""
     if status == "timeout":
         return f"timeout: no result within {timeout:.0f} s (killed)"
-    errors = [line for _, line in lines if ERROR_LINE.match(line)]
-    last = errors[-1] if errors else (lines[-1][1] if lines else "no output")
+    text = [line for _, line in lines if line.strip()]
+    tb = [i for i, line in enumerate(text) if line.startswith("Traceback")]
+    after = [line for line in text[tb[-1] + 1:] if not line[:1].isspace()] if tb else []
+    errors = [line for line in text if ERROR_LINE.match(line)]
+    last = after[-1] if after else errors[-1] if errors else text[-1] if text else "no output"
     return f"failed (exit {code}): {last[:200]}"
 
 
@@ -205,7 +211,8 @@ def build_data(cfg, vocab):
         proc = subprocess.run([sys.executable, str(REPO / "data" / "build_sample_data.py"), "--out-dir", str(root),
                                "--vocab-size", str(vocab)], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
-            raise SystemExit(f"error: building the sample data failed: {(proc.stderr.strip() or '?').splitlines()[-1]}")
+            raise RuntimeError(f"building the vocab-{vocab} sample data failed: "
+                               f"{(proc.stderr.strip() or '?').splitlines()[-1]}")
     val = np.concatenate([np.fromfile(f, dtype="<u2", offset=shards.HEADER_BYTES)
                           for f in sorted(sample.glob("fineweb_val_*.bin"))])
     seq = int(cfg["model"].get("EVAL_SEQ_LEN", "2048"))
@@ -297,7 +304,10 @@ def run_training_row(cfg, row, data_for, deadline, hparams_for):
         return {"status": "skipped: BENCH_BUDGET used up", "note": "run it alone with BENCH_ROWS"}
     timeout = min(cfg["row_timeout"], left)
     run_id = "bench_" + re.sub(r"[^A-Za-z0-9]+", "_", row["name"]).strip("_")
-    env = {**training_env(cfg, data_for(row), run_id), **row["env"]}
+    try:
+        env = {**training_env(cfg, data_for(row), run_id), **row["env"]}
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return {"status": f"failed: {e}"}
     if row["kind"] == "record":
         cmd, stop = [sys.executable, str(RECORD_SCRIPT)], r"^peak memory allocated"
         if importlib.util.find_spec("flash_attn_interface") is None:  # FA3 missing: the SDPA stand-in
@@ -549,8 +559,8 @@ def environment_lines(cfg, backends, peak_info):
     return lines
 
 
-def backend_plan():
-    """Which attention kernel ours picks by default here, and which the record's script gets."""
+def backend_plan(tiny):
+    """Which attention kernel ours picks by default here, and which the record's script gets (tiny: CPU, SDPA)."""
     def importable(mod, attr="flash_attn_func"):
         try:
             spec = importlib.util.find_spec(mod)
@@ -559,7 +569,7 @@ def backend_plan():
         return spec is not None and attr in (Path(spec.origin).read_text(errors="replace") if spec.origin else "")
 
     fa3 = importable("flash_attn_interface")
-    if not cuda_available():
+    if tiny:
         return {"ours": "sdpa", "record": "sdpa", "fa4": False}
     ours = "flash_attn_3" if fa3 else ("flash_attn_2" if importable("flash_attn") else "sdpa")
     return {"ours": ours, "record": "flash_attn_3" if fa3 else "sdpa", "fa4": importable("flash_attn.cute")}
@@ -567,7 +577,10 @@ def backend_plan():
 
 def run_eval(cfg, data_for, backends, deadline):
     """The evaluation comparison in its own process: (result or None, note)."""
-    _, eval_dir, tokenizer = data_for({"env": {}})
+    try:
+        _, eval_dir, tokenizer = data_for({"env": {}})
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return None, f"failed: {e}"
     left = deadline - time.monotonic()
     if left < 20:
         return None, "skipped: BENCH_BUDGET used up (BENCH_ROWS=eval runs it alone)"
@@ -594,10 +607,13 @@ def main():
     sys.path.insert(0, str(REPO))
     import train_gpt as tg
 
-    help_text = subprocess.run([sys.executable, str(REPO / "train_gpt.py"), "--help"], capture_output=True, text=True,
-                               timeout=120).stdout
+    try:  # the optional rows run only for settings this train_gpt.py lists
+        help_text = subprocess.run([sys.executable, str(REPO / "train_gpt.py"), "--help"], capture_output=True,
+                                   text=True, timeout=120).stdout
+    except subprocess.TimeoutExpired:
+        help_text = ""
     presets = tg.PRESETS
-    backends = backend_plan()
+    backends = backend_plan(cfg["tiny"])
     rows = plan_rows(cfg, help_text, presets, backends)
     data = {}
 

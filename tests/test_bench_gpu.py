@@ -84,6 +84,9 @@ def test_a_hung_row_is_cut_off_at_its_time_limit_and_reported():
     failed = bench_gpu.run_logged([sys.executable, "-c", "import sys; print('x'); sys.exit('error: bad input')"],
                                   os.environ.copy(), REPO, timeout=60)
     assert bench_gpu.failure_note(*failed, 60) == "failed (exit 1): error: bad input"
+    crashed = bench_gpu.run_logged([sys.executable, "-c", "print('step:1/9'); raise RuntimeError('CUDA error: boom')"],
+                                   os.environ.copy(), REPO, timeout=60)
+    assert bench_gpu.failure_note(*crashed, 60) == "failed (exit 1): RuntimeError: CUDA error: boom"
     stopped = bench_gpu.run_logged(cmd, os.environ.copy(), REPO, timeout=60, stop_when=r"^started")
     assert stopped[0] == "stopped"
 
