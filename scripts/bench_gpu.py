@@ -543,8 +543,11 @@ def environment_lines(cfg, backends, peak_info):
              f"{cfg['steps']} timed steps after {cfg['warmup']} warm-up steps per row, PyTorch {torch.__version__}, "
              f"Python {sys.version.split()[0]}"]
     if torch.cuda.is_available():
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=False).stdout.strip()
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=60).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            smi = ""
         lines.append(f"gpu: {smi or torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})")
     stand_in = "" if backends["record"] == "flash_attn_3" else " (FA3 missing: the SDPA stand-in of ../shared/anchors)"
     lines.append(f"attention: ours {backends['ours']} by default, record {backends['record']}{stand_in}"
@@ -562,9 +565,9 @@ def environment_lines(cfg, backends, peak_info):
 def backend_plan(tiny):
     """Which attention kernel ours picks by default here, and which the record's script gets (tiny: CPU, SDPA)."""
     def importable(mod, attr="flash_attn_func"):
-        try:
+        try:  # finding a submodule imports its package, which may fail in any way
             spec = importlib.util.find_spec(mod)
-        except (ImportError, ValueError):
+        except Exception:
             return False
         return spec is not None and attr in (Path(spec.origin).read_text(errors="replace") if spec.origin else "")
 

@@ -122,6 +122,17 @@ SMALL_0409 = {**SMALL, "PRESET": "record_0409", "LOOP_START": "1", "LOOP_END": "
               "XSA_LAST_N": "4"}
 
 
+@pytest.mark.skipif(not HAVE_ANCHORS, reason="../shared/anchors (the record's files) is not here")
+def test_the_records_own_log_parses():
+    """The record's seed-1337 log (8xH100) read as the benchmark reads a run: its step time agrees with the
+    step_avg it logged at its last step, and its peak memory and 20 warm-up steps are found."""
+    text = (bench_gpu.RECORD_SCRIPT.parent / "train_seed1337.log").read_text(encoding="utf-8")
+    got = bench_gpu.parse_training(timed(*text.splitlines()))
+    last_avg = float(re.findall(r"^step:\d+/\d+ train_loss:\S+ train_time:\d+ms step_avg:([\d.]+)ms", text, re.M)[-1])
+    assert got["ms_per_step"] == pytest.approx(last_avg, rel=0.01)
+    assert got["peak_mib"] == 21471 and got["warmup_steps"] == 20 and "data_wait_ms" not in got
+
+
 @pytest.mark.parametrize("environ,looping,runs", [(SMALL, False, 4), (SMALL_0409, False, 4), (SMALL_0409, True, 8)])
 def test_flops_per_token_counts_the_matmul_weights_and_causal_attention(environ, looping, runs):
     h = tg.Hyperparameters(environ)
