@@ -60,7 +60,7 @@ def bench_config(environ):
         defaults = {"steps": 6, "warmup": 1, "row_timeout": 60, "budget": 300, "val_tokens": 32 * 64 + 1}
     else:
         model, layers = {}, {}  # train_gpt.py's defaults are the record's shapes
-        defaults = {"steps": 30, "warmup": 5, "row_timeout": 240, "budget": 560, "val_tokens": 256 * 2048 + 1}
+        defaults = {"steps": 30, "warmup": 5, "row_timeout": 240, "budget": 540, "val_tokens": 256 * 2048 + 1}
     cfg = {"tiny": tiny, "model": model, "preset_layers": layers}
     for key, default in defaults.items():
         raw = environ.get(f"BENCH_{key.upper()}", "")
