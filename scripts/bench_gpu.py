@@ -293,7 +293,10 @@ def plan_rows(cfg, help_text, presets, backends):
         else:
             rows.append({"name": f"PRESET={preset}", "kind": "ours", "env": base})
     if cfg["only"]:
+        names = [r["name"] for r in rows]
         rows = [r for r in rows if any(o.strip() in r["name"] for o in cfg["only"])]
+        if not rows:
+            raise SystemExit(f"error: BENCH_ROWS={','.join(cfg['only'])!r} matches no row of: {', '.join(names)}")
     return rows
 
 
