@@ -8,7 +8,8 @@
 #   BENCH_ROWS="ours p1c1,record" BENCH_STEPS=50 bash scripts/bench_gpu.sh   # a subset, more steps
 #
 # Settings (all optional): BENCH_TINY, BENCH_STEPS, BENCH_WARMUP, BENCH_ROW_TIMEOUT (s per row), BENCH_BUDGET (s for
-# the whole run: rows that would start later are reported as skipped), BENCH_VAL_TOKENS, BENCH_ROWS, BENCH_DIR.
+# the whole run: rows that would start later are reported as skipped), BENCH_VAL_TOKENS, BENCH_ROWS, BENCH_DIR,
+# BENCH_ANCHORS (the records' files; default shared/anchors in the checkout, else ../shared/anchors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${PYTHON:=python3}"
