@@ -208,6 +208,8 @@ class Hyperparameters:
         self.training_timing_every = self._env("TRAINING_TIMING_EVERY", 200)
         self.profile = self._env("PROFILE", False, bool)
         self.profile_steps = self._env("PROFILE_STEPS", "5:8", str)
+        # ---- attention kernel (issue 23)
+        self.attention_backend = self._env("ATTENTION_BACKEND", "auto", str)
         # ---- evaluation
         self.eval_stride = self._env("EVAL_STRIDE", 64)
         self.eval_batch_seqs = self._env("EVAL_BATCH_SEQS", 32)
@@ -346,7 +348,8 @@ class Hyperparameters:
                               ("QUANT", ("gptq_lite", "gptq")), ("COMPRESSOR", ("lzma", "brotli")),
                               ("EMBED_BITS", (8, 7)), ("MUON_NS_COEFFS", tuple(NS_COEFFICIENTS)),
                               ("SMEAR_GATE", (0, 1, 2)), ("ATTN_GATE", ("none", "sparse", "output", "dense")),
-                              ("PARALLEL_MODE", ("gptj", "lanes")), ("GRAD_CLIP_SCOPE", ("local", "reduced"))):
+                              ("PARALLEL_MODE", ("gptj", "lanes")), ("GRAD_CLIP_SCOPE", ("local", "reduced")),
+                              ("ATTENTION_BACKEND", ("auto", *ATTENTION_MODULES))):
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
         need(self.compressor != "brotli" or importlib.util.find_spec("brotli") is not None,
@@ -860,19 +863,36 @@ def build_byte_luts(tokenizer_path, vocab_size):
 
 # causal_attention's kernel, set by select_attention_backend().
 _ATTENTION = {"name": "sdpa", "fn": None}
+# ATTENTION_BACKEND name -> module whose flash_attn_func takes (B, T, H, D) q, k, v; AUTO_ATTENTION: auto's order.
+ATTENTION_MODULES = {"flash_attn_3": "flash_attn_interface", "flash_attn_2": "flash_attn",
+                     "flash_attn_4": "flash_attn.cute", "sdpa": None}
+AUTO_ATTENTION = ("flash_attn_3", "flash_attn_2")  # flash_attn_4 only when named: not yet measured on a GPU
 
 
-def select_attention_backend(device):
-    """FlashAttention 3, else 2 (CUDA only), else PyTorch SDPA."""
+def import_flash_attn(module):
+    """The module's flash_attn_func, or None when it cannot be imported."""
+    try:
+        return importlib.import_module(module).flash_attn_func
+    except (ImportError, AttributeError):
+        return None
+
+
+def select_attention_backend(device, choice="auto"):
+    """ATTENTION_BACKEND: auto is FlashAttention 3, else 2 (CUDA only), else PyTorch SDPA; a named flash kernel
+    that is missing (or asked for without CUDA) is a ConfigError."""
     _ATTENTION.update(name="sdpa", fn=None)
-    if device.type == "cuda":
-        for name, module in (("flash_attn_3", "flash_attn_interface"), ("flash_attn_2", "flash_attn")):
-            try:
-                fn = __import__(module).flash_attn_func
-            except (ImportError, AttributeError):
-                continue
+    if choice == "sdpa":
+        return "sdpa"
+    if choice != "auto" and device.type != "cuda":
+        raise ConfigError(f"ATTENTION_BACKEND={choice} needs CUDA (this run is on {device.type})")
+    for name in AUTO_ATTENTION if choice == "auto" else (choice,):
+        fn = import_flash_attn(ATTENTION_MODULES[name]) if device.type == "cuda" else None
+        if fn is not None:
             _ATTENTION.update(name=name, fn=fn)
             break
+        if choice != "auto":
+            raise ConfigError(f"ATTENTION_BACKEND={choice}: cannot import {ATTENTION_MODULES[name]}.flash_attn_func "
+                              "(README, Attention)")
     return _ATTENTION["name"]
 
 
@@ -1810,12 +1830,17 @@ def warmup_and_restore(rt, trainer):
     opt_states = [copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers]
     loader = make_train_loader(rt)
     start = model.looping
+    rt.sync()
+    t0 = time.perf_counter()
     for looping in sorted({start, h.num_loops > 0}):
         model.looping = looping
         for i in range(h.warmup_steps):
             trainer.step(loader, 1.0, muon_momentum_at(h, 0))
             rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}" + (" looping:1" if looping else ""))
     model.looping = start
+    rt.sync()
+    rt.log(f"warmup_time: steps:{h.warmup_steps * len({start, h.num_loops > 0})} "
+           f"ms:{1000.0 * (time.perf_counter() - t0):.0f} (compile and first steps; not in train_time)")
     loader.shutdown()  # first: its thread must not advance the stream during the rewind
     model.load_state_dict(weights, strict=True)
     for opt, state in zip(trainer.optimizers, opt_states):
@@ -2656,7 +2681,7 @@ def write_outputs(rt, model, late_qat, hessians):
 def run(rt):
     h = rt.h
     log_environment(rt)
-    backend = select_attention_backend(rt.device)
+    backend = select_attention_backend(rt.device, h.attention_backend)
     overrides = [name for name in PRESETS[h.preset] if h.effective[name][1] == "env"]
     rt.log(f"preset:{h.preset}" + (f" overridden_by_env:{','.join(overrides)}" if overrides else ""))
     for line in h.dump():

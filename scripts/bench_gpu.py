@@ -1,0 +1,664 @@
+"""One-command GPU benchmark (issue 23): every row from one run, printed as one markdown table.
+
+On one CUDA GPU it builds the offline sample data, then times, each in its own process under a time limit:
+train_gpt.py at the record's shapes (11L d512, seq 2048, 786,432 tokens per step as 8 micro-batches) with
+TRAIN_PREFETCH 0/1 x TRAIN_COPY_STREAM 0/1, PRESET=record_0409 with its layer loop off and on, optional rows for
+settings and presets that exist in this checkout, the 2026-03-23 record's own script on the same GPU and
+attention backend, and the sliding-window and TTT evaluations of ours against the record's functions on one
+model. Without CUDA, or with BENCH_TINY=1, the same pipeline runs at tiny shapes (the CI test of this script).
+
+    bash scripts/bench_gpu.sh                 # README, "GPU benchmark"
+    BENCH_TINY=1 bash scripts/bench_gpu.sh    # the same on CPU in under a minute
+
+Needs nothing beyond PyTorch, NumPy, SentencePiece (and Triton for torch.compile on CUDA).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def find_anchors():
+    """The records' files: BENCH_ANCHORS, else shared/anchors inside the checkout (the copy that travels to a
+    device machine; git-ignored), else ../shared/anchors beside it (the developers' layout)."""
+    candidates = [os.environ.get("BENCH_ANCHORS", ""), REPO / "shared" / "anchors", REPO.parent / "shared" / "anchors"]
+    return next((Path(c).resolve() for c in candidates if c and (Path(c) / "record_2026-03-23").is_dir()),
+                REPO.parent / "shared" / "anchors")
+
+
+ANCHORS = find_anchors()
+RECORD_SCRIPT = ANCHORS / "record_2026-03-23" / "train_gpt.py"
+COLUMNS = ("row", "settings", "status", "ms_per_step", "tokens_per_s", "data_wait_ms", "peak_mib", "compile_s",
+           "mfu", "ours_vs_record", "bpb", "note")
+EVAL_TAG = "BENCH_EVAL "
+MATMUL_TAG = "BENCH_MATMUL "
+
+# ---------------------------------------------------------------------------------------------- configuration
+
+
+def bench_config(environ):
+    """Shapes, step counts and limits: the record's shapes on CUDA, tiny ones on CPU or with BENCH_TINY=1."""
+    tiny = environ.get("BENCH_TINY", "") == "1" or not cuda_available()
+    if tiny:
+        model = {"DEVICE": "cpu", "NUM_LAYERS": "4", "MODEL_DIM": "64", "NUM_HEADS": "4", "NUM_KV_HEADS": "2",
+                 "VE_LAYERS": "2,3", "XSA_LAST_N": "2", "TRAIN_SEQ_LEN": "64", "EVAL_SEQ_LEN": "64",
+                 "TRAIN_BATCH_TOKENS": "512", "VAL_BATCH_SIZE": "4096", "TTT_CHUNK_TOKENS": "512",
+                 "EVAL_BATCH_SEQS": "16", "TTT_BATCH_SEQS": "4", "EVAL_STRIDE": "16", "OMP_NUM_THREADS": "1"}
+        layers = {"LOOP_START": "1", "LOOP_END": "2", "PARALLEL_RESIDUAL_START": "2", "XSA_LAST_N": "4"}
+        defaults = {"steps": 6, "warmup": 1, "row_timeout": 60, "budget": 300, "val_tokens": 32 * 64 + 1}
+    else:
+        model, layers = {}, {}  # train_gpt.py's defaults are the record's shapes
+        defaults = {"steps": 30, "warmup": 5, "row_timeout": 240, "budget": 540, "val_tokens": 256 * 2048 + 1}
+    cfg = {"tiny": tiny, "model": model, "preset_layers": layers}
+    for key, default in defaults.items():
+        raw = environ.get(f"BENCH_{key.upper()}", "")
+        try:
+            cfg[key] = int(raw) if raw else default
+        except ValueError:
+            raise SystemExit(f"error: BENCH_{key.upper()}={raw!r} is not an integer") from None
+        if cfg[key] <= 0:
+            raise SystemExit(f"error: BENCH_{key.upper()}={raw!r} must be > 0")
+    if cfg["steps"] < 3:
+        raise SystemExit(f"error: BENCH_STEPS={cfg['steps']} must be >= 3 (the step time is taken after step 1)")
+    cfg["dir"] = Path(environ.get("BENCH_DIR", "") or REPO / "logs" / "bench_gpu").resolve()
+    cfg["only"] = [r for r in environ.get("BENCH_ROWS", "").split(",") if r.strip()]
+    return cfg
+
+
+def cuda_available():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def flops_per_token(h, looping):
+    """Training FLOPs per token, the formula in README ("GPU benchmark"): 6 x (matmul weights a token meets) plus
+    causal attention 6 x layers run x seq_len x model_dim; embeddings lookups, norms and small projections
+    (bigram, value embedding: under 0.5%) are left out."""
+    import train_gpt as tg
+
+    d, kv, hidden = h.model_dim, h.num_kv_heads * h.head_dim, h.mlp_hidden
+    enc, dec = tg.virtual_layers(h.num_layers, h.num_loops if looping else 0, h.loop_start, h.loop_end)
+    layers_run = len(enc) + len(dec)
+    per_block = 2 * d * d + 2 * d * kv + 2 * d * hidden  # q, o; k, v; MLP up, down
+    return 6 * (layers_run * per_block + h.vocab_size * d) + 6 * layers_run * h.train_seq_len * d
+
+
+# ---------------------------------------------------------------------------------------------- running a row
+
+
+def run_logged(cmd, env, cwd, timeout, stop_when=None):
+    """Runs cmd with its own process group, reading stdout+stderr line by line with arrival times. Kills the
+    group on timeout, or once a line matches stop_when (the rest of the run is not measured).
+    Returns (status, returncode, [(seconds since start, line)])."""
+    lines, t0 = [], time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)
+    stopped = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append((time.monotonic() - t0, line.rstrip("\n")))
+            if stop_when is not None and re.search(stop_when, line):
+                stopped.set()
+                kill_group(proc)
+                break
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout)
+        status = "stopped" if stopped.is_set() else "exited"
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        status = "stopped" if stopped.is_set() else "timeout"
+    reader.join(timeout=5)
+    proc.wait()
+    kill_group(proc)  # compile workers or other children left behind
+    return status, proc.returncode, lines
+
+
+def kill_group(proc):
+    """SIGKILL to the process group this script started for the row (its own session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_loss:\S+ train_time:(\d+)ms step_avg:")
+WAIT_LINE = re.compile(r"^data_wait: total_ms:([\d.]+) mean_ms_per_step:([\d.]+)")
+PEAK_LINE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
+WARMUP_TIME_LINE = re.compile(r"^warmup_time: steps:(\d+) ms:(\d+)")
+WARMUP_STEP_LINE = re.compile(r"^warmup_step:(\d+)/(\d+)")
+BACKEND_LINE = re.compile(r"attention_backend:(\S+)")
+ERROR_LINE = re.compile(r"^(error|Traceback|RuntimeError|\w+Error)\b")
+
+
+def parse_training(lines):
+    """Numbers of one training run from its timed console lines; raises ValueError naming what is missing.
+    ms/step: (train_time at the last step - at step 1) / (steps - 1), so compile and first-step work are out."""
+    steps = {}
+    for _, line in lines:
+        m = STEP_LINE.match(line)
+        if m:
+            steps[int(m.group(1))] = float(m.group(3))
+    if 1 not in steps or len(steps) < 2:
+        raise ValueError(f"train step lines missing (found steps {sorted(steps)})")
+    last = max(steps)
+    out = {"steps": last, "ms_per_step": (steps[last] - steps[1]) / (last - 1)}
+    for _, line in lines:
+        if m := WAIT_LINE.match(line):
+            out["data_wait_ms"] = float(m.group(2))
+        elif m := PEAK_LINE.match(line):
+            out["peak_mib"] = int(m.group(1))
+        elif m := WARMUP_TIME_LINE.match(line):
+            out["warmup_steps"], out["warmup_s"] = int(m.group(1)), int(m.group(2)) / 1000.0
+        elif m := BACKEND_LINE.search(line):
+            out.setdefault("backend", m.group(1))
+    if "warmup_s" not in out:  # the record logs no warmup time: from its lines' arrival times, after 'seed:'
+        idx = [i for i, (_, line) in enumerate(lines) if WARMUP_STEP_LINE.match(line)]
+        before = [i for i in range(idx[0]) if lines[i][1].startswith("seed:")] if idx else []
+        if idx and idx[0] > 0:
+            out["warmup_steps"] = len(idx)
+            out["warmup_s"] = lines[idx[-1]][0] - lines[before[-1] if before else idx[0] - 1][0]
+    if "warmup_s" in out:
+        out["compile_s"] = max(out["warmup_s"] - out["warmup_steps"] * out["ms_per_step"] / 1000.0, 0.0)
+    return out
+
+
+def failure_note(status, code, lines, timeout):
+    """One line for a row without a result: the time limit, or the run's own error line (the exception line
+    that ends a traceback, else the last 'error...' line, else the last line)."""
+    if status == "timeout":
+        return f"timeout: no result within {timeout:.0f} s (killed)"
+    text = [line for _, line in lines if line.strip()]
+    tb = [i for i, line in enumerate(text) if line.startswith("Traceback")]
+    after = [line for line in text[tb[-1] + 1:] if not line[:1].isspace()] if tb else []
+    errors = [line for line in text if ERROR_LINE.match(line)]
+    last = after[-1] if after else errors[-1] if errors else text[-1] if text else "no output"
+    return f"failed (exit {code}): {last[:200]}"
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def build_data(cfg, vocab):
+    """Sample data for `vocab` (data/build_sample_data.py, offline) and two data folders linking its train shards:
+    train/ with a short val shard (the rows' end-of-training validation), eval/ with cfg val_tokens tokens
+    (the sample's val text repeated) for the evaluation comparison. Returns (train dir, eval dir, tokenizer)."""
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "data"))
+    import shards
+
+    root = cfg["dir"] / "data"
+    sample = root / "datasets" / f"sample_sp{vocab}"
+    tokenizer = root / "tokenizers" / f"sample_{vocab}_bpe.model"
+    if not tokenizer.is_file():
+        proc = subprocess.run([sys.executable, str(REPO / "data" / "build_sample_data.py"), "--out-dir", str(root),
+                               "--vocab-size", str(vocab)], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the vocab-{vocab} sample data failed: "
+                               f"{(proc.stderr.strip() or '?').splitlines()[-1]}")
+    val = np.concatenate([np.fromfile(f, dtype="<u2", offset=shards.HEADER_BYTES)
+                          for f in sorted(sample.glob("fineweb_val_*.bin"))])
+    seq = int(cfg["model"].get("EVAL_SEQ_LEN", "2048"))
+    dirs = []
+    for name, n in (("train", 4 * seq + 1), ("eval", cfg["val_tokens"])):
+        d = root / f"{name}_sp{vocab}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        for f in sorted(sample.glob("fineweb_train_*.bin")):
+            (d / f.name).symlink_to(f)
+        shards.write_shard(d / "fineweb_val_000000.bin", np.resize(val, n))
+        dirs.append(d)
+    return dirs[0], dirs[1], tokenizer
+
+
+# ---------------------------------------------------------------------------------------------- rows
+
+
+def child_env(cfg, extra):
+    """The environment of a row's process: ours without BENCH_* and torchrun variables, unbuffered output, and
+    one Inductor cache for all rows (under BENCH_DIR, so a warm device machine keeps it between calls)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cfg["dir"] / "inductor_cache"))
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def training_env(cfg, data, run_id):
+    """What every training row shares: N timed steps without a time cap or warmdown (so no late QAT: the steady
+    steps of most of a real run), no validation before the end, train-loss lines at steps 1-10 and the last."""
+    train_dir, _, tokenizer = data
+    return {**cfg["model"], "ITERATIONS": str(cfg["steps"]), "WARMUP_STEPS": str(cfg["warmup"]),
+            "MAX_WALLCLOCK_SECONDS": "0", "WARMDOWN_ITERS": "0", "VAL_LOSS_EVERY": "0",
+            "TRAIN_LOG_EVERY": str(cfg["steps"]), "TTT_ENABLED": "0", "EVAL_STRIDE": "0",
+            "DATA_PATH": str(train_dir), "TOKENIZER_PATH": str(tokenizer), "RUN_ID": run_id, "SEED": "1337"}
+
+
+def plan_rows(cfg, help_text, presets, backends):
+    """The rows of this run in the order they run (the comparison with the record first, so that a run cut short by
+    BENCH_BUDGET still has it): dicts with name, env, kind (ours | record | eval | skip) and note. Optional rows
+    run only when train_gpt.py --help lists their setting (presets: train_gpt.PRESETS); else 'skipped' says why."""
+    loader = {f"ours p{p}c{c}": {"TRAIN_PREFETCH": p, "TRAIN_COPY_STREAM": c} for p in "01" for c in "01"}
+    rows = [{"name": "ours p1c1 (default)", "kind": "ours", "env": loader.pop("ours p1c1"),
+             "vs_record": backends["ours"] == backends["record"]}]
+    if backends["ours"] != backends["record"]:  # e.g. FA2 installed, FA3 not: compare on the record's backend
+        rows.append({"name": "ours default, record's backend", "kind": "ours", "vs_record": True,
+                     "env": {"ATTENTION_BACKEND": backends["record"]}})
+    record = {"name": "record 2026-03-23 (its script)", "kind": "record",
+              "env": {"BIGRAM_VOCAB_SIZE": "1536", "TTT_FREEZE_BLOCKS": "0"}}  # its README command's values
+    if cfg["tiny"]:
+        record.update(kind="skip", note="skipped: needs CUDA (its main() requires it)")
+    elif not RECORD_SCRIPT.is_file():
+        record.update(kind="skip", note=f"skipped: {RECORD_SCRIPT} is not here (BENCH_ANCHORS)")
+    rows += [record, {"name": "eval", "kind": "eval", "env": {}}]
+    rows += [{"name": name, "kind": "ours", "env": env} for name, env in loader.items()]
+    if backends["fa4"]:
+        rows.append({"name": "ours default, FA4", "kind": "ours", "env": {"ATTENTION_BACKEND": "flash_attn_4"}})
+    for setting in ("FUSED_MLP", "FUSED_CE"):
+        row = {"name": f"ours {setting}=1", "kind": "ours", "env": {setting: "1"}}
+        if not re.search(rf"^\s*{setting}\s", help_text, re.M):
+            row.update(kind="skip", note=f"skipped: {setting} is not a setting of this train_gpt.py (--help)")
+        rows.append(row)
+    for preset in ("record_0409", "record_0427", "record_0430"):
+        if preset not in presets:
+            rows.append({"name": f"PRESET={preset}", "kind": "skip", "env": {"PRESET": preset},
+                         "note": f"skipped: PRESET={preset} does not exist in this train_gpt.py"})
+            continue
+        layers = {k: v for k, v in cfg["preset_layers"].items() if k in presets[preset] or k == "XSA_LAST_N"}
+        base = {"PRESET": preset, **layers}
+        if importlib.util.find_spec("brotli") is None and presets[preset].get("COMPRESSOR") == "brotli":
+            base["COMPRESSOR"] = "lzma"  # only the training steps are measured; brotli may be missing offline
+        if int(presets[preset].get("NUM_LOOPS", "0")) > 0:
+            rows.append({"name": f"PRESET={preset} loop off", "kind": "ours", "env": {**base, "NUM_LOOPS": "0"}})
+            rows.append({"name": f"PRESET={preset} loop on", "kind": "ours", "looping": True,
+                         "env": {**base, "ENABLE_LOOPING_AT": "0"}})
+        else:
+            rows.append({"name": f"PRESET={preset}", "kind": "ours", "env": base})
+    if cfg["only"]:
+        names = [r["name"] for r in rows]
+        rows = [r for r in rows if any(o.strip() in r["name"] for o in cfg["only"])]
+        if not rows:
+            raise SystemExit(f"error: BENCH_ROWS={','.join(cfg['only'])!r} matches no row of: {', '.join(names)}")
+    return rows
+
+
+def run_training_row(cfg, row, data_for, deadline, hparams_for):
+    """One training row: its process under min(BENCH_ROW_TIMEOUT, time left), stopped after the training lines."""
+    left = deadline - time.monotonic()
+    if left < 10:
+        return {"status": "skipped: BENCH_BUDGET used up", "note": "run it alone with BENCH_ROWS"}
+    timeout = min(cfg["row_timeout"], left)
+    run_id = "bench_" + re.sub(r"[^A-Za-z0-9]+", "_", row["name"]).strip("_")
+    try:
+        env = {**training_env(cfg, data_for(row), run_id), **row["env"]}
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return {"status": f"failed: {e}"}
+    if row["kind"] == "record":
+        cmd, stop = [sys.executable, str(RECORD_SCRIPT)], r"^peak memory allocated"
+        if importlib.util.find_spec("flash_attn_interface") is None:  # FA3 missing: the SDPA stand-in
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ANCHORS), os.environ.get("PYTHONPATH", "")]))
+            row["backend"] = "sdpa (anchors stand-in)"
+    else:
+        cmd, stop = [sys.executable, str(REPO / "train_gpt.py")], r"^final_weights:"
+    status, code, lines = run_logged(cmd, child_env(cfg, env), cfg["dir"], timeout, stop)
+    (cfg["dir"] / f"{run_id}.console.txt").write_text("".join(f"{t:9.3f} {ln}\n" for t, ln in lines))
+    result = {"log": f"{run_id}.console.txt"}
+    if status != "stopped" and not (status == "exited" and code == 0):
+        return {**result, "status": failure_note(status, code, lines, timeout)}
+    try:
+        result.update(parse_training(lines), status="ok")
+    except ValueError as e:
+        return {**result, "status": f"parse error: {e}"}
+    result.setdefault("backend", row.get("backend", "flash_attn_3" if row["kind"] == "record" else None))
+    h = hparams_for(env)
+    tokens = h.train_batch_tokens
+    result["tokens_per_s"] = tokens / (result["ms_per_step"] / 1000.0)
+    result["flops_per_token"] = flops_per_token(h, row.get("looping", False))
+    return result
+
+
+def internal(mode, cfg, env, timeout):
+    """Runs this script in `mode` (matmul | eval) as a child under a time limit; returns (dict or None, note)."""
+    status, code, lines = run_logged([sys.executable, str(Path(__file__).resolve()), f"--{mode}"],
+                                     child_env(cfg, env), cfg["dir"], timeout)
+    (cfg["dir"] / f"bench_{mode}.console.txt").write_text("".join(f"{t:9.3f} {ln}\n" for t, ln in lines))
+    tag = EVAL_TAG if mode == "eval" else MATMUL_TAG
+    for _, line in lines:
+        if line.startswith(tag):
+            try:
+                return json.loads(line[len(tag):]), ""
+            except json.JSONDecodeError as e:
+                return None, f"parse error: {e}"
+    return None, failure_note(status, code, lines, timeout)
+
+
+# ---------------------------------------------------------------------------------------------- child: matmul peak
+
+
+def matmul_peak():
+    """The device's measured matmul rate (TFLOP/s): bf16 8192^3 on CUDA, fp32 256^3 on CPU (tiny)."""
+    import torch
+
+    cuda = torch.cuda.is_available() and os.environ.get("DEVICE", "") != "cpu"
+    n, dtype, dev = (8192, torch.bfloat16, "cuda") if cuda else (512, torch.float32, "cpu")
+    a, b = torch.randn(n, n, dtype=dtype, device=dev), torch.randn(n, n, dtype=dtype, device=dev)
+    reps = 20
+    for _ in range(3):
+        a @ b
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync()
+    rate = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+    print(MATMUL_TAG + json.dumps({"tflops": rate, "what": f"{str(dtype).replace('torch.', '')} {n}^3 on {dev}"}),
+          flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- child: evaluations
+
+
+def record_tail_sums(rt, model, val_tokens, luts, min_len):
+    """[nll, tokens, bytes] of the windows the record's evaluation adds at the end of the stream: its windows
+    start every stride up to the end, so the truncated ones (length < EVAL_SEQ_LEN, at least min_len) each score
+    their last stride targets again (README, "The artifact"). Ours scores every target once; these sums make
+    our result comparable with the record's. Needs (targets - EVAL_SEQ_LEN) % stride == 0."""
+    import torch
+    import torch.nn.functional as F
+
+    h, total = rt.h, val_tokens.numel() - 1
+    L, S = h.eval_seq_len, h.eval_stride
+    sums = torch.zeros(3, dtype=torch.float64)
+    model.eval()
+    with torch.inference_mode():
+        for ws in range(total - L + S, total, S):
+            wlen = total - ws
+            if wlen < min_len:
+                continue
+            span = val_tokens[ws:total + 1].to(rt.device).long()
+            with rt.autocast():
+                logits = model.forward_logits(span[None, :-1])
+            first = max(wlen - S, 0)
+            nll = F.cross_entropy(logits.float()[0, first:], span[1:][first:], reduction="sum")
+            sums += torch.tensor([nll.item(), wlen - first,
+                                  float(luts.count(span[:-1][first:].cpu(), span[1:][first:].cpu()).sum())],
+                                 dtype=torch.float64)
+    return sums
+
+
+def with_tail(loss, bpb, total, tail):
+    """Our (val_loss, val_bpb) over `total` targets plus the record's extra tail scorings -> its bpb."""
+    nll, nbytes = loss * total, loss * total / (math.log(2.0) * bpb)
+    loss2 = (nll + float(tail[0])) / (total + float(tail[1]))
+    return loss2 / math.log(2.0) * (total + float(tail[1])) / (nbytes + float(tail[2]))
+
+
+def eval_compare():
+    """Ours vs the record's sliding-window and TTT evaluation functions on one model (ours at SEED's initial
+    weights, restored before each call), same val tokens and device; prints one EVAL_TAG json line."""
+    import types
+
+    import sentencepiece as spm
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    import train_gpt as tg
+
+    if importlib.util.find_spec("flash_attn_interface") is None:
+        sys.path.insert(0, str(ANCHORS))  # the record's module imports FA3; the SDPA stand-in where it is missing
+    spec = importlib.util.spec_from_file_location("record_0323", RECORD_SCRIPT)
+    rec = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rec)
+
+    h = tg.Hyperparameters()
+    rt = tg.setup_runtime(h)
+    backend = tg.select_attention_backend(rt.device, h.attention_backend)
+    model = rt.prepare_model(tg.build_model(h))
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
+    rec_luts = rec.build_sentencepiece_luts(spm.SentencePieceProcessor(model_file=h.tokenizer_path), h.vocab_size,
+                                           rt.device)
+    val = tg.load_validation_tokens(h.val_files, h.eval_seq_len, h.vocab_size)
+    total = val.numel() - 1
+    args = types.SimpleNamespace(train_seq_len=h.eval_seq_len, **{k: getattr(h, k) for k in (
+        "ttt_chunk_tokens", "ttt_lr", "ttt_epochs", "ttt_freeze_blocks", "ttt_momentum", "ttt_batch_seqs",
+        "ttt_grad_clip")})
+
+    def timed(fn):
+        """fn(tokens) first on a warm-up prefix of two TTT chunks (compiles, autotunes), then timed on all."""
+        torch._dynamo.reset()  # each side compiles its own graphs
+        warm = val[:2 * h.ttt_chunk_tokens + 1]
+        rt.sync()
+        t0 = time.perf_counter()
+        model.load_state_dict(initial)
+        fn(warm)
+        rt.sync()
+        t1 = time.perf_counter()
+        model.load_state_dict(initial)
+        loss, bpb = fn(val)
+        rt.sync()
+        return {"warmup_s": t1 - t0, "s": time.perf_counter() - t1}, loss, bpb
+
+    out = {"backend": backend, "targets": total, "compile": int(tg.compile_enabled(rt)), "device": str(rt.device)}
+    logits_fn, forward = tg.maybe_compile(model.forward_logits, rt), tg.maybe_compile(model, rt)
+    ours, loss, bpb = timed(lambda v: tg.eval_sliding(rt, model, logits_fn, v, luts))
+    tail = record_tail_sums(rt, model, val, luts, 1)
+    recs, _, rec_bpb = timed(lambda v: rec.eval_val_sliding(args, model, 0, 1, rt.device, v, *rec_luts,
+                                                            stride=h.eval_stride, batch_seqs=h.eval_batch_seqs,
+                                                            eval_seq_len=h.eval_seq_len))
+    out["sliding"] = {"ours": ours, "ours_bpb": bpb, "ours_as_record_bpb": with_tail(loss, bpb, total, tail),
+                      "record": recs, "record_bpb": rec_bpb}
+    logits_fn, forward = tg.maybe_compile(model.forward_logits, rt), tg.maybe_compile(model, rt)
+    ours, loss, bpb = timed(lambda v: tg.eval_ttt(rt, model, logits_fn, forward, v, luts))
+    tail = record_tail_sums(rt, model, val, luts, h.eval_stride)  # the model as it scored the last chunk
+    recs, _, rec_bpb = timed(lambda v: rec.eval_val_sliding_ttt(args, model, 0, 1, rt.device, v, *rec_luts,
+                                                                stride=h.eval_stride, batch_seqs=h.eval_batch_seqs,
+                                                                log0=lambda *a, **k: None))
+    out["ttt"] = {"ours": ours, "ours_bpb": bpb, "ours_as_record_bpb": with_tail(loss, bpb, total, tail),
+                  "record": recs, "record_bpb": rec_bpb}
+    print(EVAL_TAG + json.dumps(out), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- table
+
+
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows):
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        cells = [str(r.get(c, "-") if r.get(c) is not None else "-").replace("|", "/") for c in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def training_cells(row, result, peak, record_ms):
+    cells = {"row": row["name"], "settings": " ".join(f"{k}={v}" for k, v in row["env"].items()) or "-",
+             "status": result.get("status", row.get("note", "-")), "note": result.get("note", "")}
+    if result.get("status") != "ok":
+        cells["note"] = (cells["note"] + " " + (f"log: {result['log']}" if "log" in result else "")).strip()
+        return cells
+    ms = result["ms_per_step"]
+    cells.update(ms_per_step=f"{ms:.2f}", tokens_per_s=f"{result['tokens_per_s']:,.0f}",
+                 data_wait_ms=fmt(result.get("data_wait_ms"), ".3f"), peak_mib=fmt(result.get("peak_mib"), "d"),
+                 compile_s=fmt(result.get("compile_s"), ".1f"))
+    if peak:
+        cells["mfu"] = f"{100 * result['flops_per_token'] * result['tokens_per_s'] / (peak * 1e12):.1f}%"
+    if record_ms and row.get("vs_record"):
+        cells["ours_vs_record"] = f"{ms / record_ms:.3f}"
+    backend = result.get("backend")
+    cells["note"] = "; ".join(filter(None, [f"backend {backend}" if backend else "",
+                                            f"{result['flops_per_token'] / 1e6:.1f} MFLOP/token",
+                                            f"log: {result['log']}"]))
+    return cells
+
+
+def eval_cells(result, note):
+    rows = []
+    for kind in ("sliding", "ttt"):
+        name = {"sliding": "eval sliding window", "ttt": "eval legal TTT"}[kind]
+        if result is None:
+            rows.append({"row": name, "status": note})
+            continue
+        r = result[kind]
+        diff = abs(r["ours_as_record_bpb"] - r["record_bpb"])
+        ours_s, rec_s = r["ours"]["s"], r["record"]["s"]
+        rows.append({"row": name, "settings": f"{result['targets']:,} targets, {result['backend']}",
+                     "status": "ok" if diff <= 1e-4 else f"bpb differs by {diff:.2e}",
+                     "tokens_per_s": f"{result['targets'] / ours_s:,.0f}", "ours_vs_record": f"{ours_s / rec_s:.3f}",
+                     "bpb": f"{r['ours_bpb']:.6f}",
+                     "note": (f"ours {ours_s:.2f} s, record's function {rec_s:.2f} s after a warm-up on 2 TTT chunks "
+                              f"(incl. compile: ours {r['ours']['warmup_s']:.1f} s, record "
+                              f"{r['record']['warmup_s']:.1f} s); record bpb {r['record_bpb']:.6f} = ours with its "
+                              f"tail re-scoring {r['ours_as_record_bpb']:.6f} (diff {diff:.1e})")})
+    if result is not None:
+        ours, rec = (sum(result[k][side]["s"] for k in ("sliding", "ttt")) for side in ("ours", "record"))
+        rows.append({"row": "eval sliding + TTT", "status": "ok", "ours_vs_record": f"{ours / rec:.3f}",
+                     "note": f"ours {ours:.2f} s, record's functions {rec:.2f} s (goal: ratio <= 0.6)"})
+    return rows
+
+
+def environment_lines(cfg, backends, peak_info):
+    import torch
+
+    lines = [f"bench_gpu: {'tiny shapes (no CUDA or BENCH_TINY=1)' if cfg['tiny'] else 'record shapes'}, "
+             f"{cfg['steps']} timed steps after {cfg['warmup']} warm-up steps per row, PyTorch {torch.__version__}, "
+             f"Python {sys.version.split()[0]}"]
+    if torch.cuda.is_available():
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=60).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            smi = ""
+        lines.append(f"gpu: {smi or torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})")
+    stand_in = "" if backends["record"] == "flash_attn_3" else " (FA3 missing: the SDPA stand-in of ../shared/anchors)"
+    lines.append(f"attention: ours {backends['ours']} by default, record {backends['record']}{stand_in}"
+                 + ("; FA4 (flash_attn.cute) importable" if backends["fa4"] else ""))
+    lines.append("peak for MFU: " + (f"{peak_info['tflops']:.3f} TFLOP/s measured ({peak_info['what']})"
+                                     if peak_info else "not measured"))
+    lines.append("ms_per_step: (train_time at the last step - at step 1) / (steps - 1); MFU: FLOPs/token x tokens/s "
+                 "/ peak; compile_s: warm-up time minus its steps at ms_per_step")
+    if cfg["tiny"]:
+        lines.append("tiny mode tests this script: its timings (CPU, tiny model) and MFU (small fp32 matmul peak) "
+                     "say nothing about a GPU")
+    return lines
+
+
+def backend_plan(tiny):
+    """Which attention kernel ours picks by default here, and which the record's script gets (tiny: CPU, SDPA)."""
+    def importable(mod, attr="flash_attn_func"):
+        try:  # finding a submodule imports its package, which may fail in any way
+            spec = importlib.util.find_spec(mod)
+        except Exception:
+            return False
+        return spec is not None and attr in (Path(spec.origin).read_text(errors="replace") if spec.origin else "")
+
+    fa3 = importable("flash_attn_interface")
+    if tiny:
+        return {"ours": "sdpa", "record": "sdpa", "fa4": False}
+    ours = "flash_attn_3" if fa3 else ("flash_attn_2" if importable("flash_attn") else "sdpa")
+    return {"ours": ours, "record": "flash_attn_3" if fa3 else "sdpa", "fa4": importable("flash_attn.cute")}
+
+
+def run_eval(cfg, data_for, backends, deadline):
+    """The evaluation comparison in its own process: (result or None, note)."""
+    try:
+        _, eval_dir, tokenizer = data_for({"env": {}})
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return None, f"failed: {e}"
+    left = deadline - time.monotonic()
+    if left < 20:
+        return None, "skipped: BENCH_BUDGET used up (BENCH_ROWS=eval runs it alone)"
+    if not RECORD_SCRIPT.is_file():
+        return None, f"skipped: {RECORD_SCRIPT} is not here (BENCH_ANCHORS)"
+    env = {**cfg["model"], "DATA_PATH": str(eval_dir), "TOKENIZER_PATH": str(tokenizer), "RUN_ID": "bench_eval",
+           "TTT_ENABLED": "1", "SEED": "1337", "ATTENTION_BACKEND": backends["record"]}  # one model for both sides
+    if cfg["tiny"]:  # the record's functions autocast only on CUDA: compare in fp32, eager, on CPU
+        env.update(DEVICE="cpu", AUTOCAST_DTYPE="fp32", TORCHDYNAMO_DISABLE="1")
+    return internal("eval", cfg, env, min(cfg["row_timeout"] * 2, left))
+
+
+def main():
+    if sys.argv[1:] == ["--matmul"]:
+        return matmul_peak()
+    if sys.argv[1:] == ["--eval"]:
+        return eval_compare()
+    if sys.argv[1:]:
+        raise SystemExit(f"error: unexpected argument {sys.argv[1]!r}: settings are BENCH_* variables (README)")
+    cfg = bench_config(os.environ)
+    start = time.monotonic()
+    deadline = start + cfg["budget"]
+    cfg["dir"].mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO))
+    import train_gpt as tg
+
+    try:  # the optional rows run only for settings this train_gpt.py lists
+        help_text = subprocess.run([sys.executable, str(REPO / "train_gpt.py"), "--help"], capture_output=True,
+                                   text=True, timeout=120).stdout
+    except subprocess.TimeoutExpired:
+        help_text = ""
+    presets = tg.PRESETS
+    backends = backend_plan(cfg["tiny"])
+    rows = plan_rows(cfg, help_text, presets, backends)
+    data = {}
+
+    def data_for(row):
+        preset = row["env"].get("PRESET")
+        vocab = int(row["env"].get("VOCAB_SIZE") or presets.get(preset, {}).get("VOCAB_SIZE") or 1024)
+        if vocab not in data:
+            data[vocab] = build_data(cfg, vocab)
+        return data[vocab]
+
+    def hparams_for(env):
+        return tg.Hyperparameters(env)
+
+    peak_info, peak_note = internal("matmul", cfg, {k: v for k, v in cfg["model"].items() if k == "DEVICE"}, 120)
+    results = []
+    for row in rows:
+        if row["kind"] != "skip":
+            print(f"bench_gpu: {row['name']} ...", file=sys.stderr, flush=True)
+        if row["kind"] == "skip":
+            results.append((row, {"status": row["note"]}))
+        elif row["kind"] == "eval":
+            results.append((row, run_eval(cfg, data_for, backends, deadline)))
+        else:
+            results.append((row, run_training_row(cfg, row, data_for, deadline, hparams_for)))
+    record_ms = next((res["ms_per_step"] for row, res in results if row["kind"] == "record"
+                      and res.get("status") == "ok"), None)
+    out_rows = []
+    for row, res in results:
+        if row["kind"] == "eval":
+            out_rows += eval_cells(*res)
+        else:
+            out_rows.append(training_cells(row, res, peak_info and peak_info["tflops"], record_ms))
+    if peak_info is None:
+        out_rows.append({"row": "matmul peak", "status": peak_note})
+    text = "\n".join(environment_lines(cfg, backends, peak_info) + ["", table(out_rows), "",
+                     f"bench_gpu: done in {time.monotonic() - start:.0f} s; logs in {cfg['dir']}"])
+    (cfg["dir"] / "table.md").write_text(text + "\n")
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()

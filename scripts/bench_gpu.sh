@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One-command benchmark on one CUDA GPU (README, "GPU benchmark"): builds the offline sample data at the record's
+# shapes, times every row in its own process under a time limit and prints one table (also written to
+# $BENCH_DIR/table.md, default logs/bench_gpu/). Without CUDA, or with BENCH_TINY=1, the same pipeline runs at
+# tiny shapes on CPU in under a minute (tests/test_bench_gpu.py).
+#
+#   bash scripts/bench_gpu.sh
+#   BENCH_ROWS="ours p1c1,record" BENCH_STEPS=50 bash scripts/bench_gpu.sh   # a subset, more steps
+#
+# Settings (all optional): BENCH_TINY, BENCH_STEPS, BENCH_WARMUP, BENCH_ROW_TIMEOUT (s per row), BENCH_BUDGET (s for
+# the whole run: rows that would start later are reported as skipped), BENCH_VAL_TOKENS, BENCH_ROWS, BENCH_DIR,
+# BENCH_ANCHORS (the records' files; default shared/anchors in the checkout, else ../shared/anchors).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${PYTHON:=python3}"
+exec "$PYTHON" scripts/bench_gpu.py "$@"

@@ -1,0 +1,166 @@
+"""scripts/bench_gpu.sh, the one-command GPU benchmark (issue 23), tested on CPU: its tiny mode runs the same
+pipeline end to end, a hung row is cut off, the log parser and the FLOPs formula, ATTENTION_BACKEND."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+import train_gpt as tg
+from conftest import REPO, clean_environ, config_error
+
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_gpu  # noqa: E402  (needs the path above)
+
+HAVE_ANCHORS = bench_gpu.RECORD_SCRIPT.is_file()
+
+
+def table_rows(text):
+    """The markdown table of the output as a list of {column: cell}, checking its header."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert tuple(header) == bench_gpu.COLUMNS
+    assert set(lines[1].replace("|", "")) == {"-"}
+    rows = [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
+    assert all(len(r) == len(header) for r in rows)
+    return {r["row"]: r for r in rows}
+
+
+def number(cell):
+    return float(cell.replace(",", "").rstrip("%"))
+
+
+def test_tiny_bench_runs_every_cpu_row_and_prints_one_table(tmp_path):
+    env = {**clean_environ(), "BENCH_TINY": "1", "BENCH_DIR": str(tmp_path)}
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "bench_gpu.sh")], env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(f"tiny bench: {time.monotonic() - t0:.0f} s")
+    assert (tmp_path / "table.md").read_text().strip() == proc.stdout.strip()
+    assert proc.stdout.count("| row |") == 1  # one table
+    rows = table_rows(proc.stdout)
+    ours = ["ours p0c0", "ours p0c1", "ours p1c0", "ours p1c1 (default)",
+            "PRESET=record_0409 loop off", "PRESET=record_0409 loop on"]
+    for name in ours:
+        r = rows[name]
+        assert r["status"] == "ok", r
+        ms, tps = number(r["ms_per_step"]), number(r["tokens_per_s"])
+        assert tps == pytest.approx(512 / (ms / 1000.0), rel=1e-3, abs=1)  # TRAIN_BATCH_TOKENS=512 at tiny shapes
+        assert number(r["data_wait_ms"]) >= 0 and number(r["compile_s"]) >= 0 and number(r["mfu"]) > 0
+        assert r["peak_mib"] == "-"  # CUDA only
+    assert rows["ours p0c1"]["settings"] == "TRAIN_PREFETCH=0 TRAIN_COPY_STREAM=1"
+    flops = {name: number(re.search(r"([\d.]+) MFLOP/token", rows[name]["note"]).group(1))
+             for name in ("PRESET=record_0409 loop off", "PRESET=record_0409 loop on")}
+    assert flops["PRESET=record_0409 loop on"] > flops["PRESET=record_0409 loop off"]  # looped layers count
+    assert rows["record 2026-03-23 (its script)"]["status"].startswith("skipped: needs CUDA")
+    for name in ("ours FUSED_MLP=1", "ours FUSED_CE=1"):
+        assert rows[name]["status"] == "ok" or "not a setting" in rows[name]["status"], rows[name]
+    # Our log carries the warm-up (compile) time the compile_s column is made from.
+    assert re.search(r"^ *[\d.]+ warmup_time: steps:1 ms:\d+ ", (tmp_path / "bench_ours_p0c0.console.txt").read_text(),
+                     re.M)
+    if not HAVE_ANCHORS:
+        assert rows["eval sliding window"]["status"].startswith("skipped")
+        return
+    for name in ("eval sliding window", "eval legal TTT"):
+        r = rows[name]
+        assert r["status"] == "ok", r  # the record's function's bpb = ours plus its tail re-scoring, to 1e-4
+        assert number(r["ours_vs_record"]) > 0 and number(r["bpb"]) > 0
+    assert number(rows["eval sliding + TTT"]["ours_vs_record"]) > 0
+
+
+def test_a_hung_row_is_cut_off_at_its_time_limit_and_reported():
+    cmd = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(120)"]
+    t0 = time.monotonic()
+    status, code, lines = bench_gpu.run_logged(cmd, os.environ.copy(), REPO, timeout=3)
+    assert time.monotonic() - t0 < 30
+    assert status == "timeout" and code != 0 and [ln for _, ln in lines] == ["started"]
+    assert bench_gpu.failure_note(status, code, lines, 3).startswith("timeout: no result within 3 s")
+    # A run that fails ends its row with its error line; one stopped at a matching line is 'stopped'.
+    failed = bench_gpu.run_logged([sys.executable, "-c", "import sys; print('x'); sys.exit('error: bad input')"],
+                                  os.environ.copy(), REPO, timeout=60)
+    assert bench_gpu.failure_note(*failed, 60) == "failed (exit 1): error: bad input"
+    crashed = bench_gpu.run_logged([sys.executable, "-c", "print('step:1/9'); raise RuntimeError('CUDA error: boom')"],
+                                   os.environ.copy(), REPO, timeout=60)
+    assert bench_gpu.failure_note(*crashed, 60) == "failed (exit 1): RuntimeError: CUDA error: boom"
+    stopped = bench_gpu.run_logged(cmd, os.environ.copy(), REPO, timeout=60, stop_when=r"^started")
+    assert stopped[0] == "stopped"
+
+
+def timed(*lines, dt=1.0):
+    return [(i * dt, ln) for i, ln in enumerate(lines)]
+
+
+def test_training_numbers_come_from_the_log_lines():
+    ours = timed("device:cuda:0 world_size:1 grad_accum_steps:8 attention_backend:flash_attn_3 compile:1",
+                 "warmup_step:1/2", "warmup_step:2/2", "warmup_time: steps:2 ms:30000 (compile and first steps)",
+                 "step:1/5 train_loss:6.9 train_time:700ms step_avg:700.00ms data_wait_ms:0.20",
+                 "step:2/5 train_loss:6.8 train_time:1300ms step_avg:650.00ms data_wait_ms:0.20",
+                 "step:5/5 train_loss:6.1 train_time:3100ms step_avg:620.00ms data_wait_ms:0.10",
+                 "data_wait: total_ms:0.9 mean_ms_per_step:0.180 max_step_ms:0.300",
+                 "peak memory allocated: 21000 MiB reserved: 22000 MiB")
+    got = bench_gpu.parse_training(ours)
+    assert got["ms_per_step"] == (3100 - 700) / 4 and got["data_wait_ms"] == 0.18 and got["peak_mib"] == 21000
+    assert got["backend"] == "flash_attn_3" and got["compile_s"] == pytest.approx(30.0 - 2 * 0.6)
+    # The record logs no warm-up time: it is taken from the arrival times of its lines (2 s per line here).
+    record = timed("seed:1337", "warmup_step:1/2", "warmup_step:2/2",
+                   "step:1/3 train_loss:6.9 train_time:600ms step_avg:600.00ms",
+                   "step:3/3 train_loss:6.5 train_time:1800ms step_avg:600.00ms", dt=2.0)
+    got = bench_gpu.parse_training(record)
+    assert got["ms_per_step"] == 600 and got["compile_s"] == pytest.approx(4.0 - 2 * 0.6) and "peak_mib" not in got
+    with pytest.raises(ValueError, match="train step lines missing"):
+        bench_gpu.parse_training(timed("warmup_step:1/1", "error: training failed: CUDA out of memory"))
+
+
+SMALL = {"NUM_LAYERS": "4", "MODEL_DIM": "64", "NUM_HEADS": "4", "NUM_KV_HEADS": "2", "VE_LAYERS": "2,3",
+         "XSA_LAST_N": "2", "TRAIN_SEQ_LEN": "128"}
+SMALL_0409 = {**SMALL, "PRESET": "record_0409", "LOOP_START": "1", "LOOP_END": "2", "PARALLEL_RESIDUAL_START": "2",
+              "XSA_LAST_N": "4"}
+
+
+@pytest.mark.skipif(not HAVE_ANCHORS, reason="../shared/anchors (the record's files) is not here")
+def test_the_records_own_log_parses():
+    """The record's seed-1337 log (8xH100) read as the benchmark reads a run: its step time agrees with the
+    step_avg it logged at its last step, and its peak memory and 20 warm-up steps are found."""
+    text = (bench_gpu.RECORD_SCRIPT.parent / "train_seed1337.log").read_text(encoding="utf-8")
+    got = bench_gpu.parse_training(timed(*text.splitlines()))
+    last_avg = float(re.findall(r"^step:\d+/\d+ train_loss:\S+ train_time:\d+ms step_avg:([\d.]+)ms", text, re.M)[-1])
+    assert got["ms_per_step"] == pytest.approx(last_avg, rel=0.01)
+    assert got["peak_mib"] == 21471 and got["warmup_steps"] == 20 and "data_wait_ms" not in got
+
+
+@pytest.mark.parametrize("environ,looping,runs", [(SMALL, False, 4), (SMALL_0409, False, 4), (SMALL_0409, True, 8)])
+def test_flops_per_token_counts_the_matmul_weights_and_causal_attention(environ, looping, runs):
+    h = tg.Hyperparameters(environ)
+    model = tg.GPT(h)
+    banks = sum(getattr(model, b).numel() for b in ("qo_bank", "kv_bank", "mlp_up_bank", "mlp_down_bank"))
+    assert len(sum(model.orders[looping], [])) == runs  # how many times blocks run per token
+    per_layer_banks = banks // h.num_layers  # every physical layer has one slice of each bank
+    want = 6 * (runs * per_layer_banks + model.tok_emb.weight.numel()) + 6 * runs * h.train_seq_len * h.model_dim
+    assert bench_gpu.flops_per_token(h, looping) == want
+    # The record's shapes: 11 blocks of 2,359,296 matmul weights, the tied 1024 x 512 head, causal attention.
+    record = 6 * (11 * 2_359_296 + 1024 * 512) + 6 * 11 * 2048 * 512
+    assert bench_gpu.flops_per_token(tg.Hyperparameters({}), False) == record
+
+
+def test_attention_backend_setting(monkeypatch):
+    assert "ATTENTION_BACKEND='flash' must be auto or" in config_error({"ATTENTION_BACKEND": "flash"})
+    cpu = tg.torch.device("cpu")
+    assert tg.select_attention_backend(cpu) == "sdpa" and tg.select_attention_backend(cpu, "sdpa") == "sdpa"
+    with pytest.raises(tg.ConfigError, match="ATTENTION_BACKEND=flash_attn_4 needs CUDA"):
+        tg.select_attention_backend(cpu, "flash_attn_4")
+    # On CUDA a named kernel that cannot be imported is refused, where auto falls through to SDPA.
+    monkeypatch.setattr(tg, "import_flash_attn", lambda module: None)
+    cuda = tg.torch.device("cuda")
+    assert tg.select_attention_backend(cuda) == "sdpa"
+    with pytest.raises(tg.ConfigError, match=r"ATTENTION_BACKEND=flash_attn_3: cannot import flash_attn_interface"):
+        tg.select_attention_backend(cuda, "flash_attn_3")
+    monkeypatch.setattr(tg, "import_flash_attn", lambda module: module)  # stands for the function
+    assert tg.select_attention_backend(cuda, "flash_attn_4") == "flash_attn_4"
+    assert tg._ATTENTION["fn"] == "flash_attn.cute"
+    assert tg.select_attention_backend(cuda) == "flash_attn_3"  # auto never picks FA4 (not measured yet)
+    tg.select_attention_backend(cpu)
