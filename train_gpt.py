@@ -915,14 +915,14 @@ def triton_kernels():
 
 
 def _mlp_tile_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, M, N, K, s_am, s_ak, s_bn, s_bk,
-                     FORWARD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                     FORWARD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """One BLOCK_M x BLOCK_N tile of acc = A @ B^T (A: M x K, B: N x K, any strides; fp32 accumulation), then
     FORWARD: out = pre = acc and aux = post = LeakyReLU(pre, 0.5)^2, in out's dtype (post from the rounded pre,
     as eager computes it); backward (aux = pre): out = dpre = acc * (2 pre if pre > 0 else 0.5 pre), rounded
     once. out and aux are contiguous M x N. Tiles run in groups of GROUP_M tile rows, so B's tiles stay in L2.
     UPCAST (the interpreter, whose tl.dot gives garbage on bf16 in Triton 3.9): A and B go to fp32 first, the
-    same products (a bf16 product is exact in fp32) and the same fp32 accumulation."""
+    same products (a bf16 product is exact in fp32) and the same fp32 accumulation. ROUND_BF16: see _bf16_rtne."""
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
@@ -949,15 +949,32 @@ def _mlp_tile_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, M, N, K, s_am, s_ak, s_bn, 
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
     inside = (rm[:, None] < M) & (rn[None, :] < N)
     if FORWARD:
-        pre = acc.to(out_ptr.dtype.element_ty)
+        if ROUND_BF16:
+            pre = _bf16_rtne(acc)
+        else:
+            pre = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + offs, pre, mask=inside)
         p = pre.to(tl.float32)
         act = tl.where(p > 0, p, 0.5 * p)
-        tl.store(aux_ptr + offs, (act * act).to(aux_ptr.dtype.element_ty), mask=inside)
+        if ROUND_BF16:
+            post = _bf16_rtne(act * act)
+        else:
+            post = (act * act).to(aux_ptr.dtype.element_ty)
+        tl.store(aux_ptr + offs, post, mask=inside)
     else:
         p = tl.load(aux_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         dpre = acc * tl.where(p > 0, 2.0 * p, 0.5 * p)
+        if ROUND_BF16:
+            dpre = _bf16_rtne(dpre)
         tl.store(out_ptr + offs, dpre.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def _bf16_rtne(x):
+    """fp32 -> bf16 rounded to nearest even by integer arithmetic on the bits, for the interpreter only: Triton
+    3.9's interpreter truncates in .to(tl.bfloat16), where a GPU rounds to nearest even (finite x)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 def mlp_tile_config(dtype):
@@ -974,7 +991,7 @@ def mlp_tiles(a, b_nk, pre=None, config=None):
     triton_kernels()["_mlp_tile_kernel"][(-(-M // bm) * -(-N // bn),)](
         a, b_nk, out, aux, M, N, K, a.stride(0), a.stride(1), b_nk.stride(0), b_nk.stride(1),
         FORWARD=pre is None, IEEE=a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32,
-        UPCAST=not a.is_cuda,
+        UPCAST=not a.is_cuda, ROUND_BF16=not a.is_cuda and a.dtype == torch.bfloat16,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     return (out, aux) if pre is None else out
 
@@ -1002,7 +1019,7 @@ def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, R, V, s_row, cap, ROWS: tl.c
 
 
 def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, R, V, s_row, cap,
-                   ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+                   ROWS: tl.constexpr, BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr):
     """dloss/dx = g * (softmax(z) - onehot(t)) * (1 - tanh^2(x/cap)), with 1 - tanh^2(x/cap) = 4 sg (1 - sg),
     sg = sigmoid(2x/cap), and softmax(z) = exp(z - lse) from the forward's lse; dx contiguous like x."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -1018,8 +1035,10 @@ def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, R, V, s_row, cap,
         sg = tl.sigmoid(x * (2.0 / cap))
         p = tl.exp(cap * (2.0 * sg - 1.0) - lse[:, None])
         dz = g[:, None] * (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0))
-        tl.store(dx_ptr + row_offs + cols[None, :], (dz * 4.0 * sg * (1.0 - sg)).to(dx_ptr.dtype.element_ty),
-                 mask=inside)
+        dx = dz * 4.0 * sg * (1.0 - sg)
+        if ROUND_BF16:
+            dx = _bf16_rtne(dx)
+        tl.store(dx_ptr + row_offs + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=inside)
 
 
 def ce_rows_config(x):
@@ -1028,12 +1047,12 @@ def ce_rows_config(x):
     return (1, 1024, 4) if x.is_cuda else (16, 256, 1)
 
 
-def ce_rows(kernel, x, targets, cap, extra, config=None):
+def ce_rows(kernel, x, targets, cap, extra, **constexprs):
     """Launch a CE kernel over x's rows; `extra`: the kernel's tensors between targets and (R, V, ...)."""
-    rows, block, warps = config or ce_rows_config(x)
+    rows, block, warps = ce_rows_config(x)
     R, V = x.shape
     triton_kernels()[kernel][(-(-R // rows),)](x, targets, *extra, R, V, x.stride(0), float(cap),
-                                                 ROWS=rows, BLOCK_V=block, num_warps=warps)
+                                                 ROWS=rows, BLOCK_V=block, num_warps=warps, **constexprs)
 
 
 def _fused_mlp_impl(x, w1, w2):
@@ -1074,7 +1093,8 @@ def _softcapped_ce_fake(logits, targets, softcap):
 def _softcapped_ce_backward_impl(grad, logits, targets, lse, softcap):
     x = logits.contiguous()
     dx = torch.empty_like(x)
-    ce_rows("_ce_bwd_kernel", x, targets.contiguous(), softcap, (lse.contiguous(), grad.float().contiguous(), dx))
+    ce_rows("_ce_bwd_kernel", x, targets.contiguous(), softcap, (lse.contiguous(), grad.float().contiguous(), dx),
+            ROUND_BF16=not x.is_cuda and x.dtype == torch.bfloat16)
     return dx
 
 
