@@ -1153,7 +1153,7 @@ def fused_leaky_relu2_mlp(x, up_w, down_w):
     else 0.5 pre) from the same kernel, dW_up = dpre^T x, dx = dpre W_up. Inputs cast to _FUSED["dtype"] (what
     autocast would give); eager where the kernels cannot run."""
     dt = _FUSED["dtype"]
-    if dt not in FUSED_DTYPES or not (x.is_cuda or _FUSED["interpret"]):
+    if dt not in FUSED_DTYPES or not fused_ready(x):
         return leaky_relu2_mlp(x, up_w, down_w)
     return torch.ops.pgolf.fused_mlp(x.to(dt), up_w.to(dt), down_w.to(dt))[0]
 
