@@ -194,7 +194,7 @@ def test_interpreted_unsupported_dtype_falls_back(interpret):
 
 def test_interpreted_gptq_calibration_sees_the_mlp_with_fused_mlp_on(interpret):
     """collect_hessians runs the model in eval mode, where Block.mlp is eager: with FUSED_MLP on, the same
-    Hessians (mlp.fc and mlp.proj included) as with it off."""
+    Hessians (mlp.fc and mlp.proj included) as with it off; and a recorder in training mode sees the MLP too."""
     h = hp(AUTOCAST_DTYPE="fp32", GPTQ_CALIBRATION_BATCHES=2, FUSED_MLP=1)
     rt = tg.Runtime(h, CPU, False, True, None, None, "fp32")
     model = rt.prepare_model(tg.build_model(h))
@@ -211,6 +211,14 @@ def test_interpreted_gptq_calibration_sees_the_mlp_with_fused_mlp_on(interpret):
             return x, x
 
     on = tg.collect_hessians(rt, model, Loader())
+    rec = tg.HessianRecorder(model)  # a recorder listening in training mode also turns the kernel off
+    tg._RECORDER[0] = rec
+    try:
+        with torch.no_grad():
+            model.forward_logits(batches[0])
+    finally:
+        tg._RECORDER[0] = None
+    assert model.training and {"blocks.1.mlp.fc.weight", "blocks.1.mlp.proj.weight"} <= set(rec.sums)
     tg._FUSED["mlp"] = False
     off = tg.collect_hessians(rt, model, Loader())
     assert {"blocks.0.mlp.fc.weight", "blocks.1.mlp.proj.weight"} <= set(on) and set(on) == set(off)
