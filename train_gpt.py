@@ -904,13 +904,16 @@ def triton_interpreting():
 
 def triton_kernels():
     """The three kernels, jitted on first use. Raises ImportError without Triton, OSError where Triton cannot
-    read their source (a packed script)."""
+    read their source (a packed script). The helper the kernels call, _bf16_rtne, is jitted too and its global
+    name bound to the jitted form of the current mode (Triton refuses kernels that name plain functions)."""
     global triton, tl
     import triton
     import triton.language as tl
     key = triton_interpreting()
     if key not in _JITTED:
-        _JITTED[key] = {f.__name__: triton.jit(f) for f in (_mlp_tile_kernel, _ce_fwd_kernel, _ce_bwd_kernel)}
+        _JITTED[key] = {f.__name__: triton.jit(f) for f in (_mlp_tile_kernel, _ce_fwd_kernel, _ce_bwd_kernel,
+                                                            _KERNEL_HELPERS["_bf16_rtne"])}
+    globals()["_bf16_rtne"] = _JITTED[key]["_bf16_rtne"]
     return _JITTED[key]
 
 
@@ -975,6 +978,9 @@ def _bf16_rtne(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+_KERNEL_HELPERS = {"_bf16_rtne": _bf16_rtne}  # the plain functions, for triton_kernels() to jit
 
 
 def mlp_tile_config(dtype):
