@@ -234,6 +234,41 @@ TINY_KERNEL_RUN = {
 }
 
 
+def test_kernels_compile_for_an_h100_without_one():
+    """Triton's whole GPU build (frontend, MLIR passes, ptxas from its wheel) of the bf16 kernels for sm_90, as a
+    launch specialises them (unit strides are constants): catches what the interpreter accepts and a GPU does
+    not. The MLP tiles use Hopper's warpgroup MMA with a 3-stage copy pipeline."""
+    if INTERPRETED or not HAS_TRITON:
+        pytest.skip("needs Triton's compiler (a process without TRITON_INTERPRET=1)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    kernels = tg.triton_kernels()
+    bm, bn, bk, warps, stages = tg.mlp_tile_config(torch.bfloat16)
+    mlp_sig = {**{name: "*bf16" for name in ("a_ptr", "b_ptr", "out_ptr", "aux_ptr")},
+               **{name: "i32" for name in ("M", "N", "K", "s_am", "s_bn", "s_bk")}}
+    mlp = {"IEEE": False, "UPCAST": False, "ROUND_BF16": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+           "GROUP_M": 8, "s_ak": 1}
+    ce_sig = {"x_ptr": "*bf16", "t_ptr": "*i64", "R": "i32", "V": "i32", "s_row": "i32", "cap": "fp32"}
+    ce = {"ROWS": 1, "BLOCK_V": 1024}  # ce_rows_config's CUDA layout
+    builds = [("_mlp_tile_kernel", mlp_sig, {**mlp, "FORWARD": True, "s_bk": 1}, warps, stages),  # B = W_up
+              ("_mlp_tile_kernel", mlp_sig, {**mlp, "FORWARD": False, "s_bn": 1}, warps, stages),  # B = W_down^T
+              ("_ce_fwd_kernel", {**ce_sig, "loss_ptr": "*fp32", "lse_ptr": "*fp32"}, ce, 4, 1),
+              ("_ce_bwd_kernel", {**ce_sig, "lse_ptr": "*fp32", "g_ptr": "*fp32", "dx_ptr": "*bf16"},
+               {**ce, "ROUND_BF16": False}, 4, 1)]
+    for name, sig, consts, num_warps, num_stages in builds:
+        fn = kernels[name]
+        signature = {arg: "constexpr" if arg in consts else sig[arg] for arg in fn.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)  # the record's shapes
+                   if signature[arg] != "constexpr" and arg not in ("R", "cap")}
+        compiled = triton_compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=aligned),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        assert len(compiled.asm["cubin"]) > 0, name
+        if name == "_mlp_tile_kernel":
+            assert "warp_group_dot" in compiled.asm["ttgir"] and "async_copy" in compiled.asm["ttgir"]
+
+
 def test_kernels_interpreted_in_a_fresh_process():
     """The test_interpreted_* tests, in a process that sets TRITON_INTERPRET=1 before anything imports triton."""
     if INTERPRETED:
