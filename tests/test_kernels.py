@@ -228,8 +228,8 @@ def test_interpreted_gptq_calibration_sees_the_mlp_with_fused_mlp_on(interpret):
 TINY_KERNEL_RUN = {
     "NUM_LAYERS": "2", "MODEL_DIM": "32", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "VE_LAYERS": "1",
     "XSA_LAST_N": "1", "TRAIN_SEQ_LEN": "64", "EVAL_SEQ_LEN": "64", "TRAIN_BATCH_TOKENS": "512",
-    "GRAD_ACCUM_STEPS": "1", "VAL_BATCH_SIZE": "4096", "ITERATIONS": "3", "WARMUP_STEPS": "0",
-    "WARMDOWN_ITERS": "2", "MAX_WALLCLOCK_SECONDS": "0", "VAL_LOSS_EVERY": "0", "TRAIN_LOG_EVERY": "1",
+    "GRAD_ACCUM_STEPS": "1", "VAL_BATCH_SIZE": "4096", "ITERATIONS": "2", "WARMUP_STEPS": "0",
+    "WARMDOWN_ITERS": "1", "MAX_WALLCLOCK_SECONDS": "0", "VAL_LOSS_EVERY": "0", "TRAIN_LOG_EVERY": "1",
     "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "SEED": "1337", "AUTOCAST_DTYPE": "fp32",
 }
 
@@ -283,8 +283,9 @@ def test_kernels_interpreted_in_a_fresh_process():
 
 
 def test_tiny_training_run_with_both_kernels_matches_the_eager_run(tmp_path, sample_data):
-    """Three steps with FUSED_MLP=1 FUSED_CE=1 (interpreted kernels) give the eager run's losses within bf16
-    rounding, and the log says the kernels ran."""
+    """Two steps with FUSED_MLP=1 FUSED_CE=1 (interpreted kernels; the second step's loss and the final one
+    follow updates through both backward kernels) give the eager run's losses within bf16 rounding, and the log
+    says the kernels ran."""
     if not HAS_TRITON:
         pytest.skip("Triton is not installed (pip install triton)")
     losses = {}
@@ -299,9 +300,9 @@ def test_tiny_training_run_with_both_kernels_matches_the_eager_run(tmp_path, sam
         for name in ("mlp", "ce"):
             assert (f"fused_{name}: triton kernel (Triton interpreter on CPU" if on else
                     f"fused_{name}: eager (FUSED_{name.upper()}=0)") in log
-        losses[on] = [float(v) for v in re.findall(r"^step:\d+/3 train_loss:([0-9.]+)", log, re.M)]
+        losses[on] = [float(v) for v in re.findall(r"^step:\d+/2 train_loss:([0-9.]+)", log, re.M)]
         losses[on].append(float(re.search(r"final_int6_roundtrip_exact val_loss:([0-9.]+)", log).group(1)))
-    assert len(losses[0]) == 4
+    assert len(losses[0]) == 3
     for a, b in zip(losses[1], losses[0]):
         assert abs(a - b) <= 2 ** -8 * abs(b), losses
 
