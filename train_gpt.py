@@ -222,6 +222,9 @@ class Hyperparameters:
         self.ttt_momentum = self._env("TTT_MOMENTUM", 0.9, float)
         self.ttt_batch_seqs = self._env("TTT_BATCH_SEQS", 32)
         self.ttt_grad_clip = self._env("TTT_GRAD_CLIP", 1.0, float)
+        # ---- fused Triton kernels (issue 21, SPEC-FRONTIER 15): training only, eager where they cannot run
+        self.fused_mlp = self._env("FUSED_MLP", False, bool)
+        self.fused_ce = self._env("FUSED_CE", False, bool)
         # ---- distributed layout (set by torchrun)
         self.rank = self._env("RANK", 0)
         self.world_size = self._env("WORLD_SIZE", 1)
@@ -921,6 +924,359 @@ def linear(x, w):
     return F.linear(x, w.to(x.dtype))
 
 
+# ---- fused Triton kernels (issue 21, SPEC-FRONTIER 15 and 18): FUSED_MLP, FUSED_CE; training mode only
+
+# What select_fused_kernels() switched on, read by Block.mlp and GPT.forward. "dtype": the dtype the fused
+# MLP casts its inputs to (the autocast dtype, else fp32); "interpret": CPU tensors may run the kernels
+# (Triton's CPU interpreter, TRITON_INTERPRET=1: how the tests run them).
+_FUSED = {"mlp": False, "ce": False, "dtype": torch.float32, "interpret": False}
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+triton = tl = None  # bound by triton_kernels(); until then the kernels below are plain Python functions
+_JITTED = {}  # Triton's interpret flag -> the jitted kernels (Triton reads the flag when it jits)
+
+
+def triton_interpreting():
+    """Whether Triton runs kernels in its CPU interpreter (its knob for TRITON_INTERPRET=1); False without it."""
+    try:
+        import triton as t
+    except ImportError:
+        return False
+    knobs = getattr(t, "knobs", None)
+    return bool(knobs is not None and knobs.runtime.interpret)
+
+
+def triton_kernels():
+    """The three kernels, jitted on first use. Raises ImportError without Triton, OSError where Triton cannot
+    read their source (a packed script). The helper the kernels call, _bf16_rtne, is jitted too and its global
+    name bound to the jitted form of the current mode (Triton refuses kernels that name plain functions)."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+    key = triton_interpreting()
+    if key not in _JITTED:
+        _JITTED[key] = {f.__name__: triton.jit(f) for f in (_mlp_tile_kernel, _ce_fwd_kernel, _ce_bwd_kernel,
+                                                            _KERNEL_HELPERS["_bf16_rtne"])}
+    globals()["_bf16_rtne"] = _JITTED[key]["_bf16_rtne"]
+    return _JITTED[key]
+
+
+def _mlp_tile_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, M, N, K, s_am, s_ak, s_bn, s_bk,
+                     FORWARD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """One BLOCK_M x BLOCK_N tile of acc = A @ B^T (A: M x K, B: N x K, any strides; fp32 accumulation), then
+    FORWARD: out = pre = acc and aux = post = LeakyReLU(pre, 0.5)^2, in out's dtype (post from the rounded pre,
+    as eager computes it); backward (aux = pre): out = dpre = acc * (2 pre if pre > 0 else 0.5 pre), rounded
+    once. out and aux are contiguous M x N. Tiles run in groups of GROUP_M tile rows, so B's tiles stay in L2.
+    UPCAST (the interpreter, whose tl.dot gives garbage on bf16 in Triton 3.9): A and B go to fp32 first, the
+    same products (a bf16 product is exact in fp32) and the same fp32 accumulation. ROUND_BF16: see _bf16_rtne."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + rm[:, None].to(tl.int64) * s_am
+    b_cols = b_ptr + rn[None, :].to(tl.int64) * s_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_rows + kk[None, :] * s_ak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(b_cols + kk[:, None] * s_bk, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    inside = (rm[:, None] < M) & (rn[None, :] < N)
+    if FORWARD:
+        if ROUND_BF16:
+            pre = _bf16_rtne(acc)
+        else:
+            pre = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, pre, mask=inside)
+        p = pre.to(tl.float32)
+        act = tl.where(p > 0, p, 0.5 * p)
+        if ROUND_BF16:
+            post = _bf16_rtne(act * act)
+        else:
+            post = (act * act).to(aux_ptr.dtype.element_ty)
+        tl.store(aux_ptr + offs, post, mask=inside)
+    else:
+        p = tl.load(aux_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        dpre = acc * tl.where(p > 0, 2.0 * p, 0.5 * p)
+        if ROUND_BF16:
+            dpre = _bf16_rtne(dpre)
+        tl.store(out_ptr + offs, dpre.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def _bf16_rtne(x):
+    """fp32 -> bf16 rounded to nearest even by integer arithmetic on the bits, for the interpreter only: Triton
+    3.9's interpreter truncates in .to(tl.bfloat16), where a GPU rounds to nearest even (finite x)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+_KERNEL_HELPERS = {"_bf16_rtne": _bf16_rtne}  # the plain functions, for triton_kernels() to jit
+
+
+def mlp_tile_config(dtype):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of _mlp_tile_kernel, on a GPU and in the interpreter."""
+    return (64, 64, 32, 4, 3) if dtype == torch.float32 else (128, 128, 64, 8, 3)
+
+
+def mlp_tiles(a, b_nk, pre=None, config=None):
+    """a @ b_nk^T through _mlp_tile_kernel: forward (pre None) -> (pre, post); backward -> dpre."""
+    (M, K), N = a.shape, b_nk.shape[0]
+    bm, bn, bk, warps, stages = config or mlp_tile_config(a.dtype)
+    out = a.new_empty((M, N))
+    aux = a.new_empty((M, N)) if pre is None else pre.contiguous()
+    triton_kernels()["_mlp_tile_kernel"][(-(-M // bm) * -(-N // bn),)](
+        a, b_nk, out, aux, M, N, K, a.stride(0), a.stride(1), b_nk.stride(0), b_nk.stride(1),
+        FORWARD=pre is None, IEEE=a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32,
+        UPCAST=not a.is_cuda, ROUND_BF16=not a.is_cuda and a.dtype == torch.bfloat16,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    return (out, aux) if pre is None else out
+
+
+def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, R, V, s_row, cap, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """ROWS rows of logits x per program: z = cap*tanh(x/cap), computed as cap*(2*sigmoid(2x/cap) - 1) in fp32
+    and streamed in BLOCK_V columns with a running max (never stored); lse = logsumexp(z), loss = lse - z[t]."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < R
+    base = x_ptr + rows.to(tl.int64)[:, None] * s_row
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    s = tl.zeros((ROWS,), tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(base + cols[None, :], mask=live[:, None] & (cols[None, :] < V), other=0.0).to(tl.float32)
+        z = tl.where(cols[None, :] < V, cap * (2.0 * tl.sigmoid(x * (2.0 / cap)) - 1.0), float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+        m = m_new
+    lse = m + tl.log(s)
+    t = tl.load(t_ptr + rows, mask=live, other=0)
+    xt = tl.load(x_ptr + rows.to(tl.int64) * s_row + t, mask=live, other=0.0).to(tl.float32)
+    tl.store(lse_ptr + rows, lse, mask=live)
+    tl.store(loss_ptr + rows, lse - cap * (2.0 * tl.sigmoid(xt * (2.0 / cap)) - 1.0), mask=live)
+
+
+def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, R, V, s_row, cap,
+                   ROWS: tl.constexpr, BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """dloss/dx = g * (softmax(z) - onehot(t)) * (1 - tanh^2(x/cap)), with 1 - tanh^2(x/cap) = 4 sg (1 - sg),
+    sg = sigmoid(2x/cap), and softmax(z) = exp(z - lse) from the forward's lse; dx contiguous like x."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < R
+    lse = tl.load(lse_ptr + rows, mask=live, other=0.0)
+    g = tl.load(g_ptr + rows, mask=live, other=0.0)
+    t = tl.load(t_ptr + rows, mask=live, other=-1)
+    row_offs = rows.to(tl.int64)[:, None] * s_row
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        inside = live[:, None] & (cols[None, :] < V)
+        x = tl.load(x_ptr + row_offs + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        sg = tl.sigmoid(x * (2.0 / cap))
+        p = tl.exp(cap * (2.0 * sg - 1.0) - lse[:, None])
+        dz = g[:, None] * (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0))
+        dx = dz * 4.0 * sg * (1.0 - sg)
+        if ROUND_BF16:
+            dx = _bf16_rtne(dx)
+        tl.store(dx_ptr + row_offs + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=inside)
+
+
+def ce_rows_config(x):
+    """(ROWS, BLOCK_V, num_warps) of the CE kernels: one row per program on a GPU (the record's layout);
+    in the interpreter 16 rows per program, so its per-program overhead stays small."""
+    return (1, 1024, 4) if x.is_cuda else (16, 256, 1)
+
+
+def ce_rows(kernel, x, targets, cap, extra, **constexprs):
+    """Launch a CE kernel over x's rows; `extra`: the kernel's tensors between targets and (R, V, ...)."""
+    rows, block, warps = ce_rows_config(x)
+    R, V = x.shape
+    triton_kernels()[kernel][(-(-R // rows),)](x, targets, *extra, R, V, x.stride(0), float(cap),
+                                                 ROWS=rows, BLOCK_V=block, num_warps=warps, **constexprs)
+
+
+def _fused_mlp_impl(x, w1, w2):
+    x2 = x.reshape(-1, x.size(-1))
+    pre, post = mlp_tiles(x2, w1)
+    return (post @ w2.t()).reshape(*x.shape[:-1], w2.size(0)), pre, post
+
+
+def _fused_mlp_fake(x, w1, w2):
+    rows = x.numel() // x.size(-1)
+    return (x.new_empty((*x.shape[:-1], w2.size(0))), x.new_empty((rows, w1.size(0))),
+            x.new_empty((rows, w1.size(0))))
+
+
+def _fused_mlp_backward_impl(g, x, w1, w2, pre, post):
+    x2, g2 = x.reshape(-1, x.size(-1)), g.reshape(-1, g.size(-1)).to(x.dtype)
+    dpre = mlp_tiles(g2, w2.t(), pre=pre)
+    return (dpre @ w1).reshape(x.shape), dpre.t() @ x2, g2.t() @ post
+
+
+def _fused_mlp_backward_fake(g, x, w1, w2, pre, post):
+    return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+
+
+def _softcapped_ce_impl(logits, targets, softcap):
+    x = logits.contiguous()
+    losses = x.new_empty(x.size(0), dtype=torch.float32)
+    lse = torch.empty_like(losses)
+    ce_rows("_ce_fwd_kernel", x, targets.contiguous(), softcap, (losses, lse))
+    return losses, lse
+
+
+def _softcapped_ce_fake(logits, targets, softcap):
+    return logits.new_empty(logits.size(0), dtype=torch.float32), logits.new_empty(logits.size(0),
+                                                                                   dtype=torch.float32)
+
+
+def _softcapped_ce_backward_impl(grad, logits, targets, lse, softcap):
+    x = logits.contiguous()
+    dx = torch.empty_like(x)
+    ce_rows("_ce_bwd_kernel", x, targets.contiguous(), softcap, (lse.contiguous(), grad.float().contiguous(), dx),
+            ROUND_BF16=not x.is_cuda and x.dtype == torch.bfloat16)
+    return dx
+
+
+def _softcapped_ce_backward_fake(grad, logits, targets, lse, softcap):
+    return torch.empty_like(logits)
+
+
+def _register_op(name, schema, impl, fake):
+    """A torch.library custom op pgolf::name (opaque to torch.compile, one graph with fullgraph=True). The
+    schema is written out: a packed script has no annotations to infer it from."""
+    op = torch.library.custom_op(f"pgolf::{name}", impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    return op
+
+
+def _save_mlp(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output[1:])  # x, w1, w2, pre, post
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _save_ce(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], output[1])  # logits, targets, lse
+    ctx.softcap = inputs[2]
+    ctx.mark_non_differentiable(output[1])
+
+
+_register_op("fused_mlp", "(Tensor x, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor)",
+             _fused_mlp_impl, _fused_mlp_fake).register_autograd(
+    lambda ctx, g, _g_pre, _g_post: torch.ops.pgolf.fused_mlp_backward(g, *ctx.saved_tensors),
+    setup_context=_save_mlp)
+_register_op("fused_mlp_backward",
+             "(Tensor g, Tensor x, Tensor w1, Tensor w2, Tensor pre, Tensor post) -> (Tensor, Tensor, Tensor)",
+             _fused_mlp_backward_impl, _fused_mlp_backward_fake)
+_register_op("softcapped_ce", "(Tensor logits, Tensor targets, float softcap) -> (Tensor, Tensor)",
+             _softcapped_ce_impl, _softcapped_ce_fake).register_autograd(
+    lambda ctx, g, _g_lse: (torch.ops.pgolf.softcapped_ce_backward(g, *ctx.saved_tensors, ctx.softcap), None, None),
+    setup_context=_save_ce)
+_register_op("softcapped_ce_backward",
+             "(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float softcap) -> Tensor",
+             _softcapped_ce_backward_impl, _softcapped_ce_backward_fake)
+
+
+def fused_ready(t):
+    """Whether the kernels can take t: a supported dtype, on CUDA (on CPU only under Triton's interpreter)."""
+    return t.dtype in FUSED_DTYPES and (t.is_cuda or _FUSED["interpret"])
+
+
+def leaky_relu2_mlp(x, up_w, down_w):
+    """The eager MLP: W_down LeakyReLU(W_up x, 0.5)^2 (through `linear`, which GPTQ's calibration watches)."""
+    return linear(F.leaky_relu(linear(x, up_w), 0.5).square(), down_w)
+
+
+def fused_leaky_relu2_mlp(x, up_w, down_w):
+    """FUSED_MLP (SPEC-FRONTIER 15, 18): leaky_relu2_mlp with pre = x W_up^T and post = LeakyReLU(pre, 0.5)^2 from
+    one Triton kernel and W_down by cuBLAS; backward: dW_down = g^T post, dpre = (g W_down) * (2 pre if pre > 0
+    else 0.5 pre) from the same kernel, dW_up = dpre^T x, dx = dpre W_up. Inputs cast to _FUSED["dtype"] (what
+    autocast would give); eager where the kernels cannot run."""
+    dt = _FUSED["dtype"]
+    if dt not in FUSED_DTYPES or not fused_ready(x):
+        return leaky_relu2_mlp(x, up_w, down_w)
+    return torch.ops.pgolf.fused_mlp(x.to(dt), up_w.to(dt), down_w.to(dt))[0]
+
+
+def softcap_logits(logits, softcap):
+    return softcap * torch.tanh(logits / softcap)
+
+
+def softcapped_ce(logits, targets, softcap):
+    """The eager training loss: mean cross-entropy of the fp32 softcapped logits."""
+    logits = softcap_logits(logits, softcap)
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def fused_softcapped_ce(logits, targets, softcap):
+    """FUSED_CE (SPEC-FRONTIER 15, 18): softcapped_ce from raw logits in one Triton pass per row, without
+    materialising the softcapped logits; it keeps the fp32 per-row lse for the backward kernel. Eager where the
+    kernels cannot run."""
+    flat = logits.reshape(-1, logits.size(-1))
+    if not fused_ready(flat):
+        return softcapped_ce(logits, targets, softcap)
+    return torch.ops.pgolf.softcapped_ce(flat, targets.reshape(-1), float(softcap))[0].mean()
+
+
+def _fused_smoke_error(name, h, device, dtype):
+    """Run one kernel forward and backward on small inputs of the run's widths: None if it ran, else why not."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+
+    try:
+        if name == "mlp":
+            out = torch.ops.pgolf.fused_mlp(rand(16, h.model_dim), rand(h.mlp_hidden, h.model_dim),
+                                            rand(h.model_dim, h.mlp_hidden))[0]
+        else:
+            targets = torch.randint(0, h.vocab_size, (16,), generator=g).to(device)
+            out = torch.ops.pgolf.softcapped_ce(rand(16, h.vocab_size), targets, h.logit_softcap)[0]
+        out.float().sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # a GPU or Triton build the kernels do not run on: said in the log, eager instead
+        return f"the kernel failed a trial run ({type(e).__name__}: {first_line(e)})"
+    return None
+
+
+def select_fused_kernels(h, device, dtype):
+    """FUSED_MLP / FUSED_CE: switch the kernels on where they run (CUDA, or Triton's interpreter on CPU) for the
+    compute dtype `dtype`; returns one log line per kernel saying whether it runs, or why it falls back."""
+    _FUSED.update(mlp=False, ce=False, dtype=dtype, interpret=False)
+    reason = None
+    if h.fused_mlp or h.fused_ce:
+        try:
+            triton_kernels()
+        except ImportError:
+            reason = "Triton is not installed (pip install triton)"
+        except Exception as e:  # e.g. OSError: no source to read in a packed script
+            reason = f"Triton cannot build the kernels ({type(e).__name__}: {first_line(e)})"
+        _FUSED["interpret"] = reason is None and triton_interpreting()
+        if reason is None and device.type != "cuda" and not _FUSED["interpret"]:
+            reason = "no CUDA device (on CPU the kernels run only in Triton's interpreter, TRITON_INTERPRET=1)"
+        if reason is None and dtype not in FUSED_DTYPES:
+            reason = f"unsupported dtype {dtype}"
+    where = "Triton interpreter on CPU, TRITON_INTERPRET=1" if device.type != "cuda" else "CUDA"
+    lines = []
+    for name, on in (("mlp", h.fused_mlp), ("ce", h.fused_ce)):
+        why = (reason or _fused_smoke_error(name, h, device, dtype)) if on else None
+        _FUSED[name] = on and why is None
+        state = "triton kernel" if _FUSED[name] else f"eager, fallback: {why}" if on else "eager"
+        lines.append(f"fused_{name}: {state}" + (f" ({where}, {str(dtype).replace('torch.', '')})"
+                                                  if _FUSED[name] else f" (FUSED_{name.upper()}={int(on)})"))
+    return lines
+
+
 class CastedEmbedding(nn.Embedding):
     """Rows cast to `out_dtype` if set (fp32 runs), so bf16 tables keep bf16 out of the residual stream."""
 
@@ -1055,7 +1411,10 @@ class Block(nn.Module):
         return mix[0] * x + mix[1] * x0
 
     def mlp(self, x, up_w, down_w):
-        return linear(F.leaky_relu(linear(x, up_w), 0.5).square(), down_w)
+        """FUSED_MLP's kernel while training, unless GPTQ's recorder is listening (it needs `linear`'s inputs)."""
+        if self.training and _FUSED["mlp"] and _RECORDER[0] is None:
+            return fused_leaky_relu2_mlp(x, up_w, down_w)
+        return leaky_relu2_mlp(x, up_w, down_w)
 
     def forward(self, x, x0, w, v_embed, rope):
         x = self.mix_in(x, x0)
@@ -1252,6 +1611,10 @@ class GPT(nn.Module):
         return any(m.qat for m in self.modules() if isinstance(m, CastedLinear))
 
     def forward_logits(self, ids):
+        return softcap_logits(self.raw_logits(ids), self.logit_softcap)
+
+    def raw_logits(self, ids):
+        """The logits before the softcap."""
         x = self.tok_emb(ids)
         if self.bigram is not None:
             x = x + self.bigram(ids)
@@ -1281,8 +1644,7 @@ class GPT(nn.Module):
         if lanes is not None:
             x = 0.5 * (lanes[0] + lanes[1])
         x = rms_norm(x)
-        logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.tok_emb.weight)
-        return self.logit_softcap * torch.tanh(logits / self.logit_softcap)
+        return self.lm_head(x) if self.lm_head is not None else linear(x, self.tok_emb.weight)
 
     def _value_embed(self, i, ve):
         return ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype) if i in self.ve_layers else None
@@ -1300,8 +1662,10 @@ class GPT(nn.Module):
         return s * x + (1 - s) * scaled
 
     def forward(self, ids, targets):
-        logits = self.forward_logits(ids)
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+        """The mean training loss; FUSED_CE's kernel while training (select_fused_kernels)."""
+        if self.training and _FUSED["ce"]:
+            return fused_softcapped_ce(self.raw_logits(ids), targets, self.logit_softcap)
+        return softcapped_ce(self.raw_logits(ids), targets, self.logit_softcap)
 
 
 @contextlib.contextmanager
@@ -2690,6 +3054,8 @@ def run(rt):
     rt.log(f"device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps} "
            f"attention_backend:{backend} compile:{int(compile_enabled(rt))}")
     rt.log(f"precision: {rt.precision_note}")
+    for line in select_fused_kernels(h, rt.device, rt.autocast_dtype or torch.float32):
+        rt.log(line)
     if rt.device.type == "cpu":
         rt.log(f"cpu_threads: {rt.threads_note}")
         rt.log("cpu: FlashAttention and CUDA copy streams need CUDA; torch.compile is off unless COMPILE=1")
