@@ -134,8 +134,19 @@ def decode(text):
 
 def original_byte_counts(pieces):
     """For consecutive fragments `pieces` of an encoded text, the UTF-8 byte count of the original text each
-    one decodes to (operators count 0, case changes none). Their sum is len(decode("".join(pieces)) in UTF-8)."""
+    one decodes to (operators count 0, case changes none). Their sum is len(decode("".join(pieces)) in UTF-8).
+    A fragment may be `bytes` (a tokenizer's byte-fallback piece): part of a non-ASCII character, it counts
+    its length."""
     d = _Decoder()
-    counts = [sum(len(d.emit(ch).encode("utf-8")) for ch in piece) for piece in pieces]
+    counts = []
+    for piece in pieces:
+        if isinstance(piece, bytes):
+            if piece.isascii():
+                piece = piece.decode("ascii")
+            else:
+                d.emit("\x80")  # a non-ASCII character: ends a word, refuses a pending operator
+                counts.append(len(piece))
+                continue
+        counts.append(sum(len(d.emit(ch).encode("utf-8")) for ch in piece))
     d.finish()
     return counts

@@ -87,3 +87,83 @@ def test_caseops_equals_the_records_transform():
         pieces = [caseops.encode(s)[:3], caseops.encode(s)[3:]]
         assert caseops.original_byte_counts(pieces) == lc.surface_piece_original_byte_counts(
             pieces, text_transform_name=lc.LOSSLESS_CAPS_CASEOPS_V1)
+
+
+# ------------------------------------------------------------ CaseOps sample data
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import shards  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def caseops_sample(tmp_path_factory):
+    """`build_sample_data.py --vocab-size 8192 --caseops` with 2 train shards (a couple of seconds)."""
+    out = tmp_path_factory.mktemp("caseops")
+    proc = subprocess.run([sys.executable, str(REPO / "data" / "build_sample_data.py"), "--out-dir", str(out),
+                           "--vocab-size", "8192", "--caseops", "--train-shards", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def split_at_bos(tokens, bos=1):
+    starts = np.flatnonzero(tokens == bos)
+    return list(zip(starts.tolist(), [*starts[1:].tolist(), tokens.size]))
+
+
+def test_caseops_sample_layout_tokenizer_and_sidecar(caseops_sample):
+    import sentencepiece as spm
+
+    data = caseops_sample / "datasets" / "sample_sp8192_caseops"
+    assert sorted(os.listdir(data)) == ["fineweb_train_000000.bin", "fineweb_train_000001.bin",
+                                        "fineweb_val_000000.bin", "fineweb_val_bytes_000000.bin"]
+    sp = spm.SentencePieceProcessor(model_file=str(caseops_sample / "tokenizers" / "sample_8192_bpe_caseops.model"))
+    assert sp.vocab_size() == 8192 and sp.bos_id() == 1
+    assert [sp.piece_to_id(c) for c in caseops.OPERATORS] == [4, 5, 6, 7]
+    val = shards.read_shard(data / "fineweb_val_000000.bin")
+    sidecar = shards.read_shard(data / "fineweb_val_bytes_000000.bin")
+    assert val.size == sidecar.size == 32 * 1024 + 1
+    assert val[0] == 1 and np.all(sidecar[val == 1] == 0) and np.all(sidecar[(val >= 4) & (val <= 7)] == 0)
+    assert int(((val >= 4) & (val <= 7)).sum()) > 100  # the operators are really used
+    docs = split_at_bos(val)[:-1]  # the last one is cut at --val-tokens
+    assert len(docs) > 20
+    text_bytes = 0
+    for a, b in docs:
+        text = caseops.decode(sp.decode(val[a + 1:b].tolist()))
+        assert any("A" <= c <= "Z" for c in text) or b - a < 50
+        text_bytes += len(text.encode("utf-8"))
+    # The sidecar's bytes over the complete documents are the UTF-8 length of their original text.
+    assert int(sidecar[:docs[-1][1]].astype(np.int64).sum()) == text_bytes
+    train = np.concatenate([shards.read_shard(data / f"fineweb_train_{i:06d}.bin") for i in range(2)])
+    assert train[0] == 1 and shards.val_documents_in_train(val, [train], 1) == 0
+
+
+def test_val_documents_in_train_counts_exact_copies_only():
+    rng = np.random.default_rng(0)
+    docs = [np.concatenate([[1], rng.integers(8, 500, size=n)]) for n in (5, 40, 80, 80, 300)]
+    near = docs[3].copy()
+    near[-1] += 1  # same length and first tokens as docs[3], one token differs at the end
+    val = np.concatenate(docs + [docs[0][:3]])  # the last, cut-off document is not counted
+    train = [np.concatenate([rng.integers(8, 500, size=7), docs[1], near, docs[4], [1, 9]]), docs[0][1:]]
+    assert shards.val_documents_in_train(val, train, 1) == 2  # docs[1] and docs[4]
+    assert shards.val_documents_in_train(val, [np.concatenate([near, [1]])], 1) == 0
+    assert shards.val_documents_in_train(val, [np.concatenate([docs[3], [1]])], 1) == 1
+
+
+def test_caseops_sample_refuses_train_val_overlap(monkeypatch, capsys):
+    import build_sample_data as bsd
+
+    real = bsd.split_documents
+
+    def leaky(documents, val_tokens, seed, chars_per_token):
+        train, val = real(documents, val_tokens, seed, chars_per_token)
+        return val[:3] + train, val
+
+    monkeypatch.setattr(bsd, "split_documents", leaky)
+    assert bsd.main(["--out-dir", "/nonexistent/never-written", "--vocab-size", "1024", "--caseops"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "3 validation documents also occur in the train shards" in err[0]
