@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -771,9 +771,17 @@ class PrefetchingDistributedTokenLoader:
         self._pending = None
 
 
+def val_token_shards(pattern):
+    """The val token shards: the byte sidecars (fineweb_val_bytes_*) match the same glob and are left out."""
+    files = [f for f in list_shards(pattern) if not Path(f).name.startswith(SIDECAR_PREFIX)]
+    if not files:
+        raise ConfigError(f"DATA_PATH: only byte sidecars match {pattern}, no validation token shards")
+    return files
+
+
 def load_validation_tokens(pattern, seq_len, vocab_size):
     """All val shards concatenated, cut to whole sequences plus one target token."""
-    tokens = np.concatenate([load_shard(f) for f in list_shards(pattern)])
+    tokens = np.concatenate([load_shard(f) for f in val_token_shards(pattern)])
     usable = ((tokens.size - 1) // seq_len) * seq_len
     if usable <= 0:
         raise ConfigError(f"DATA_PATH: validation shards {pattern} hold {tokens.size} tokens, "
@@ -786,13 +794,22 @@ def load_validation_tokens(pattern, seq_len, vocab_size):
 
 @dataclass
 class ByteLuts:
-    """Per-token byte accounting for bits-per-byte (SPEC 7)."""
+    """Per-token byte accounting for bits-per-byte (SPEC 7), or, with a byte sidecar, per val position."""
     base_bytes: Tensor  # int16: UTF-8 bytes of the piece without its leading space marker
     has_leading_space: Tensor  # bool
     is_boundary: Tensor  # bool: control / unknown / unused ids (0 bytes, reset the space rule)
+    caseops: bool = False  # ids 4-7 are the CaseOps operators: the tokenizer's byte rule does not apply
+    sidecar: Tensor = None  # int32 per val position: bytes of the token there as a target (load_byte_sidecar)
 
     def to(self, device):
-        return ByteLuts(self.base_bytes.to(device), self.has_leading_space.to(device), self.is_boundary.to(device))
+        return ByteLuts(self.base_bytes.to(device), self.has_leading_space.to(device), self.is_boundary.to(device),
+                        self.caseops, None if self.sidecar is None else self.sidecar.to(device))
+
+    def target_bytes(self, prev_ids, tgt_ids, tgt_pos):
+        """Bytes of each target (float64): the sidecar's at val positions tgt_pos if there is one, else count()."""
+        if self.sidecar is not None:
+            return self.sidecar[tgt_pos].to(torch.float64)
+        return self.count(prev_ids, tgt_ids)
 
     def count(self, prev_ids, tgt_ids):
         """Bytes of each target token given its predecessor, as float64."""
@@ -828,7 +845,42 @@ def build_byte_luts(tokenizer_path, vocab_size):
             lead[i] = True
             piece = piece[1:]
         base[i] = len(piece.encode("utf-8"))
-    return ByteLuts(torch.from_numpy(base), torch.from_numpy(lead), torch.from_numpy(boundary))
+    caseops = [sp.id_to_piece(i) for i in range(4, min(n, 8))] == list(CASEOPS_OPERATORS)
+    return ByteLuts(torch.from_numpy(base), torch.from_numpy(lead), torch.from_numpy(boundary), caseops)
+
+
+SIDECAR_PREFIX = "fineweb_val_bytes_"  # fineweb_val_XXXXXX.bin -> fineweb_val_bytes_XXXXXX.bin
+CASEOPS_OPERATORS = ("\ue001", "\ue002", "\ue003", "\ue004")  # data/caseops.py, SPEC-FRONTIER 2
+BOS_ID = 1
+
+
+def load_byte_sidecar(pattern, val_tokens, luts):
+    """SPEC-FRONTIER 2: with byte sidecars beside the val shards (one per shard, same format, one uint16 per
+    token: the UTF-8 bytes of original text it stands for), BPB counts those bytes. Returns (luts with the
+    sidecar cut like val_tokens, or luts unchanged without sidecars; 'sidecar' or 'tokenizer')."""
+    pairs = [(Path(f), Path(f).with_name(SIDECAR_PREFIX + Path(f).name[len("fineweb_val_"):]))
+             for f in val_token_shards(pattern)]
+    present = [side for _, side in pairs if side.exists()]
+    if not present:
+        if luts.caseops:
+            raise ConfigError(f"DATA_PATH: byte sidecar {pairs[0][1]} missing: a CaseOps tokenizer needs the val "
+                              f"byte sidecars for bits per byte")
+        return luts, "tokenizer"
+    parts = []
+    for shard, side in pairs:
+        if not side.exists():
+            raise ConfigError(f"DATA_PATH: byte sidecar {side} missing for val shard {shard.name}")
+        n_tok, n_side = read_shard_header(shard), read_shard_header(side)
+        if n_side != n_tok:
+            raise ConfigError(f"DATA_PATH: byte sidecar {side} is {'short' if n_side < n_tok else 'mismatched'}: "
+                              f"{n_side} entries for the {n_tok} tokens of {shard.name}")
+        parts.append(load_shard(side))
+    sidecar = torch.from_numpy(np.concatenate(parts)[:val_tokens.numel()].astype(np.int32))
+    bad = torch.nonzero((val_tokens == BOS_ID) & (sidecar != 0))
+    if bad.numel():
+        raise ConfigError(f"DATA_PATH: byte sidecars {present[0].parent}/{SIDECAR_PREFIX}* are mismatched: "
+                          f"{int(sidecar[bad[0, 0]])} bytes at val position {int(bad[0, 0])}, a BOS token")
+    return replace(luts, sidecar=sidecar), "sidecar"
 
 
 # ==================================================
@@ -2255,7 +2307,7 @@ def eval_val(rt, forward, val_tokens, luts):
     first, last = total * h.rank // h.world_size, total * (h.rank + 1) // h.world_size
     starts = iter(range(first, last, batch_seqs))
     num_batches = len(range(first, last, batch_seqs))
-    host_bytes = h.val_bytecount_device == "cpu"
+    host_bytes = h.val_bytecount_device == "cpu" or luts.sidecar is not None
     tokens = val_tokens.numpy()
 
     def produce():
@@ -2264,7 +2316,8 @@ def eval_val(rt, forward, val_tokens, luts):
             return None
         span = tokens[s * L:min(s + batch_seqs, last) * L + 1]
         t = torch.from_numpy(span)
-        return span, float(luts.count(t[:-1], t[1:]).sum()) if host_bytes else None
+        pos = torch.arange(s * L + 1, s * L + span.size)
+        return span, float(luts.target_bytes(t[:-1], t[1:], pos).sum()) if host_bytes else None
 
     loader = PrefetchingDistributedTokenLoader(produce, L, dev, queue_size=2, threaded=rt.val_prefetch,
                                                copy_stream=rt.val_copy_stream, name="val")
@@ -2313,7 +2366,7 @@ def sliding_windows(num_targets, seq_len, stride):
 def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_token=None):
     """Sum of [nll, tokens, bytes] over the scored positions (batches padded to one shape); per_token[pos] = nll."""
     dev, L = rt.device, rt.h.eval_seq_len
-    host_bytes = rt.h.val_bytecount_device == "cpu"
+    host_bytes = rt.h.val_bytecount_device == "cpu" or luts.sidecar is not None
     luts_d = None if host_bytes else luts.to(dev)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
     positions = torch.arange(L)
@@ -2333,12 +2386,12 @@ def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_toke
         scored = nll.view(x.shape).double()[mask_d]
         sums[0] += scored.sum()
         sums[1] += int(mask.sum())
+        target_pos = rows[:, :1] + positions[None, :] + 1
         if host_bytes:
-            sums[2] += float(luts.count(spans[:, :-1][mask], spans[:, 1:][mask]).sum())
+            sums[2] += float(luts.target_bytes(spans[:, :-1][mask], spans[:, 1:][mask], target_pos[mask]).sum())
         else:
             sums[2] += luts_d.count(x[mask_d], y[mask_d]).sum()
         if per_token is not None:
-            target_pos = rows[:, :1] + positions[None, :] + 1
             per_token[target_pos[mask]] = scored.cpu()
     return sums
 
@@ -2519,7 +2572,9 @@ def run(rt):
     stage("reading the tokenizer and validation data")
     luts = build_byte_luts(h.tokenizer_path, h.vocab_size)
     val_tokens = load_validation_tokens(h.val_files, max(h.train_seq_len, h.eval_seq_len), h.vocab_size)
+    luts, bpb_bytes = load_byte_sidecar(h.val_files, val_tokens, luts)
     rt.log(f"val_tokens:{val_tokens.numel() - 1}")
+    rt.log(f"bpb_bytes:{bpb_bytes}")
 
     if h.eval_only:
         stage("loading the EVAL_ONLY artifact")

@@ -167,3 +167,110 @@ def test_caseops_sample_refuses_train_val_overlap(monkeypatch, capsys):
     assert bsd.main(["--out-dir", "/nonexistent/never-written", "--vocab-size", "1024", "--caseops"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "3 validation documents also occur in the train shards" in err[0]
+
+
+# ------------------------------------------------------------------ sidecar BPB
+
+import torch  # noqa: E402
+
+import train_gpt as tg  # noqa: E402
+from conftest import config_error  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def cpu_runtime(h):
+    return tg.Runtime(h, CPU, False, True, None, *tg.choose_precision(h, CPU))
+
+
+def write_tokens(path, tokens):
+    shards.write_shard(path, np.asarray(tokens, dtype=np.int64))
+
+
+@pytest.fixture
+def sidecar_data(tiny_env, tmp_path):
+    """DATA_PATH with the sample's first 2049 val tokens in two val shards, and sidecars made from the
+    tokenizer's own byte counts (the byte of a target given its predecessor; 0 at position 0)."""
+    val = np.concatenate([tg.load_shard(f) for f in sorted(Path(tiny_env["DATA_PATH"]).glob("fineweb_val_*"))])
+    val = val[:2049].astype(np.int64)
+    luts = tg.build_byte_luts(tiny_env["TOKENIZER_PATH"], 1024)
+    t = torch.from_numpy(val)
+    side = np.concatenate([[0], luts.count(t[:-1], t[1:]).numpy().astype(np.int64)])
+    for f in Path(tiny_env["DATA_PATH"]).glob("fineweb_train_*"):
+        (tmp_path / f.name).symlink_to(f)
+    for i, (a, b) in enumerate(((0, 1000), (1000, 2049))):
+        write_tokens(tmp_path / f"fineweb_val_{i:06d}.bin", val[a:b])
+        write_tokens(tmp_path / f"fineweb_val_bytes_{i:06d}.bin", side[a:b])
+    return tmp_path
+
+
+def test_sidecar_bpb_equals_tokenizer_bpb(sidecar_data, monkeypatch):
+    monkeypatch.setenv("DATA_PATH", str(sidecar_data))
+    h = tg.Hyperparameters()
+    rt = cpu_runtime(h)
+    luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
+    val = tg.load_validation_tokens(h.val_files, 128, h.vocab_size)
+    assert val.numel() == 2049  # the sidecars are not read as val tokens
+    side_luts, mode = tg.load_byte_sidecar(h.val_files, val, luts)
+    assert mode == "sidecar" and side_luts.sidecar.numel() == 2049
+    model = tg.build_model(h)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    logits_fn = model.forward_logits
+    for evaluate in (lambda lt: tg.eval_val(rt, model, val, lt),
+                     lambda lt: tg.eval_sliding(rt, model, logits_fn, val, lt)):
+        assert evaluate(side_luts) == evaluate(luts)
+    # The sidecar really is what is counted: doubling it halves the BPB.
+    doubled = tg.replace(side_luts, sidecar=side_luts.sidecar * 2)
+    loss, bpb = tg.eval_sliding(rt, model, logits_fn, val, luts)
+    loss2, bpb2 = tg.eval_sliding(rt, model, logits_fn, val, doubled)
+    assert loss2 == loss and bpb2 == pytest.approx(bpb / 2, rel=1e-12)
+
+
+def test_no_sidecar_means_tokenizer_bytes(tiny_env):
+    h = tg.Hyperparameters()
+    luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
+    assert not luts.caseops
+    val = tg.load_validation_tokens(h.val_files, 128, h.vocab_size)
+    assert tg.load_byte_sidecar(h.val_files, val, luts) == (luts, "tokenizer")
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("missing", "byte sidecar {d}/fineweb_val_bytes_000001.bin missing for val shard fineweb_val_000001.bin"),
+    ("short", "fineweb_val_bytes_000000.bin is short: 999 entries for the 1000 tokens"),
+    ("long", "fineweb_val_bytes_000000.bin is mismatched: 1001 entries for the 1000 tokens"),
+    ("bos", "are mismatched: 5 bytes at val position 0, a BOS token"),
+])
+def test_bad_sidecars_are_one_line_errors(sidecar_data, monkeypatch, damage, words):
+    monkeypatch.setenv("DATA_PATH", str(sidecar_data))
+    side0 = sidecar_data / "fineweb_val_bytes_000000.bin"
+    values = tg.load_shard(side0).astype(np.int64)
+    if damage == "missing":
+        (sidecar_data / "fineweb_val_bytes_000001.bin").unlink()
+    elif damage == "short":
+        write_tokens(side0, values[:-1])
+    elif damage == "long":
+        write_tokens(side0, np.append(values, 3))
+    else:
+        values[0] = 5
+        write_tokens(side0, values)
+    h = tg.Hyperparameters()
+    luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
+    val = tg.load_validation_tokens(h.val_files, 128, h.vocab_size)
+    with pytest.raises(tg.ConfigError) as err:
+        tg.load_byte_sidecar(h.val_files, val, luts)
+    assert "\n" not in str(err.value) and words.format(d=sidecar_data) in str(err.value)
+
+
+def test_caseops_tokenizer_without_sidecar_is_an_error(caseops_sample, tmp_path):
+    data = caseops_sample / "datasets" / "sample_sp8192_caseops"
+    (tmp_path / "fineweb_val_000000.bin").symlink_to(data / "fineweb_val_000000.bin")
+    luts = tg.build_byte_luts(str(caseops_sample / "tokenizers" / "sample_8192_bpe_caseops.model"), 8192)
+    assert luts.caseops
+    pattern = str(data / "fineweb_val_*.bin")
+    val = tg.load_validation_tokens(pattern, 128, 8192)
+    with_side, mode = tg.load_byte_sidecar(pattern, val, luts)
+    assert mode == "sidecar" and int(with_side.sidecar.sum()) > 0
+    with pytest.raises(tg.ConfigError, match="sidecar .* missing: a CaseOps tokenizer needs"):
+        tg.load_byte_sidecar(str(tmp_path / "fineweb_val_*.bin"), val, luts)
