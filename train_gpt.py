@@ -26,6 +26,7 @@ import traceback
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -887,26 +888,45 @@ def load_byte_sidecar(pattern, val_tokens, luts):
 # MODEL
 # ==================================================
 
-# causal_attention's kernel, set by select_attention_backend().
-_ATTENTION = {"name": "sdpa", "fn": None}
+# causal_attention's kernels, set by select_attention_backend(): dense and varlen (document-packed rows).
+_ATTENTION = {"name": "sdpa", "fn": None, "varlen": None}
 
 
 def select_attention_backend(device):
-    """FlashAttention 3, else 2 (CUDA only), else PyTorch SDPA."""
-    _ATTENTION.update(name="sdpa", fn=None)
+    """FlashAttention 3, else 2 (CUDA only), else PyTorch SDPA; on packed rows (docs given) the same library's
+    flash_attn_varlen_func, else the exact PyTorch path of doc_causal_attention. Returns the name logged."""
+    _ATTENTION.update(name="sdpa", fn=None, varlen=None)
     if device.type == "cuda":
         for name, module in (("flash_attn_3", "flash_attn_interface"), ("flash_attn_2", "flash_attn")):
             try:
-                fn = __import__(module).flash_attn_func
+                mod = __import__(module)
+                fn = mod.flash_attn_func
             except (ImportError, AttributeError):
                 continue
-            _ATTENTION.update(name=name, fn=fn)
+            _ATTENTION.update(name=name, fn=fn, varlen=getattr(mod, "flash_attn_varlen_func", None))
             break
     return _ATTENTION["name"]
 
 
-def causal_attention(q, k, v):
-    """Causal GQA attention on (B, T, H, D) tensors."""
+def varlen_backend_name():
+    """What attends on packed rows (the log's attention_backend_varlen)."""
+    name = _ATTENTION["name"]
+    return f"{name}_varlen" if _ATTENTION["varlen"] is not None else "torch_doc_blocks"
+
+
+class DocBounds(NamedTuple):
+    """Document boundaries of packed rows (SPEC-FRONTIER 3): cu_seqlens (int32) over the B*T flattened
+    tokens, [0, starts..., B*T], right-padded with B*T (empty segments); every row start is a boundary and
+    no segment is longer than max_len."""
+    cu_seqlens: Tensor
+    max_len: int
+
+
+def causal_attention(q, k, v, docs=None):
+    """Causal GQA attention on (B, T, H, D) tensors; with docs (DocBounds) no token attends across a
+    document boundary."""
+    if docs is not None:
+        return doc_causal_attention(q, k, v, docs)
     fn = _ATTENTION["fn"]
     if fn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # flash: half types only
         out = fn(q, k, v, causal=True)
@@ -914,6 +934,42 @@ def causal_attention(q, k, v):
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=True, enable_gqa=k.size(2) != q.size(2))
     return y.transpose(1, 2)
+
+
+def doc_causal_attention(q, k, v, docs):
+    """Per-document causal attention (varlen). Flash: flash_attn_varlen_func on the flattened tokens. PyTorch
+    (CPU, or no flash kernel): exact, in blocks of S = docs.max_len tokens: a segment is at most S long, so
+    the queries of block c see keys of blocks c-1 and c only; one masked SDPA call over all blocks, each
+    (S x 2S). Cost O(N * 2S) per head for N packed tokens (linear in N, not N^2) and a bool mask of N * 2S."""
+    B, T, H, D = q.shape
+    cu = docs.cu_seqlens
+    fn = _ATTENTION["varlen"]
+    if fn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        out = fn(q.reshape(B * T, H, D), k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]),
+                 cu, cu, docs.max_len, docs.max_len, causal=True)
+        return (out[0] if isinstance(out, tuple) else out).view(B, T, H, D)
+    S, N = docs.max_len, B * T
+    nb = -(-N // S)
+    pad = nb * S - N
+    pos = torch.arange(nb * S, device=q.device)
+    # document index per token; padding tokens get their own index, past the last document
+    doc = torch.searchsorted(cu, pos.clamp(max=N - 1).to(cu.dtype), right=True)
+    doc = torch.where(pos < N, doc, cu.numel() + 1)
+
+    def blocks(t):  # (N, h, D) -> (nb, h, S, D), zero-padded
+        return F.pad(t.reshape(N, *t.shape[2:]), (0, 0, 0, 0, 0, pad)).view(nb, S, *t.shape[2:]).transpose(1, 2)
+
+    def with_previous(t):  # (nb, h, S, D) -> (nb, h, 2S, D): block c-1 (zeros before the first) then block c
+        return torch.cat((F.pad(t, (0, 0, 0, 0, 0, 0, 1, 0))[:-1], t), dim=2)
+
+    qb, kb, vb = blocks(q), with_previous(blocks(k)), with_previous(blocks(v))
+    doc_q = doc.view(nb, S)
+    doc_k = torch.cat((F.pad(doc_q, (0, 0, 1, 0), value=-1)[:-1], doc_q), dim=1)
+    pos_q = pos.view(nb, S)
+    pos_k = torch.cat((pos_q - S, pos_q), dim=1)
+    mask = (doc_q[:, :, None] == doc_k[:, None, :]) & (pos_k[:, None, :] <= pos_q[:, :, None])
+    y = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None], enable_gqa=kb.size(1) != qb.size(1))
+    return y.transpose(1, 2).reshape(nb * S, H, D)[:N].view(B, T, H, D)
 
 
 def rms_norm(x):
@@ -959,11 +1015,13 @@ class CastedLinear(nn.Linear):
         return F.linear(x, w)
 
 
-def rotary_tables(seq_len, rd, base, device, train_len=1024):
+def rotary_tables(seq_len, rd, base, device, train_len=1024, context_len=None):
     """(cos, sin) for partial RoPE on rd dims, NTK-scaled beyond train_len tokens. Rebuilt each forward:
-    cheap, and no cache for torch.compile or inference_mode to trip over."""
-    if seq_len > train_len:
-        base = base * (seq_len / train_len) ** (rd / (rd - 2))
+    cheap, and no cache for torch.compile or inference_mode to trip over. On packed rows context_len (the
+    longest segment) decides the scaling, never the packed length (SPEC-FRONTIER 17, pitfall 10)."""
+    context_len = seq_len if context_len is None else context_len
+    if context_len > train_len:
+        base = base * (context_len / train_len) ** (rd / (rd - 2))
     inv_freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
@@ -974,6 +1032,14 @@ def apply_rotary(x, cos, sin, rope_dims):
     half = rope_dims // 2
     a, b, rest = x[..., :half], x[..., half:rope_dims], x[..., rope_dims:]
     return torch.cat((a * cos + b * sin, -a * sin + b * cos, rest), dim=-1)
+
+
+class Positions(NamedTuple):
+    """What every attention layer needs about token positions: the RoPE tables and, on packed rows, the
+    document boundaries (None: one causal sequence per row)."""
+    cos: Tensor
+    sin: Tensor
+    docs: DocBounds = None
 
 
 class CausalSelfAttention(nn.Module):
@@ -999,7 +1065,7 @@ class CausalSelfAttention(nn.Module):
         cos, sin = rope[0].to(q.dtype), rope[1].to(q.dtype)
         q, k = apply_rotary(q, cos, sin, self.rope_dims), apply_rotary(k, cos, sin, self.rope_dims)
         q = q * self.q_gain.to(q.dtype)[None, None, :, None]
-        y = causal_attention(q, k, v)
+        y = causal_attention(q, k, v, rope.docs)
         if self.use_xsa:
             y = self._exclude_self_value(y, v)
         return linear(y.reshape(B, T, D), out_w)
@@ -1180,13 +1246,16 @@ class GPT(nn.Module):
     def qat_on(self):
         return any(m.qat for m in self.modules() if isinstance(m, CastedLinear))
 
-    def forward_logits(self, ids):
+    def forward_logits(self, ids, docs=None):
+        """Logits of (B, T) ids; docs (DocBounds): packed rows whose documents do not attend to each other
+        (RoPE positions stay the index within the row, as in the records)."""
         x = self.tok_emb(ids)
         if self.bigram is not None:
             x = x + self.bigram(ids)
         x0 = x = rms_norm(x) if self.smear is None else self.smear(rms_norm(x))
         ve = self.ve_shared(ids) if self.ve_shared is not None else None
-        rope = rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device)
+        rope = Positions(*rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device,
+                                        context_len=None if docs is None else docs.max_len), docs)
         encoder, decoder = self.orders[self.looping]
         skips = []
         for i in encoder:
@@ -1213,8 +1282,8 @@ class GPT(nn.Module):
         s = torch.sigmoid(self.skip_gates[j].to(x.dtype))
         return s * x + (1 - s) * scaled
 
-    def forward(self, ids, targets):
-        logits = self.forward_logits(ids)
+    def forward(self, ids, targets, docs=None):
+        logits = self.forward_logits(ids, docs)
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 

@@ -274,3 +274,60 @@ def test_caseops_tokenizer_without_sidecar_is_an_error(caseops_sample, tmp_path)
     assert mode == "sidecar" and int(with_side.sidecar.sum()) > 0
     with pytest.raises(tg.ConfigError, match="sidecar .* missing: a CaseOps tokenizer needs"):
         tg.load_byte_sidecar(str(tmp_path / "fineweb_val_*.bin"), val, luts)
+
+
+# ------------------------------------------------------------- varlen attention
+
+def packed_model(monkeypatch, **env):
+    """A tiny fp32 model with perturbed weights, without the token-mixing BigramHash and SmearGate v1."""
+    for k, v in {"BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "0", **env}.items():
+        monkeypatch.setenv(k, v)
+    h = tg.Hyperparameters()
+    model = tg.build_model(h)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.float() + 0.05 * torch.randn(p.shape, generator=g))
+    model.set_compute_dtype(torch.float32)
+    for p in model.parameters():
+        p.data = p.data.float()
+    return h, model.eval()
+
+
+def cu_from_lengths(lengths, pad_to=None):
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    if pad_to is not None:
+        cu = np.concatenate([cu, np.full(pad_to - cu.size, cu[-1])])
+    return torch.tensor(cu, dtype=torch.int32)
+
+
+# (segment lengths per row, cut length S): several boundary layouts; a row starting mid-document is just a
+# first segment without BOS; a document longer than S arrives cut into segments of at most S.
+LAYOUTS = [([[40, 25, 63]], 64, 0), ([[1, 127]], 128, 0), ([[128]], 128, 1), ([[64, 64, 64, 64, 1]], 64, 0),
+           ([[10, 64, 64, 30], [3, 64, 33, 64, 4]], 64, 1), ([[100, 100, 57]], 100, 0), ([[17] * 9], 32, 1)]
+
+
+@pytest.mark.parametrize("layout,S,loops", LAYOUTS)
+def test_packed_forward_equals_documents_alone(tiny_env, monkeypatch, layout, S, loops):
+    h, model = packed_model(monkeypatch, NUM_LOOPS=str(loops), LOOP_START="1", LOOP_END="2")
+    model.looping = loops > 0
+    T = sum(layout[0])
+    assert all(sum(r) == T for r in layout)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(8, h.vocab_size, (len(layout), T), generator=g)
+    lengths = [n for row in layout for n in row]
+    for row, lens in enumerate(layout):  # segments start with BOS, except a row's first (mid-document)
+        for start in np.cumsum([0, *lens[:-1]])[1:]:
+            ids[row, start] = 1
+    docs = tg.DocBounds(cu_from_lengths(lengths, pad_to=len(lengths) + 5), S)
+    with torch.no_grad():
+        packed = model.forward_logits(ids, docs)
+        dense = model.forward_logits(ids)
+        flat_ids, flat = ids.reshape(-1), packed.reshape(-1, packed.size(-1))
+        a = 0
+        for n in lengths:
+            alone = model.forward_logits(flat_ids[a:a + n][None])[0]
+            torch.testing.assert_close(flat[a:a + n], alone, rtol=1e-4, atol=1e-4)
+            a += n
+    if len(lengths) > len(layout):  # crossing a boundary would give other logits: the test can fail
+        assert not torch.allclose(packed, dense, rtol=1e-4, atol=1e-4)
