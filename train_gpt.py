@@ -196,6 +196,11 @@ class Hyperparameters:
         self.training_timing_every = self._env("TRAINING_TIMING_EVERY", 200)
         self.profile = self._env("PROFILE", False, bool)
         self.profile_steps = self._env("PROFILE_STEPS", "5:8", str)
+        # ---- documents (issue 17; SPEC-FRONTIER 2, 3, 18, 19)
+        self.eval_split_at_bos = self._env("EVAL_SPLIT_AT_BOS", None, bool)  # auto: on with TRAIN_LOADER=packed
+        if self.eval_split_at_bos is None:
+            self.eval_split_at_bos = self._resolved("EVAL_SPLIT_AT_BOS", self.train_loader == "packed")
+        self.eval_include_tail = self._env("EVAL_INCLUDE_TAIL", False, bool)
         # ---- evaluation
         self.eval_stride = self._env("EVAL_STRIDE", 64)
         self.eval_batch_seqs = self._env("EVAL_BATCH_SEQS", 32)
@@ -327,12 +332,15 @@ class Hyperparameters:
             for name in names.split():
                 v = getattr(self, self._attr(name))
                 need(ok(v), f"{name}={v} must be {rule}")
-        for name, choices in (("DEVICE", ("", "cpu", "cuda")), ("TRAIN_LOADER", ("stream", "shuffled")),
+        for name, choices in (("DEVICE", ("", "cpu", "cuda")), ("TRAIN_LOADER", ("stream", "shuffled", "packed")),
                               ("VAL_BYTECOUNT_DEVICE", ("cpu", "cuda")), ("AUTOCAST_DTYPE", ("auto", "bf16", "fp32")),
                               ("QUANT", ("gptq_lite", "gptq")), ("COMPRESSOR", ("lzma", "brotli")),
                               ("EMBED_BITS", (8, 7)), ("MUON_NS_COEFFS", tuple(NS_COEFFICIENTS))):
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
+        need(self.train_loader != "packed" or (self.bigram_vocab_size == 0 and not self.smear_gate),
+             "TRAIN_LOADER=packed needs BIGRAM_VOCAB_SIZE=0 and SMEAR_GATE=0 (both mix each token with the "
+             "previous one, across document boundaries)")
         need(self.compressor != "brotli" or importlib.util.find_spec("brotli") is not None,
              "COMPRESSOR=brotli needs the brotli package: pip install brotli")
         need(self.quant != "gptq" or self.max_wallclock_seconds == 0
@@ -555,7 +563,10 @@ class _HostLoader:
     """next_batch() for an unthreaded loader."""
 
     def next_batch(self):
-        return host_to_device(self.next_host(), self.seq_len, self.device)
+        return self.to_device(self.next_host())
+
+    def to_device(self, host):
+        return host_to_device(host, self.seq_len, self.device)
 
     def shutdown(self):
         pass
@@ -627,6 +638,115 @@ class ShuffledSequenceLoader(_HostLoader):
             parts.append(rows)
             need -= take
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+CU_SEQLENS_BUCKET = 64  # cu_seqlens entries are padded to a multiple of this (few shapes to compile)
+
+
+def packed_cu_seqlens(row, max_len, bos=1, bucket=CU_SEQLENS_BUCKET):
+    """cu_seqlens (int32) of one packed row (SPEC-FRONTIER 3): segments start at 0 and at every BOS, are cut
+    every max_len tokens, and the list is right-padded with len(row) to a multiple of `bucket` entries."""
+    n = len(row)
+    starts = np.flatnonzero(np.asarray(row) == bos)
+    starts = np.union1d([0], starts)
+    ends = np.append(starts[1:], n)
+    cuts = [np.arange(a, b, max_len) for a, b in zip(starts.tolist(), ends.tolist())]
+    cu = np.append(np.concatenate(cuts), n).astype(np.int32)
+    return np.pad(cu, (0, -cu.size % bucket), constant_values=n)
+
+
+def rows_cu_seqlens(rows, bucket=CU_SEQLENS_BUCKET):
+    """cu_seqlens over the flattened (B, T) host rows: each row split at its BOS tokens (BOS-split
+    evaluation, SPEC-FRONTIER 3), right-padded with B*T to a multiple of `bucket` entries."""
+    B, T = rows.shape
+    parts = [packed_cu_seqlens(r, T, bucket=1)[:-1] + b * T for b, r in enumerate(np.asarray(rows))]
+    cu = np.append(np.concatenate(parts), B * T).astype(np.int32)
+    return np.pad(cu, (0, -cu.size % bucket), constant_values=B * T)
+
+
+def eval_doc_bounds(rt, rows):
+    """DocBounds of eval rows (host tensor or array, (B, T)) on the device when EVAL_SPLIT_AT_BOS, else None."""
+    if not rt.h.eval_split_at_bos:
+        return None
+    rows = np.asarray(rows)
+    return DocBounds(torch.from_numpy(rows_cu_seqlens(rows)).to(rt.device), rows.shape[1])
+
+
+class DocumentPackingLoader(_HostLoader):
+    """TRAIN_LOADER=packed (SPEC-FRONTIER 3, the 04-10+ records): shards in sorted order, each read from its
+    first BOS; every micro-step takes the next contiguous span of world_size * (local_tokens + 1) tokens of
+    the current shard (the next shard when it does not fit; after the last, the first again), and rank r
+    its r-th slice: one packed row (1, local_tokens) with cu_seqlens at BOS, segments cut at seq_len."""
+
+    def __init__(self, files, rank, world_size, device, local_tokens, seq_len, vocab_size=None):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.local_tokens, self.seq_len, self.vocab_size = local_tokens, seq_len, vocab_size
+        self.span = world_size * (local_tokens + 1)
+        self.files = files
+        self.first_bos = []
+        for f in files:  # where each shard's documents start; shards too short for one span are skipped
+            first = self._first_bos(f)
+            self.first_bos.append(first if first is not None and read_shard_header(f) - first >= self.span
+                                  else None)
+        if all(b is None for b in self.first_bos):
+            raise ConfigError(f"TRAIN_LOADER=packed: no train shard ({files[0]} ...) holds a BOS token followed "
+                              f"by one span of WORLD_SIZE x (tokens per rank and micro-step + 1) = {self.span} "
+                              f"tokens")
+        self.file_idx, self.reader = -1, None
+        self._next_shard()
+
+    @staticmethod
+    def _first_bos(path, block=1 << 16):
+        reader = ShardReader(path)
+        try:
+            for start in range(0, reader.num_tokens, block):
+                hits = np.flatnonzero(reader.read(start, min(block, reader.num_tokens - start)) == BOS_ID)
+                if hits.size:
+                    return start + int(hits[0])
+            return None
+        finally:
+            reader.close()
+
+    def _next_shard(self):
+        while True:
+            self.file_idx = (self.file_idx + 1) % len(self.files)
+            if self.first_bos[self.file_idx] is not None:
+                break
+        if self.reader is not None:
+            self.reader.close()
+        self.reader = ShardReader(self.files[self.file_idx], self.vocab_size)
+        self.pos = self.first_bos[self.file_idx]
+
+    def next_host(self):
+        """(this rank's local_tokens + 1 tokens, their cu_seqlens)."""
+        if self.pos + self.span > self.reader.num_tokens:
+            self._next_shard()
+        mine = self.reader.read(self.pos + self.rank * (self.local_tokens + 1), self.local_tokens + 1)
+        self.pos += self.span
+        return mine, packed_cu_seqlens(mine[:-1], self.seq_len)
+
+    def to_device(self, host):
+        tokens, cu = host
+        x, y = host_to_device(tokens, self.local_tokens, self.device)
+        return x, y, DocBounds(torch.from_numpy(cu).to(self.device), self.seq_len)
+
+
+class PrefetchingPackedLoader:
+    """The prefetcher (thread, pinned ring, copy stream) around a DocumentPackingLoader: cu_seqlens travel as
+    the batch's aux; next_batch() gives (x, y, DocBounds)."""
+
+    def __init__(self, base, rt, h):
+        self.base = base
+        self.inner = PrefetchingDistributedTokenLoader(base.next_host, base.local_tokens, rt.device,
+                                                       h.train_prefetch_queue, threaded=rt.train_prefetch,
+                                                       copy_stream=rt.train_copy_stream, name="train")
+
+    def next_batch(self):
+        x, y, cu = self.inner.next()
+        return x, y, DocBounds(torch.from_numpy(cu).to(x.device), self.base.seq_len)
+
+    def shutdown(self):
+        self.inner.shutdown()
 
 
 def host_to_device(host, seq_len, device):
@@ -780,10 +900,13 @@ def val_token_shards(pattern):
     return files
 
 
-def load_validation_tokens(pattern, seq_len, vocab_size):
-    """All val shards concatenated, cut to whole sequences plus one target token."""
+def load_validation_tokens(pattern, seq_len, vocab_size, include_tail=False):
+    """All val shards concatenated, cut to whole sequences plus one target token (include_tail: not cut,
+    EVAL_INCLUDE_TAIL, #2014 in SPEC-FRONTIER 19)."""
     tokens = np.concatenate([load_shard(f) for f in val_token_shards(pattern)])
     usable = ((tokens.size - 1) // seq_len) * seq_len
+    if include_tail and usable > 0:
+        usable = tokens.size - 1
     if usable <= 0:
         raise ConfigError(f"DATA_PATH: validation shards {pattern} hold {tokens.size} tokens, "
                           f"fewer than one sequence of {seq_len} plus one")
@@ -1720,15 +1843,15 @@ class Trainer:
         for _ in range(accum):
             t0 = time.perf_counter()
             if timer is None:
-                x, y = loader.next_batch()
+                x, y, *docs = loader.next_batch()  # docs: [DocBounds] from the packed loader
             else:  # the plain loader: time batch building and the copy separately
                 with phase("batch_cpu"):
                     host = loader.next_host()
                 with phase("h2d"):
-                    x, y = host_to_device(host, h.train_seq_len, rt.device)
+                    x, y, *docs = loader.to_device(host)
             self.data_wait_ms += 1000.0 * (time.perf_counter() - t0)
             with phase("forward"), rt.autocast():
-                loss = self.forward(x, y)
+                loss = self.forward(x, y, *docs)
             total += loss.detach()
             with phase("backward"):
                 (loss * (1.0 / accum)).backward()
@@ -1755,10 +1878,14 @@ def make_train_loader(rt):
     args = (list_shards(h.train_files), h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len)
     if h.train_loader == "shuffled":
         base = ShuffledSequenceLoader(*args, h.seed, vocab_size=h.vocab_size)
+    elif h.train_loader == "packed":
+        base = DocumentPackingLoader(*args, vocab_size=h.vocab_size)
     else:
         base = DistributedTokenLoader(*args, vocab_size=h.vocab_size)
     if not (rt.train_prefetch or rt.train_copy_stream):
         return base
+    if h.train_loader == "packed":
+        return PrefetchingPackedLoader(base, rt, h)
     return PrefetchingDistributedTokenLoader(lambda: (base.next_host(), None), h.train_seq_len, rt.device,
                                              h.train_prefetch_queue, threaded=rt.train_prefetch,
                                              copy_stream=rt.train_copy_stream, name="train")
@@ -2039,9 +2166,9 @@ def collect_hessians(rt, model, loader):
     _RECORDER[0] = rec
     try:
         for _ in range(h.gptq_calibration_batches):
-            x, _ = loader.next_batch()
+            x, _, *docs = loader.next_batch()
             with rt.autocast():
-                model.forward_logits(x)
+                model.forward_logits(x, *docs)
     finally:
         _RECORDER[0] = None
         model.train()
@@ -2386,7 +2513,8 @@ def eval_val(rt, forward, val_tokens, luts):
         span = tokens[s * L:min(s + batch_seqs, last) * L + 1]
         t = torch.from_numpy(span)
         pos = torch.arange(s * L + 1, s * L + span.size)
-        return span, float(luts.target_bytes(t[:-1], t[1:], pos).sum()) if host_bytes else None
+        nbytes = float(luts.target_bytes(t[:-1], t[1:], pos).sum()) if host_bytes else None
+        return span, (nbytes, rows_cu_seqlens(span[:-1].reshape(-1, L)) if h.eval_split_at_bos else None)
 
     loader = PrefetchingDistributedTokenLoader(produce, L, dev, queue_size=2, threaded=rt.val_prefetch,
                                                copy_stream=rt.val_copy_stream, name="val")
@@ -2398,18 +2526,34 @@ def eval_val(rt, forward, val_tokens, luts):
     try:
         with torch.inference_mode():
             for i in range(1, num_batches + 1):
-                x, y, nbytes = loader.next()
+                x, y, (nbytes, cu) = loader.next()
+                docs = () if cu is None else (DocBounds(torch.from_numpy(cu).to(dev), L),)
                 with rt.autocast():
-                    loss = forward(x, y).detach()
+                    loss = forward(x, y, *docs).detach()
                 sums[0] += loss.double() * y.numel()
                 sums[1] += y.numel()
                 sums[2] += nbytes if host_bytes else luts_d.count(x.reshape(-1), y.reshape(-1)).sum()
                 if every > 0 and (i % every == 0 or i == num_batches):
                     rt.log(f"val_progress: batch:{i}/{num_batches} elapsed:{1000.0 * (time.perf_counter() - t0):.0f}ms")
+            if h.eval_include_tail and h.rank == h.world_size - 1 and total * L < val_tokens.numel() - 1:
+                sums += score_tail(rt, forward, val_tokens, total * L, luts)
     finally:
         loader.shutdown()
     set_train_mode(forward, was_training)
     return finish_loss_bpb(rt, sums)
+
+
+def score_tail(rt, forward, val_tokens, start, luts):
+    """[nll sum, tokens, bytes] of the targets after the last whole sequence (EVAL_INCLUDE_TAIL=1): one
+    shorter row from `start`."""
+    span = val_tokens[start:]
+    x, y = (t[None].to(rt.device).to(torch.int64) for t in (span[:-1], span[1:]))
+    docs = eval_doc_bounds(rt, span[None, :-1].numpy())
+    with rt.autocast():
+        loss = forward(x, y, *(() if docs is None else (docs,))).detach()
+    nbytes = luts.target_bytes(span[:-1], span[1:], torch.arange(start + 1, start + span.numel())).sum()
+    return torch.stack([loss.double() * y.numel(), torch.tensor(float(y.numel()), dtype=torch.float64,
+                                                                   device=loss.device), nbytes.to(loss.device)])
 
 
 def set_train_mode(module_or_compiled, mode):
@@ -2449,8 +2593,9 @@ def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_toke
         mask[real:] = False
         x, y = cut_batch(spans.to(dev).to(torch.int64), L)
         mask_d = mask.to(dev)
+        docs = eval_doc_bounds(rt, spans[:, :-1])
         with rt.autocast():
-            logits = logits_fn(x)
+            logits = logits_fn(x) if docs is None else logits_fn(x, docs)
         nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
         scored = nll.view(x.shape).double()[mask_d]
         sums[0] += scored.sum()
@@ -2546,8 +2691,9 @@ def ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ch
     if mine:
         lo, hi = chunk_start + mine[0] * L, chunk_start + (mine[-1] + 1) * L + 1
         x, y = host_to_device(val_tokens[lo:hi], L, rt.device)
+        docs = eval_doc_bounds(rt, val_tokens[lo:hi - 1].view(-1, L))
         with rt.autocast():
-            loss = loss_fn(x, y) * (len(mine) / (e - b))
+            loss = (loss_fn(x, y) if docs is None else loss_fn(x, y, docs)) * (len(mine) / (e - b))
         loss.backward()
     for name, p in params:
         if p.grad is None:
@@ -2627,6 +2773,8 @@ def run(rt):
     rt.log(f"seed:{h.seed}")
     rt.log(f"device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps} "
            f"attention_backend:{backend} compile:{int(compile_enabled(rt))}")
+    if h.train_loader == "packed":
+        rt.log(f"attention_backend_packed:{varlen_backend_name()} (document-packed rows, SPEC-FRONTIER 3)")
     rt.log(f"precision: {rt.precision_note}")
     if rt.device.type == "cpu":
         rt.log(f"cpu_threads: {rt.threads_note}")
@@ -2640,10 +2788,13 @@ def run(rt):
     np.random.seed(h.seed)
     stage("reading the tokenizer and validation data")
     luts = build_byte_luts(h.tokenizer_path, h.vocab_size)
-    val_tokens = load_validation_tokens(h.val_files, max(h.train_seq_len, h.eval_seq_len), h.vocab_size)
+    val_tokens = load_validation_tokens(h.val_files, max(h.train_seq_len, h.eval_seq_len), h.vocab_size,
+                                        h.eval_include_tail)
     luts, bpb_bytes = load_byte_sidecar(h.val_files, val_tokens, luts)
     rt.log(f"val_tokens:{val_tokens.numel() - 1}")
     rt.log(f"bpb_bytes:{bpb_bytes}")
+    if h.eval_split_at_bos or h.eval_include_tail:
+        rt.log(f"documents: eval_split_at_bos:{int(h.eval_split_at_bos)} eval_include_tail:{int(h.eval_include_tail)}")
 
     if h.eval_only:
         stage("loading the EVAL_ONLY artifact")

@@ -331,3 +331,220 @@ def test_packed_forward_equals_documents_alone(tiny_env, monkeypatch, layout, S,
             a += n
     if len(lengths) > len(layout):  # crossing a boundary would give other logits: the test can fail
         assert not torch.allclose(packed, dense, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- packed loader
+
+import threading  # noqa: E402
+
+
+def brute_cu(row, S, bucket=64):
+    """cu_seqlens by the words of SPEC-FRONTIER 3, one position at a time."""
+    cu, seg_start = [0], 0
+    for i in range(1, len(row)):
+        if row[i] == 1 or i - seg_start == S:
+            cu.append(i)
+            seg_start = i
+    cu.append(len(row))
+    while len(cu) % bucket:
+        cu.append(len(row))
+    return cu
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_cu_seqlens(seed):
+    rng = np.random.default_rng(seed)
+    row = rng.integers(0, [3, 30, 300, 3000][seed % 4], size=int(rng.integers(1, 700)))
+    if seed == 5:
+        row[:] = 1  # every token a BOS: more than one bucket
+    cu = tg.packed_cu_seqlens(row, 64)
+    assert cu.dtype == np.int32 and cu.tolist() == brute_cu(row.tolist(), 64)
+
+
+def make_doc_shards(dirpath, sizes, seed=0):
+    """Shards of random documents (BOS=1 then ids 2..999); shard 0 starts mid-document."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(sizes):
+        t = rng.integers(2, 1000, size=n)
+        t[rng.random(n) < 0.02] = 1
+        out.append(t)
+        shards.write_shard(dirpath / f"fineweb_train_{i:06d}.bin", t)
+    return out
+
+
+def packed_runtime(monkeypatch, data, world=1, rank=0, **env):
+    base = {"DATA_PATH": str(data), "TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "0",
+            "TRAIN_SEQ_LEN": "64", "TRAIN_BATCH_TOKENS": str(8 * 256), "VOCAB_SIZE": "1024",
+            "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    for k in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {**base, **env}.items():
+        monkeypatch.setenv(k, str(v))
+    return tg.Runtime(tg.Hyperparameters(), CPU, world > 1, rank == 0, None)
+
+
+def expected_spans(shard_tokens, world, local, steps):
+    """SPEC-FRONTIER 3 by hand: from each shard's first BOS, spans of world*(local+1) while they fit."""
+    span, out = world * (local + 1), []
+    k = 0
+    while len(out) < steps:
+        t = shard_tokens[k % len(shard_tokens)]
+        pos = int(np.flatnonzero(t == 1)[0])
+        while pos + span <= t.size and len(out) < steps:
+            out.append(t[pos:pos + span])
+            pos += span
+        k += 1
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_packed_loader_spans_rank_split_and_wrap(tmp_path, monkeypatch, world, prefetch):
+    toks = make_doc_shards(tmp_path, (5000, 1000, 3000))
+    steps = 30  # several passes over the shards: wrap-around
+    for rank in range(world):
+        rt = packed_runtime(monkeypatch, tmp_path, world, rank, TRAIN_PREFETCH=prefetch)
+        local = rt.h.train_batch_tokens // (world * rt.h.grad_accum_steps)
+        loader = tg.make_train_loader(rt)
+        try:
+            for span in expected_spans(toks, world, local, steps):
+                x, y, docs = loader.next_batch()
+                mine = span[rank * (local + 1):(rank + 1) * (local + 1)]
+                assert x.shape == (1, local)
+                assert x[0].tolist() == mine[:-1].tolist() and y[0].tolist() == mine[1:].tolist()
+                assert docs.max_len == 64 and docs.cu_seqlens.tolist() == brute_cu(mine[:-1].tolist(), 64)
+        finally:
+            loader.shutdown()
+
+
+SMALL_STEP = {"TRAIN_BATCH_TOKENS": 512, "GRAD_ACCUM_STEPS": 2, "TRAIN_SEQ_LEN": 128}  # 2 rows of 256 a step
+
+
+def test_packed_loader_prefetch_on_off_identical_and_restore_after_warmup(tiny_env, monkeypatch):
+    batches = {}
+    for prefetch in (0, 1):
+        rt = packed_runtime(monkeypatch, tiny_env["DATA_PATH"], TRAIN_PREFETCH=prefetch, TRAIN_COPY_STREAM=0,
+                            **SMALL_STEP)
+        loader = tg.make_train_loader(rt)
+        assert isinstance(loader, tg.PrefetchingPackedLoader) == bool(prefetch)
+        try:
+            batches[prefetch] = [loader.next_batch() for _ in range(12)]
+        finally:
+            loader.shutdown()
+    for (x0, y0, d0), (x1, y1, d1) in zip(*batches.values()):
+        assert torch.equal(x0, x1) and torch.equal(y0, y1) and torch.equal(d0.cu_seqlens, d1.cu_seqlens)
+    # Warmup runs real steps on the packed batches, then a fresh loader starts from the beginning again.
+    rt = packed_runtime(monkeypatch, tiny_env["DATA_PATH"], TRAIN_PREFETCH=1, WARMUP_STEPS=1, NUM_LAYERS=2,
+                        VE_LAYERS="1", XSA_LAST_N=1, **SMALL_STEP)
+    trainer = tg.Trainer(rt, tg.build_model(rt.h))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    loader = tg.warmup_and_restore(rt, trainer)
+    try:
+        again = [loader.next_batch() for _ in range(12)]
+    finally:
+        loader.shutdown()
+    assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in before.items())
+    for (x0, _, d0), (x1, _, d1) in zip(batches[0], again):
+        assert torch.equal(x0, x1) and torch.equal(d0.cu_seqlens, d1.cu_seqlens)
+    assert threading.active_count() < 50
+
+
+def test_packed_loader_errors(tmp_path, monkeypatch):
+    shards.write_shard(tmp_path / "fineweb_train_000000.bin", np.full(5000, 7))
+    rt = packed_runtime(monkeypatch, tmp_path, TRAIN_PREFETCH=0)
+    with pytest.raises(tg.ConfigError, match="TRAIN_LOADER=packed: no train shard .* holds a BOS token"):
+        tg.make_train_loader(rt)
+    toks = make_doc_shards(tmp_path, (5000,))
+    toks[0][3000] = 1500
+    shards.write_shard(tmp_path / "fineweb_train_000000.bin", toks[0])
+    for prefetch in (0, 1):
+        loader = tg.make_train_loader(packed_runtime(monkeypatch, tmp_path, TRAIN_PREFETCH=prefetch))
+        with pytest.raises(tg.ConfigError) as err:
+            try:
+                for _ in range(20):
+                    loader.next_batch()
+            finally:
+                loader.shutdown()
+        assert str(err.value) == f"shard {tmp_path / 'fineweb_train_000000.bin'}: token id 1500 >= VOCAB_SIZE=1024"
+    msg = config_error({"TRAIN_LOADER": "packed"})
+    assert "TRAIN_LOADER=packed needs BIGRAM_VOCAB_SIZE=0 and SMEAR_GATE=0" in msg
+
+
+# ------------------------------------------------------------ BOS-split evaluation
+
+def fp32_runtime(h):
+    return tg.Runtime(h, CPU, False, True, None)
+
+
+def segment_nll_sum(model, tokens, L):
+    """Reference: rows of L targets, each split at its BOS tokens, every segment run on its own."""
+    total = 0.0
+    for r in range((tokens.numel() - 1) // L):
+        row = tokens[r * L:(r + 1) * L + 1].long()
+        cu = tg.packed_cu_seqlens(row[:-1].numpy(), L, bucket=1).tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            logits = model.forward_logits(row[a:b][None])[0]
+            total += float(torch.nn.functional.cross_entropy(logits, row[a + 1:b + 1], reduction="sum"))
+    return total
+
+
+def test_bos_split_eval_scores_each_document_alone(tiny_env, monkeypatch):
+    h, model = packed_model(monkeypatch, EVAL_SPLIT_AT_BOS="1", VAL_BATCH_SIZE=str(8 * 256), EVAL_STRIDE="128")
+    rt = fp32_runtime(h)
+    val = tg.load_validation_tokens(h.val_files, 128, h.vocab_size)[:4 * 128 + 1]
+    luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
+    assert int((val == 1).sum()) >= 1  # the rows do hold document starts
+    with torch.no_grad():
+        want = segment_nll_sum(model, val, 128) / (val.numel() - 1)
+    loss, _ = tg.eval_val(rt, model, val, luts)
+    assert loss == pytest.approx(want, rel=1e-5)
+    # Sliding windows with stride = EVAL_SEQ_LEN are the same rows: the same split and score.
+    sliding, _ = tg.eval_sliding(rt, model, model.forward_logits, val, luts)
+    assert sliding == pytest.approx(want, rel=1e-5)
+    monkeypatch.setenv("EVAL_SPLIT_AT_BOS", "0")
+    dense, _ = tg.eval_val(fp32_runtime(tg.Hyperparameters()), model, val, luts)
+    assert abs(dense - want) > 1e-4  # attention across documents scores differently: the test can fail
+
+
+def test_eval_include_tail_scores_every_target(tiny_env, monkeypatch):
+    h, model = packed_model(monkeypatch, EVAL_INCLUDE_TAIL="1", EVAL_SPLIT_AT_BOS="1",
+                            VAL_BATCH_SIZE=str(8 * 256))
+    assert h.eval_include_tail and tg.Hyperparameters({}).eval_include_tail is False
+    rt = fp32_runtime(h)
+    full = tg.load_validation_tokens(h.val_files, 100, h.vocab_size, include_tail=True)
+    cut = tg.load_validation_tokens(h.val_files, 100, h.vocab_size)
+    assert full.numel() == 32 * 1024 + 1 and cut.numel() == 32700 + 1
+    val = full[:3 * 128 + 58]  # 3 rows and a tail of 57 targets
+    luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
+    loss, bpb = tg.eval_val(rt, model, val, luts)
+    with torch.no_grad():
+        rows = segment_nll_sum(model, val[:3 * 128 + 1], 128)
+        tail = val[3 * 128:].long()
+        cu = tg.packed_cu_seqlens(tail[:-1].numpy(), 1000, bucket=1).tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            logits = model.forward_logits(tail[a:b][None])[0]
+            rows += float(torch.nn.functional.cross_entropy(logits, tail[a + 1:b + 1], reduction="sum"))
+    assert loss == pytest.approx(rows / (val.numel() - 1), rel=1e-5)
+    nbytes = float(luts.count(val[:-1], val[1:]).sum())
+    assert bpb == pytest.approx(loss / np.log(2) * (val.numel() - 1) / nbytes, rel=1e-9)
+
+
+def test_packed_training_run_end_to_end(sample_data, tmp_path):
+    """A tiny run on documents: packed loader, BOS-split validation / sliding / TTT, the tail scored, GPTQ
+    calibrated on packed batches; the log names what ran."""
+    from conftest import TINY_ENV, read_log, run_training, short_val_data
+
+    data = tmp_path / "data"
+    data.mkdir()
+    env = {**TINY_ENV, **short_val_data(sample_data, data, 1024 + 40), "RUN_ID": "packed", "ITERATIONS": "2",
+           "TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "0", "EVAL_INCLUDE_TAIL": "1",
+           "QUANT": "gptq", "GPTQ_CALIBRATION_BATCHES": "2", "GPTQ_RESERVE_SECONDS": "0", "TTT_EPOCHS": "1",
+           "TTT_CHUNK_TOKENS": "512", "EVAL_STRIDE": "64"}
+    proc = run_training(env, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = read_log(tmp_path, "packed")
+    for line in ("attention_backend_packed:torch_doc_blocks", "bpb_bytes:tokenizer", "val_tokens:1063",
+                 "documents: eval_split_at_bos:1 eval_include_tail:1", "setting EVAL_SPLIT_AT_BOS=1 [default]",
+                 "data_path: loader:packed", "legal_ttt_exact val_loss:"):
+        assert line in log, line
