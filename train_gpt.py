@@ -201,6 +201,8 @@ class Hyperparameters:
         if self.eval_split_at_bos is None:
             self.eval_split_at_bos = self._resolved("EVAL_SPLIT_AT_BOS", self.train_loader == "packed")
         self.eval_include_tail = self._env("EVAL_INCLUDE_TAIL", False, bool)
+        self.train_seq_len_schedule = self._env("TRAIN_SEQ_LEN_SCHEDULE", "", str)
+        self.seq_len_rewarmup_steps = self._env("SEQ_LEN_REWARMUP_STEPS", 32)
         # ---- evaluation
         self.eval_stride = self._env("EVAL_STRIDE", 64)
         self.eval_batch_seqs = self._env("EVAL_BATCH_SEQS", 32)
@@ -288,6 +290,19 @@ class Hyperparameters:
         return 8 // self.world_size if self.world_size <= 8 else 1
 
     @property
+    def seq_len_phases(self):
+        """TRAIN_SEQ_LEN_SCHEDULE 'L0@0,L1@f1,...' as [(cut length, training fraction)]; [] when unset."""
+        if not self.train_seq_len_schedule:
+            return []
+        try:
+            phases = [(int(length), float(frac)) for length, frac in
+                      (item.split("@") for item in self.train_seq_len_schedule.split(","))]
+        except ValueError:
+            raise ConfigError(f"TRAIN_SEQ_LEN_SCHEDULE={self.train_seq_len_schedule!r} must look like "
+                              "1024@0,2048@0.1,3072@0.7 (length@training fraction, ...)") from None
+        return phases
+
+    @property
     def mlp_hidden(self):
         return int(self.mlp_mult * self.model_dim)
 
@@ -338,6 +353,13 @@ class Hyperparameters:
                               ("EMBED_BITS", (8, 7)), ("MUON_NS_COEFFS", tuple(NS_COEFFICIENTS))):
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
+        if self.train_seq_len_schedule:
+            phases, name = self.seq_len_phases, f"TRAIN_SEQ_LEN_SCHEDULE={self.train_seq_len_schedule!r}"
+            need(self.train_loader == "packed", f"{name} needs TRAIN_LOADER=packed (it changes the document cut)")
+            need(phases[0][1] == 0 and all(a[1] < b[1] for a, b in zip(phases, phases[1:]))
+                 and phases[-1][1] < 1, f"{name}: fractions must start at 0 and increase, below 1")
+            need(all(length > 0 for length, _ in phases), f"{name}: lengths must be > 0")
+        need(self.seq_len_rewarmup_steps >= 0, f"SEQ_LEN_REWARMUP_STEPS={self.seq_len_rewarmup_steps} must be >= 0")
         need(self.train_loader != "packed" or (self.bigram_vocab_size == 0 and not self.smear_gate),
              "TRAIN_LOADER=packed needs BIGRAM_VOCAB_SIZE=0 and SMEAR_GATE=0 (both mix each token with the "
              "previous one, across document boundaries)")
@@ -643,16 +665,23 @@ class ShuffledSequenceLoader(_HostLoader):
 CU_SEQLENS_BUCKET = 64  # cu_seqlens entries are padded to a multiple of this (few shapes to compile)
 
 
-def packed_cu_seqlens(row, max_len, bos=1, bucket=CU_SEQLENS_BUCKET):
-    """cu_seqlens (int32) of one packed row (SPEC-FRONTIER 3): segments start at 0 and at every BOS, are cut
-    every max_len tokens, and the list is right-padded with len(row) to a multiple of `bucket` entries."""
-    n = len(row)
-    starts = np.flatnonzero(np.asarray(row) == bos)
-    starts = np.union1d([0], starts)
+def doc_starts(row, bos=1):
+    """Where the documents of a packed row start: 0 (maybe mid-document) and every BOS (int32)."""
+    return np.union1d([0], np.flatnonzero(np.asarray(row) == bos)).astype(np.int32)
+
+
+def cut_cu_seqlens(starts, n, max_len, bucket=CU_SEQLENS_BUCKET):
+    """cu_seqlens (int32) of an n-token row whose documents start at `starts` (SPEC-FRONTIER 3): segments cut
+    every max_len tokens, the list right-padded with n to a multiple of `bucket` entries."""
     ends = np.append(starts[1:], n)
     cuts = [np.arange(a, b, max_len) for a, b in zip(starts.tolist(), ends.tolist())]
     cu = np.append(np.concatenate(cuts), n).astype(np.int32)
     return np.pad(cu, (0, -cu.size % bucket), constant_values=n)
+
+
+def packed_cu_seqlens(row, max_len, bos=1, bucket=CU_SEQLENS_BUCKET):
+    """cu_seqlens of one packed row: segments at 0 and every BOS, cut every max_len tokens, padded."""
+    return cut_cu_seqlens(doc_starts(row, bos), len(row), max_len, bucket)
 
 
 def rows_cu_seqlens(rows, bucket=CU_SEQLENS_BUCKET):
@@ -676,11 +705,14 @@ class DocumentPackingLoader(_HostLoader):
     """TRAIN_LOADER=packed (SPEC-FRONTIER 3, the 04-10+ records): shards in sorted order, each read from its
     first BOS; every micro-step takes the next contiguous span of world_size * (local_tokens + 1) tokens of
     the current shard (the next shard when it does not fit; after the last, the first again), and rank r
-    its r-th slice: one packed row (1, local_tokens) with cu_seqlens at BOS, segments cut at seq_len."""
+    its r-th slice: one packed row (1, local_tokens) with cu_seqlens at BOS, segments cut at seq_len. The
+    cut is applied when a batch is handed out, so set_cut_len() (progressive context) acts on the next batch
+    even with batches prefetched; rope_len is the length RoPE is scaled for (the longest cut of the run)."""
 
-    def __init__(self, files, rank, world_size, device, local_tokens, seq_len, vocab_size=None):
+    def __init__(self, files, rank, world_size, device, local_tokens, seq_len, vocab_size=None, rope_len=0):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.local_tokens, self.seq_len, self.vocab_size = local_tokens, seq_len, vocab_size
+        self.rope_len = rope_len
         self.span = world_size * (local_tokens + 1)
         self.files = files
         self.first_bos = []
@@ -718,17 +750,24 @@ class DocumentPackingLoader(_HostLoader):
         self.pos = self.first_bos[self.file_idx]
 
     def next_host(self):
-        """(this rank's local_tokens + 1 tokens, their cu_seqlens)."""
+        """(this rank's local_tokens + 1 tokens, where its documents start)."""
         if self.pos + self.span > self.reader.num_tokens:
             self._next_shard()
         mine = self.reader.read(self.pos + self.rank * (self.local_tokens + 1), self.local_tokens + 1)
         self.pos += self.span
-        return mine, packed_cu_seqlens(mine[:-1], self.seq_len)
+        return mine, doc_starts(mine[:-1])
+
+    def set_cut_len(self, seq_len):
+        self.seq_len = seq_len
+
+    def doc_bounds(self, starts, device):
+        cu = cut_cu_seqlens(starts, self.local_tokens, self.seq_len)
+        return DocBounds(torch.from_numpy(cu).to(device), self.seq_len, self.rope_len)
 
     def to_device(self, host):
-        tokens, cu = host
+        tokens, starts = host
         x, y = host_to_device(tokens, self.local_tokens, self.device)
-        return x, y, DocBounds(torch.from_numpy(cu).to(self.device), self.seq_len)
+        return x, y, self.doc_bounds(starts, self.device)
 
 
 class PrefetchingPackedLoader:
@@ -742,8 +781,15 @@ class PrefetchingPackedLoader:
                                                        copy_stream=rt.train_copy_stream, name="train")
 
     def next_batch(self):
-        x, y, cu = self.inner.next()
-        return x, y, DocBounds(torch.from_numpy(cu).to(x.device), self.base.seq_len)
+        x, y, starts = self.inner.next()
+        return x, y, self.base.doc_bounds(starts, x.device)
+
+    def set_cut_len(self, seq_len):
+        self.base.set_cut_len(seq_len)
+
+    @property
+    def rope_len(self):
+        return self.base.rope_len
 
     def shutdown(self):
         self.inner.shutdown()
@@ -1040,9 +1086,10 @@ def varlen_backend_name():
 class DocBounds(NamedTuple):
     """Document boundaries of packed rows (SPEC-FRONTIER 3): cu_seqlens (int32) over the B*T flattened
     tokens, [0, starts..., B*T], right-padded with B*T (empty segments); every row start is a boundary and
-    no segment is longer than max_len."""
+    no segment is longer than max_len. RoPE is scaled for rope_len tokens (0: max_len)."""
     cu_seqlens: Tensor
     max_len: int
+    rope_len: int = 0
 
 
 def causal_attention(q, k, v, docs=None):
@@ -1378,7 +1425,7 @@ class GPT(nn.Module):
         x0 = x = rms_norm(x) if self.smear is None else self.smear(rms_norm(x))
         ve = self.ve_shared(ids) if self.ve_shared is not None else None
         rope = Positions(*rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device,
-                                        context_len=None if docs is None else docs.max_len), docs)
+                                        context_len=None if docs is None else docs.rope_len or docs.max_len), docs)
         encoder, decoder = self.orders[self.looping]
         skips = []
         for i in encoder:
@@ -1775,6 +1822,20 @@ def lr_multiplier(h, step, elapsed_ms):
     return max(m, h.min_lr)
 
 
+def seq_len_phase(h, step, elapsed_ms):
+    """Index of the TRAIN_SEQ_LEN_SCHEDULE phase due at this point of training (agreed elapsed time)."""
+    frac = training_fraction(h, step, elapsed_ms)
+    return max(i for i, (_, start) in enumerate(h.seq_len_phases) if start <= frac)
+
+
+def seq_len_rewarmup(h, steps_since_switch):
+    """LR factor after a training-context switch (#2014, SPEC-FRONTIER 19): linear 1/N, 2/N, ... 1 over the
+    N = SEQ_LEN_REWARMUP_STEPS steps from the switch; 1 before any switch (None) and with N = 0."""
+    if steps_since_switch is None or h.seq_len_rewarmup_steps <= 0:
+        return 1.0
+    return min(1.0, (steps_since_switch + 1) / h.seq_len_rewarmup_steps)
+
+
 def muon_momentum_at(h, step):
     frac = min(step / h.muon_momentum_warmup_steps, 1.0) if h.muon_momentum_warmup_steps > 0 else 1.0
     return (1 - frac) * h.muon_momentum_warmup_start + frac * h.muon_momentum
@@ -1879,7 +1940,11 @@ def make_train_loader(rt):
     if h.train_loader == "shuffled":
         base = ShuffledSequenceLoader(*args, h.seed, vocab_size=h.vocab_size)
     elif h.train_loader == "packed":
-        base = DocumentPackingLoader(*args, vocab_size=h.vocab_size)
+        phases = h.seq_len_phases
+        base = DocumentPackingLoader(*args, vocab_size=h.vocab_size,
+                                     rope_len=max((n for n, _ in phases), default=h.train_seq_len))
+        if phases:
+            base.set_cut_len(phases[0][0])
     else:
         base = DistributedTokenLoader(*args, vocab_size=h.vocab_size)
     if not (rt.train_prefetch or rt.train_copy_stream):
@@ -1899,11 +1964,18 @@ def warmup_and_restore(rt, trainer):
     opt_states = [copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers]
     loader = make_train_loader(rt)
     start = model.looping
+    cut_lens = [n for n, _ in h.seq_len_phases] or [None]  # progressive context: every cut length
     for looping in sorted({start, h.num_loops > 0}):
         model.looping = looping
-        for i in range(h.warmup_steps):
-            trainer.step(loader, 1.0, muon_momentum_at(h, 0))
-            rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}" + (" looping:1" if looping else ""))
+        for cut in cut_lens:
+            if cut is not None:
+                loader.set_cut_len(cut)
+            for i in range(h.warmup_steps):
+                trainer.step(loader, 1.0, muon_momentum_at(h, 0))
+                rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}" + (" looping:1" if looping else "")
+                       + (f" seq_len:{cut}" if cut is not None else ""))
+            if h.train_loader == "packed" and compile_enabled(rt):
+                warm_packed_shapes(rt, trainer, cut or h.train_seq_len, loader)
     model.looping = start
     loader.shutdown()  # first: its thread must not advance the stream during the rewind
     model.load_state_dict(weights, strict=True)
@@ -1911,6 +1983,30 @@ def warmup_and_restore(rt, trainer):
         opt.load_state_dict(state)
     trainer.zero_grad()
     return make_train_loader(rt)
+
+
+WARM_BUCKETS = (64, 128, 192, 256)  # cu_seqlens sizes compiled before the timer (the 04-10+ records)
+
+
+def packed_warm_buckets(local_tokens, cut_len):
+    """The cu_seqlens sizes of WARM_BUCKETS a packed row of local_tokens cut at cut_len can have."""
+    fewest = -(-local_tokens // cut_len) + 1  # entries with no BOS inside the row
+    return [b for b in WARM_BUCKETS if b >= fewest and b - 1 <= local_tokens]
+
+
+def warm_packed_shapes(rt, trainer, cut_len, loader):
+    """Compile the packed training graph for every bucket size of packed_warm_buckets before the timer: one
+    forward and backward each on a real row with synthetic, evenly spaced boundaries; gradients dropped."""
+    x, y, *_ = loader.next_batch()
+    n = x.numel()
+    for entries in packed_warm_buckets(n, cut_len):
+        cu = np.linspace(0, n, entries).round().astype(np.int32)
+        docs = DocBounds(torch.from_numpy(cu).to(x.device), cut_len, loader.rope_len)
+        with rt.autocast():
+            loss = trainer.forward(x, y, docs)
+        loss.backward()
+        trainer.zero_grad()
+        rt.log(f"warmup_shape: seq_len:{cut_len} cu_seqlens:{entries}" + (" looping:1" if trainer.model.looping else ""))
 
 
 class WeightAverager:
@@ -2023,6 +2119,9 @@ def _train_loop(rt, trainer, loader, val_tokens, luts):
     train_ms, stop_after, step = 0.0, None, 0
     elapsed_ms, loop_due = 0.0, False  # agreed by all ranks after each step
     qat_on = h.qat_enabled
+    phases, phase, switch_step = h.seq_len_phases, 0, None  # progressive context (TRAIN_SEQ_LEN_SCHEDULE)
+    if phases:
+        rt.log(f"seq_len_schedule:{phases} rewarmup_steps:{h.seq_len_rewarmup_steps} seq_len:{phases[0][0]} step:0")
     trainer.data_wait_ms = 0.0
     wait_total, wait_max, wait_since_log, steps_since_log = 0.0, 0.0, 0.0, 0
     rt.sync()
@@ -2047,13 +2146,18 @@ def _train_loop(rt, trainer, loader, val_tokens, luts):
             encoder, decoder = model.orders[True]
             rt.log(f"layer_loop:enabled step:{step} frac:{training_fraction(h, step, elapsed_ms):.4f} "
                    f"encoder:{encoder} decoder:{decoder}")
+        if phases and seq_len_phase(h, step, elapsed_ms) != phase:
+            phase, switch_step = seq_len_phase(h, step, elapsed_ms), step
+            loader.set_cut_len(phases[phase][0])
+            rt.log(f"seq_len:{phases[phase][0]} step:{step} frac:{training_fraction(h, step, elapsed_ms):.4f}")
         scale = lr_multiplier(h, step, elapsed_ms)
+        lr_scale = scale * seq_len_rewarmup(h, None if switch_step is None else step - switch_step)
         if h.late_qat_threshold > 0 and scale < h.late_qat_threshold and not qat_on:
             qat_on = True
             model.set_qat(True)
             rt.log(f"late_qat:enabled step:{step} scale:{scale:.4f}")
         profiler.before_step(step + 1)
-        train_loss = trainer.step(loader, scale, muon_momentum_at(h, step), timer)
+        train_loss = trainer.step(loader, lr_scale, muon_momentum_at(h, step), timer)
         averager.update(step + 1, scale)
         step += 1
         profiler.after_step(step)

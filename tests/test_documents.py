@@ -540,11 +540,96 @@ def test_packed_training_run_end_to_end(sample_data, tmp_path):
     env = {**TINY_ENV, **short_val_data(sample_data, data, 1024 + 40), "RUN_ID": "packed", "ITERATIONS": "2",
            "TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "0", "EVAL_INCLUDE_TAIL": "1",
            "QUANT": "gptq", "GPTQ_CALIBRATION_BATCHES": "2", "GPTQ_RESERVE_SECONDS": "0", "TTT_EPOCHS": "1",
-           "TTT_CHUNK_TOKENS": "512", "EVAL_STRIDE": "64"}
+           "TTT_CHUNK_TOKENS": "512", "EVAL_STRIDE": "64", "TRAIN_SEQ_LEN_SCHEDULE": "64@0,128@0.5"}
     proc = run_training(env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = read_log(tmp_path, "packed")
     for line in ("attention_backend_packed:torch_doc_blocks", "bpb_bytes:tokenizer", "val_tokens:1063",
                  "documents: eval_split_at_bos:1 eval_include_tail:1", "setting EVAL_SPLIT_AT_BOS=1 [default]",
-                 "data_path: loader:packed", "legal_ttt_exact val_loss:"):
+                 "data_path: loader:packed", "legal_ttt_exact val_loss:", "warmup_step:1/1 seq_len:64",
+                 "warmup_step:1/1 seq_len:128", "seq_len:128 step:1 frac:0.5000"):
         assert line in log, line
+
+
+# ------------------------------------------------------------ progressive context
+
+def test_seq_len_schedule_phases_and_rewarmup_values(monkeypatch):
+    h = tg.Hyperparameters({"TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "0",
+                            "TRAIN_SEQ_LEN_SCHEDULE": "1024@0,2048@0.1,3072@0.7", "SEQ_LEN_REWARMUP_STEPS": "4",
+                            "MAX_WALLCLOCK_SECONDS": "0", "ITERATIONS": "100"})
+    assert h.seq_len_phases == [(1024, 0.0), (2048, 0.1), (3072, 0.7)]
+    assert [tg.seq_len_phase(h, s, 0.0) for s in (0, 9, 10, 69, 70, 99)] == [0, 0, 1, 1, 2, 2]
+    assert [tg.seq_len_rewarmup(h, k) for k in (None, 0, 1, 2, 3, 4, 50)] == [1, 0.25, 0.5, 0.75, 1, 1, 1]
+    assert tg.seq_len_rewarmup(tg.Hyperparameters({}), None) == 1.0
+    assert tg.Hyperparameters({}).seq_len_phases == []
+    assert tg.packed_warm_buckets(98_304, 2048) == [64, 128, 192, 256]
+    assert tg.packed_warm_buckets(98_304, 1024) == [128, 192, 256]
+    assert tg.packed_warm_buckets(100, 10) == [64]
+
+
+@pytest.mark.parametrize("value,words", [
+    ("1024@0.1,2048@0.5", "fractions must start at 0"), ("1024@0,2048@0.5,3072@0.4", "fractions must start at 0"),
+    ("1024@0,2048@1", "below 1"), ("0@0", "lengths must be > 0"), ("1024", "must look like"),
+    ("a@0", "must look like")])
+def test_bad_seq_len_schedule_is_a_one_line_error(value, words):
+    msg = config_error({"TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "0",
+                        "TRAIN_SEQ_LEN_SCHEDULE": value})
+    assert msg.startswith(f"TRAIN_SEQ_LEN_SCHEDULE={value!r}") and words in msg
+    assert "needs TRAIN_LOADER=packed" in config_error({"TRAIN_SEQ_LEN_SCHEDULE": "64@0,128@0.5"})
+
+
+def test_warm_packed_shapes_runs_every_bucket(tiny_env, monkeypatch):
+    rt = packed_runtime(monkeypatch, tiny_env["DATA_PATH"], TRAIN_PREFETCH=0, TRAIN_BATCH_TOKENS=4 * 256,
+                        GRAD_ACCUM_STEPS=1, TRAIN_SEQ_LEN=16, NUM_LAYERS=2, VE_LAYERS="1", XSA_LAST_N=1)
+    trainer = tg.Trainer(rt, tg.build_model(rt.h))
+    lines = []
+    rt.log = lambda msg, console=True: lines.append(msg)
+    loader = tg.make_train_loader(rt)
+    tg.warm_packed_shapes(rt, trainer, 16, loader)  # 1024 tokens cut at 16: at least 65 entries
+    assert lines == [f"warmup_shape: seq_len:16 cu_seqlens:{b}" for b in (128, 192, 256)]
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
+SCHEDULE_RECORDER = """
+import json
+phase_fn = tg.seq_len_phase
+seen = []
+def recorded(h, step, elapsed_ms):
+    p = phase_fn(h, step, elapsed_ms)
+    if not seen or seen[-1][1] != p:
+        seen.append((step, p))
+        json.dump(seen, open(f"phases{rank}.json", "w"))
+    return p
+tg.seq_len_phase = recorded
+tg.main()
+"""
+
+
+def test_two_ranks_with_skewed_clocks_switch_context_at_one_step(tmp_path, sample_data):
+    """Rank 1's clock runs twice as fast: the context switches (and the LR re-warmup after them) must happen
+    at the same step on both ranks, from the agreed elapsed time; the weights then agree."""
+    from conftest import TINY_ENV, clean_environ, read_log
+    from test_frontier import CLOCK_WRAPPER
+
+    wrapper = tmp_path / "clock_run.py"
+    source = CLOCK_WRAPPER.format(repo=str(REPO))
+    assert source.rstrip().endswith("tg.main()")
+    wrapper.write_text(source.rstrip()[:-len("tg.main()")] + SCHEDULE_RECORDER)
+    env = {**clean_environ(), **TINY_ENV, **sample_data, "RUN_ID": "ctx", "OMP_NUM_THREADS": "1",
+           "ITERATIONS": "100000", "MAX_WALLCLOCK_SECONDS": "3", "WARMDOWN_ITERS": "0", "TRAIN_LOG_EVERY": "0",
+           "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "WARMUP_STEPS": "0", "TRAIN_LOADER": "packed",
+           "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "0", "TRAIN_SEQ_LEN_SCHEDULE": "32@0,64@0.25,128@0.5",
+           "SEQ_LEN_REWARMUP_STEPS": "3", "TRAIN_BATCH_TOKENS": "2048"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(wrapper)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    import re
+
+    p0, p1 = (json.loads((tmp_path / f"phases{r}.json").read_text()) for r in (0, 1))
+    assert p0 == p1 and [p for _, p in p0] == [0, 1, 2], (p0, p1)
+    log = read_log(tmp_path, "ctx")
+    for (step, p), length in zip(p0[1:], (64, 128)):
+        assert re.search(rf"^seq_len:{length} step:{step} frac:", log, re.M), log[-2000:]
+    a, b = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
