@@ -633,3 +633,11 @@ def test_two_ranks_with_skewed_clocks_switch_context_at_one_step(tmp_path, sampl
         assert re.search(rf"^seq_len:{length} step:{step} frac:", log, re.M), log[-2000:]
     a, b = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_bench_varlen_prints_the_table():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_varlen.py"), "--sizes", "256,512",
+                           "--seg", "64", "--dense-max", "256"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 256 |") or line.startswith("| 512 |")]
+    assert len(rows) == 2 and rows[1].endswith("| - |"), proc.stdout
