@@ -443,6 +443,9 @@ SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 SHARD_HEADER_INTS = 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
+BOS_ID = 1  # <s>: every document starts with it (SPEC-FRONTIER 2)
+SIDECAR_PREFIX = "fineweb_val_bytes_"  # val byte sidecars: fineweb_val_XXXXXX.bin -> fineweb_val_bytes_XXXXXX.bin
+CASEOPS_OPERATORS = ("\ue001", "\ue002", "\ue003", "\ue004")  # data/caseops.py, SPEC-FRONTIER 2
 
 
 def _open_shard(path):
@@ -665,7 +668,7 @@ class ShuffledSequenceLoader(_HostLoader):
 CU_SEQLENS_BUCKET = 64  # cu_seqlens entries are padded to a multiple of this (few shapes to compile)
 
 
-def doc_starts(row, bos=1):
+def doc_starts(row, bos=BOS_ID):
     """Where the documents of a packed row start: 0 (maybe mid-document) and every BOS (int32)."""
     return np.union1d([0], np.flatnonzero(np.asarray(row) == bos)).astype(np.int32)
 
@@ -679,7 +682,7 @@ def cut_cu_seqlens(starts, n, max_len, bucket=CU_SEQLENS_BUCKET):
     return np.pad(cu, (0, -cu.size % bucket), constant_values=n)
 
 
-def packed_cu_seqlens(row, max_len, bos=1, bucket=CU_SEQLENS_BUCKET):
+def packed_cu_seqlens(row, max_len, bos=BOS_ID, bucket=CU_SEQLENS_BUCKET):
     """cu_seqlens of one packed row: segments at 0 and every BOS, cut every max_len tokens, padded."""
     return cut_cu_seqlens(doc_starts(row, bos), len(row), max_len, bucket)
 
@@ -1018,10 +1021,6 @@ def build_byte_luts(tokenizer_path, vocab_size):
     caseops = [sp.id_to_piece(i) for i in range(4, min(n, 8))] == list(CASEOPS_OPERATORS)
     return ByteLuts(torch.from_numpy(base), torch.from_numpy(lead), torch.from_numpy(boundary), caseops)
 
-
-SIDECAR_PREFIX = "fineweb_val_bytes_"  # fineweb_val_XXXXXX.bin -> fineweb_val_bytes_XXXXXX.bin
-CASEOPS_OPERATORS = ("\ue001", "\ue002", "\ue003", "\ue004")  # data/caseops.py, SPEC-FRONTIER 2
-BOS_ID = 1
 
 
 def load_byte_sidecar(pattern, val_tokens, luts):
@@ -2006,7 +2005,8 @@ def warm_packed_shapes(rt, trainer, cut_len, loader):
             loss = trainer.forward(x, y, docs)
         loss.backward()
         trainer.zero_grad()
-        rt.log(f"warmup_shape: seq_len:{cut_len} cu_seqlens:{entries}" + (" looping:1" if trainer.model.looping else ""))
+        rt.log(f"warmup_shape: seq_len:{cut_len} cu_seqlens:{entries}"
+               + (" looping:1" if trainer.model.looping else ""))
 
 
 class WeightAverager:
