@@ -1022,7 +1022,6 @@ def build_byte_luts(tokenizer_path, vocab_size):
     return ByteLuts(torch.from_numpy(base), torch.from_numpy(lead), torch.from_numpy(boundary), caseops)
 
 
-
 def load_byte_sidecar(pattern, val_tokens, luts):
     """SPEC-FRONTIER 2: with byte sidecars beside the val shards (one per shard, same format, one uint16 per
     token: the UTF-8 bytes of original text it stands for), BPB counts those bytes. Returns (luts with the
@@ -1077,7 +1076,7 @@ def select_attention_backend(device):
 
 
 def varlen_backend_name():
-    """What attends on packed rows (the log's attention_backend_varlen)."""
+    """What attends on packed rows (the log's attention_backend_packed)."""
     name = _ATTENTION["name"]
     return f"{name}_varlen" if _ATTENTION["varlen"] is not None else "torch_doc_blocks"
 
