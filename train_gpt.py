@@ -1233,7 +1233,7 @@ class CausalSelfAttention(nn.Module):
         cos, sin = rope[0].to(q.dtype), rope[1].to(q.dtype)
         q, k = apply_rotary(q, cos, sin, self.rope_dims), apply_rotary(k, cos, sin, self.rope_dims)
         q = q * self.q_gain.to(q.dtype)[None, None, :, None]
-        y = causal_attention(q, k, v, rope.docs)
+        y = causal_attention(q, k, v, rope.docs if isinstance(rope, Positions) else None)  # bare (cos, sin): no docs
         if self.use_xsa:
             y = self._exclude_self_value(y, v)
         return linear(y.reshape(B, T, D), out_w)
