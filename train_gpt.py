@@ -24,8 +24,9 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -210,6 +211,13 @@ class Hyperparameters:
         self.profile_steps = self._env("PROFILE_STEPS", "5:8", str)
         # ---- attention kernel (issue 23)
         self.attention_backend = self._env("ATTENTION_BACKEND", "auto", str)
+        # ---- documents (issue 17; SPEC-FRONTIER 2, 3, 18, 19)
+        self.eval_split_at_bos = self._env("EVAL_SPLIT_AT_BOS", None, bool)  # auto: on with TRAIN_LOADER=packed
+        if self.eval_split_at_bos is None:
+            self.eval_split_at_bos = self._resolved("EVAL_SPLIT_AT_BOS", self.train_loader == "packed")
+        self.eval_include_tail = self._env("EVAL_INCLUDE_TAIL", False, bool)
+        self.train_seq_len_schedule = self._env("TRAIN_SEQ_LEN_SCHEDULE", "", str)
+        self.seq_len_rewarmup_steps = self._env("SEQ_LEN_REWARMUP_STEPS", 32)
         # ---- evaluation
         self.eval_stride = self._env("EVAL_STRIDE", 64)
         self.eval_batch_seqs = self._env("EVAL_BATCH_SEQS", 32)
@@ -300,6 +308,19 @@ class Hyperparameters:
         return 8 // self.world_size if self.world_size <= 8 else 1
 
     @property
+    def seq_len_phases(self):
+        """TRAIN_SEQ_LEN_SCHEDULE 'L0@0,L1@f1,...' as [(cut length, training fraction)]; [] when unset."""
+        if not self.train_seq_len_schedule:
+            return []
+        try:
+            phases = [(int(length), float(frac)) for length, frac in
+                      (item.split("@") for item in self.train_seq_len_schedule.split(","))]
+        except ValueError:
+            raise ConfigError(f"TRAIN_SEQ_LEN_SCHEDULE={self.train_seq_len_schedule!r} must look like "
+                              "1024@0,2048@0.1,3072@0.7 (length@training fraction, ...)") from None
+        return phases
+
+    @property
     def mlp_hidden(self):
         return int(self.mlp_mult * self.model_dim)
 
@@ -346,7 +367,7 @@ class Hyperparameters:
             for name in names.split():
                 v = getattr(self, self._attr(name))
                 need(ok(v), f"{name}={v} must be {rule}")
-        for name, choices in (("DEVICE", ("", "cpu", "cuda")), ("TRAIN_LOADER", ("stream", "shuffled")),
+        for name, choices in (("DEVICE", ("", "cpu", "cuda")), ("TRAIN_LOADER", ("stream", "shuffled", "packed")),
                               ("VAL_BYTECOUNT_DEVICE", ("cpu", "cuda")), ("AUTOCAST_DTYPE", ("auto", "bf16", "fp32")),
                               ("QUANT", ("gptq_lite", "gptq")), ("COMPRESSOR", ("lzma", "brotli")),
                               ("EMBED_BITS", (8, 7)), ("MUON_NS_COEFFS", tuple(NS_COEFFICIENTS)),
@@ -355,6 +376,16 @@ class Hyperparameters:
                               ("ATTENTION_BACKEND", ("auto", *ATTENTION_MODULES))):
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
+        if self.train_seq_len_schedule:
+            phases, name = self.seq_len_phases, f"TRAIN_SEQ_LEN_SCHEDULE={self.train_seq_len_schedule!r}"
+            need(self.train_loader == "packed", f"{name} needs TRAIN_LOADER=packed (it changes the document cut)")
+            need(phases[0][1] == 0 and all(a[1] < b[1] for a, b in zip(phases, phases[1:]))
+                 and phases[-1][1] < 1, f"{name}: fractions must start at 0 and increase, below 1")
+            need(all(length > 0 for length, _ in phases), f"{name}: lengths must be > 0")
+        need(self.seq_len_rewarmup_steps >= 0, f"SEQ_LEN_REWARMUP_STEPS={self.seq_len_rewarmup_steps} must be >= 0")
+        need(self.train_loader != "packed" or (self.bigram_vocab_size == 0 and not self.smear_gate),
+             "TRAIN_LOADER=packed needs BIGRAM_VOCAB_SIZE=0 and SMEAR_GATE=0 (both mix each token with the "
+             "previous one, across document boundaries)")
         need(self.compressor != "brotli" or importlib.util.find_spec("brotli") is not None,
              "COMPRESSOR=brotli needs the brotli package: pip install brotli")
         need(self.quant != "gptq" or self.max_wallclock_seconds == 0
@@ -441,6 +472,9 @@ SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 SHARD_HEADER_INTS = 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
+BOS_ID = 1  # <s>: every document starts with it (SPEC-FRONTIER 2)
+SIDECAR_PREFIX = "fineweb_val_bytes_"  # val byte sidecars: fineweb_val_XXXXXX.bin -> fineweb_val_bytes_XXXXXX.bin
+CASEOPS_OPERATORS = ("\ue001", "\ue002", "\ue003", "\ue004")  # data/caseops.py, SPEC-FRONTIER 2
 
 
 def _open_shard(path):
@@ -583,7 +617,10 @@ class _HostLoader:
     """next_batch() for an unthreaded loader."""
 
     def next_batch(self):
-        return host_to_device(self.next_host(), self.seq_len, self.device)
+        return self.to_device(self.next_host())
+
+    def to_device(self, host):
+        return host_to_device(host, self.seq_len, self.device)
 
     def shutdown(self):
         pass
@@ -655,6 +692,139 @@ class ShuffledSequenceLoader(_HostLoader):
             parts.append(rows)
             need -= take
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+CU_SEQLENS_BUCKET = 64  # cu_seqlens entries are padded to a multiple of this (few shapes to compile)
+
+
+def doc_starts(row, bos=BOS_ID):
+    """Where the documents of a packed row start: 0 (maybe mid-document) and every BOS (int32)."""
+    return np.union1d([0], np.flatnonzero(np.asarray(row) == bos)).astype(np.int32)
+
+
+def cut_cu_seqlens(starts, n, max_len, bucket=CU_SEQLENS_BUCKET):
+    """cu_seqlens (int32) of an n-token row whose documents start at `starts` (SPEC-FRONTIER 3): segments cut
+    every max_len tokens, the list right-padded with n to a multiple of `bucket` entries."""
+    ends = np.append(starts[1:], n)
+    cuts = [np.arange(a, b, max_len) for a, b in zip(starts.tolist(), ends.tolist())]
+    cu = np.append(np.concatenate(cuts), n).astype(np.int32)
+    return np.pad(cu, (0, -cu.size % bucket), constant_values=n)
+
+
+def packed_cu_seqlens(row, max_len, bos=BOS_ID, bucket=CU_SEQLENS_BUCKET):
+    """cu_seqlens of one packed row: segments at 0 and every BOS, cut every max_len tokens, padded."""
+    return cut_cu_seqlens(doc_starts(row, bos), len(row), max_len, bucket)
+
+
+def rows_cu_seqlens(rows, bucket=CU_SEQLENS_BUCKET):
+    """cu_seqlens over the flattened (B, T) host rows: each row split at its BOS tokens (BOS-split
+    evaluation, SPEC-FRONTIER 3), right-padded with B*T to a multiple of `bucket` entries."""
+    B, T = rows.shape
+    parts = [packed_cu_seqlens(r, T, bucket=1)[:-1] + b * T for b, r in enumerate(np.asarray(rows))]
+    cu = np.append(np.concatenate(parts), B * T).astype(np.int32)
+    return np.pad(cu, (0, -cu.size % bucket), constant_values=B * T)
+
+
+def eval_doc_bounds(rt, rows):
+    """DocBounds of eval rows (host tensor or array, (B, T)) on the device when EVAL_SPLIT_AT_BOS, else None."""
+    if not rt.h.eval_split_at_bos:
+        return None
+    rows = np.asarray(rows)
+    return DocBounds(torch.from_numpy(rows_cu_seqlens(rows)).to(rt.device), rows.shape[1])
+
+
+class DocumentPackingLoader(_HostLoader):
+    """TRAIN_LOADER=packed (SPEC-FRONTIER 3, the 04-10+ records): shards in sorted order, each read from its
+    first BOS; every micro-step takes the next contiguous span of world_size * (local_tokens + 1) tokens of
+    the current shard (the next shard when it does not fit; after the last, the first again), and rank r
+    its r-th slice: one packed row (1, local_tokens) with cu_seqlens at BOS, segments cut at seq_len. The
+    cut is applied when a batch is handed out, so set_cut_len() (progressive context) acts on the next batch
+    even with batches prefetched; rope_len is the length RoPE is scaled for (the longest cut of the run)."""
+
+    def __init__(self, files, rank, world_size, device, local_tokens, seq_len, vocab_size=None, rope_len=0):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.local_tokens, self.seq_len, self.vocab_size = local_tokens, seq_len, vocab_size
+        self.rope_len = rope_len
+        self.span = world_size * (local_tokens + 1)
+        self.files = files
+        self.first_bos = []
+        for f in files:  # where each shard's documents start; shards too short for one span are skipped
+            first = self._first_bos(f)
+            self.first_bos.append(first if first is not None and read_shard_header(f) - first >= self.span
+                                  else None)
+        if all(b is None for b in self.first_bos):
+            raise ConfigError(f"TRAIN_LOADER=packed: no train shard ({files[0]} ...) holds a BOS token followed "
+                              f"by one span of WORLD_SIZE x (tokens per rank and micro-step + 1) = {self.span} "
+                              f"tokens")
+        self.file_idx, self.reader = -1, None
+        self._next_shard()
+
+    @staticmethod
+    def _first_bos(path, block=1 << 16):
+        reader = ShardReader(path)
+        try:
+            for start in range(0, reader.num_tokens, block):
+                hits = np.flatnonzero(reader.read(start, min(block, reader.num_tokens - start)) == BOS_ID)
+                if hits.size:
+                    return start + int(hits[0])
+            return None
+        finally:
+            reader.close()
+
+    def _next_shard(self):
+        while True:
+            self.file_idx = (self.file_idx + 1) % len(self.files)
+            if self.first_bos[self.file_idx] is not None:
+                break
+        if self.reader is not None:
+            self.reader.close()
+        self.reader = ShardReader(self.files[self.file_idx], self.vocab_size)
+        self.pos = self.first_bos[self.file_idx]
+
+    def next_host(self):
+        """(this rank's local_tokens + 1 tokens, where its documents start)."""
+        if self.pos + self.span > self.reader.num_tokens:
+            self._next_shard()
+        mine = self.reader.read(self.pos + self.rank * (self.local_tokens + 1), self.local_tokens + 1)
+        self.pos += self.span
+        return mine, doc_starts(mine[:-1])
+
+    def set_cut_len(self, seq_len):
+        self.seq_len = seq_len
+
+    def doc_bounds(self, starts, device):
+        cu = cut_cu_seqlens(starts, self.local_tokens, self.seq_len)
+        return DocBounds(torch.from_numpy(cu).to(device), self.seq_len, self.rope_len)
+
+    def to_device(self, host):
+        tokens, starts = host
+        x, y = host_to_device(tokens, self.local_tokens, self.device)
+        return x, y, self.doc_bounds(starts, self.device)
+
+
+class PrefetchingPackedLoader:
+    """The prefetcher (thread, pinned ring, copy stream) around a DocumentPackingLoader: cu_seqlens travel as
+    the batch's aux; next_batch() gives (x, y, DocBounds)."""
+
+    def __init__(self, base, rt, h):
+        self.base = base
+        self.inner = PrefetchingDistributedTokenLoader(base.next_host, base.local_tokens, rt.device,
+                                                       h.train_prefetch_queue, threaded=rt.train_prefetch,
+                                                       copy_stream=rt.train_copy_stream, name="train")
+
+    def next_batch(self):
+        x, y, starts = self.inner.next()
+        return x, y, self.base.doc_bounds(starts, x.device)
+
+    def set_cut_len(self, seq_len):
+        self.base.set_cut_len(seq_len)
+
+    @property
+    def rope_len(self):
+        return self.base.rope_len
+
+    def shutdown(self):
+        self.inner.shutdown()
 
 
 def host_to_device(host, seq_len, device):
@@ -800,10 +970,21 @@ class PrefetchingDistributedTokenLoader:
         self._pending = None
 
 
-def load_validation_tokens(pattern, seq_len, vocab_size):
-    """All val shards concatenated, cut to whole sequences plus one target token."""
-    tokens = np.concatenate([load_shard(f) for f in list_shards(pattern)])
+def val_token_shards(pattern):
+    """The val token shards: the byte sidecars (fineweb_val_bytes_*) match the same glob and are left out."""
+    files = [f for f in list_shards(pattern) if not Path(f).name.startswith(SIDECAR_PREFIX)]
+    if not files:
+        raise ConfigError(f"DATA_PATH: only byte sidecars match {pattern}, no validation token shards")
+    return files
+
+
+def load_validation_tokens(pattern, seq_len, vocab_size, include_tail=False):
+    """All val shards concatenated, cut to whole sequences plus one target token (include_tail: not cut,
+    EVAL_INCLUDE_TAIL, #2014 in SPEC-FRONTIER 19)."""
+    tokens = np.concatenate([load_shard(f) for f in val_token_shards(pattern)])
     usable = ((tokens.size - 1) // seq_len) * seq_len
+    if include_tail and usable > 0:
+        usable = tokens.size - 1
     if usable <= 0:
         raise ConfigError(f"DATA_PATH: validation shards {pattern} hold {tokens.size} tokens, "
                           f"fewer than one sequence of {seq_len} plus one")
@@ -815,13 +996,22 @@ def load_validation_tokens(pattern, seq_len, vocab_size):
 
 @dataclass
 class ByteLuts:
-    """Per-token byte accounting for bits-per-byte (SPEC 7)."""
+    """Per-token byte accounting for bits-per-byte (SPEC 7), or, with a byte sidecar, per val position."""
     base_bytes: Tensor  # int16: UTF-8 bytes of the piece without its leading space marker
     has_leading_space: Tensor  # bool
     is_boundary: Tensor  # bool: control / unknown / unused ids (0 bytes, reset the space rule)
+    caseops: bool = False  # ids 4-7 are the CaseOps operators: the tokenizer's byte rule does not apply
+    sidecar: Tensor = None  # int32 per val position: bytes of the token there as a target (load_byte_sidecar)
 
     def to(self, device):
-        return ByteLuts(self.base_bytes.to(device), self.has_leading_space.to(device), self.is_boundary.to(device))
+        return ByteLuts(self.base_bytes.to(device), self.has_leading_space.to(device), self.is_boundary.to(device),
+                        self.caseops, None if self.sidecar is None else self.sidecar.to(device))
+
+    def target_bytes(self, prev_ids, tgt_ids, tgt_pos):
+        """Bytes of each target (float64): the sidecar's at val positions tgt_pos if there is one, else count()."""
+        if self.sidecar is not None:
+            return self.sidecar[tgt_pos].to(torch.float64)
+        return self.count(prev_ids, tgt_ids)
 
     def count(self, prev_ids, tgt_ids):
         """Bytes of each target token given its predecessor, as float64."""
@@ -857,15 +1047,45 @@ def build_byte_luts(tokenizer_path, vocab_size):
             lead[i] = True
             piece = piece[1:]
         base[i] = len(piece.encode("utf-8"))
-    return ByteLuts(torch.from_numpy(base), torch.from_numpy(lead), torch.from_numpy(boundary))
+    caseops = [sp.id_to_piece(i) for i in range(4, min(n, 8))] == list(CASEOPS_OPERATORS)
+    return ByteLuts(torch.from_numpy(base), torch.from_numpy(lead), torch.from_numpy(boundary), caseops)
+
+
+def load_byte_sidecar(pattern, val_tokens, luts):
+    """SPEC-FRONTIER 2: with byte sidecars beside the val shards (one per shard, same format, one uint16 per
+    token: the UTF-8 bytes of original text it stands for), BPB counts those bytes. Returns (luts with the
+    sidecar cut like val_tokens, or luts unchanged without sidecars; 'sidecar' or 'tokenizer')."""
+    pairs = [(Path(f), Path(f).with_name(SIDECAR_PREFIX + Path(f).name[len("fineweb_val_"):]))
+             for f in val_token_shards(pattern)]
+    present = [side for _, side in pairs if side.exists()]
+    if not present:
+        if luts.caseops:
+            raise ConfigError(f"DATA_PATH: byte sidecar {pairs[0][1]} missing: a CaseOps tokenizer needs the val "
+                              f"byte sidecars for bits per byte")
+        return luts, "tokenizer"
+    parts = []
+    for shard, side in pairs:
+        if not side.exists():
+            raise ConfigError(f"DATA_PATH: byte sidecar {side} missing for val shard {shard.name}")
+        n_tok, n_side = read_shard_header(shard), read_shard_header(side)
+        if n_side != n_tok:
+            raise ConfigError(f"DATA_PATH: byte sidecar {side} is {'short' if n_side < n_tok else 'mismatched'}: "
+                              f"{n_side} entries for the {n_tok} tokens of {shard.name}")
+        parts.append(load_shard(side))
+    sidecar = torch.from_numpy(np.concatenate(parts)[:val_tokens.numel()].astype(np.int32))
+    bad = torch.nonzero((val_tokens == BOS_ID) & (sidecar != 0))
+    if bad.numel():
+        raise ConfigError(f"DATA_PATH: byte sidecars {present[0].parent}/{SIDECAR_PREFIX}* are mismatched: "
+                          f"{int(sidecar[bad[0, 0]])} bytes at val position {int(bad[0, 0])}, a BOS token")
+    return replace(luts, sidecar=sidecar), "sidecar"
 
 
 # ==================================================
 # MODEL
 # ==================================================
 
-# causal_attention's kernel, set by select_attention_backend().
-_ATTENTION = {"name": "sdpa", "fn": None}
+# causal_attention's kernels, set by select_attention_backend(): dense and varlen (document-packed rows).
+_ATTENTION = {"name": "sdpa", "fn": None, "varlen": None}
 # ATTENTION_BACKEND name -> module whose flash_attn_func takes (B, T, H, D) q, k, v; AUTO_ATTENTION: auto's order.
 ATTENTION_MODULES = {"flash_attn_3": "flash_attn_interface", "flash_attn_2": "flash_attn",
                      "flash_attn_4": "flash_attn.cute", "sdpa": None}
@@ -873,25 +1093,27 @@ AUTO_ATTENTION = ("flash_attn_3", "flash_attn_2")  # flash_attn_4 only when name
 
 
 def import_flash_attn(module):
-    """The module's flash_attn_func, or None when it cannot be imported."""
+    """The module if it imports and has flash_attn_func, else None."""
     try:
-        return importlib.import_module(module).flash_attn_func
-    except (ImportError, AttributeError):
+        mod = importlib.import_module(module)
+    except ImportError:
         return None
+    return mod if hasattr(mod, "flash_attn_func") else None
 
 
 def select_attention_backend(device, choice="auto"):
     """ATTENTION_BACKEND: auto is FlashAttention 3, else 2 (CUDA only), else PyTorch SDPA; a named flash kernel
-    that is missing (or asked for without CUDA) is a ConfigError."""
-    _ATTENTION.update(name="sdpa", fn=None)
+    that is missing (or asked for without CUDA) is a ConfigError. On packed rows (docs given) the same library's
+    flash_attn_varlen_func, else the exact PyTorch path of doc_causal_attention. Returns the name logged."""
+    _ATTENTION.update(name="sdpa", fn=None, varlen=None)
     if choice == "sdpa":
         return "sdpa"
     if choice != "auto" and device.type != "cuda":
         raise ConfigError(f"ATTENTION_BACKEND={choice} needs CUDA (this run is on {device.type})")
     for name in AUTO_ATTENTION if choice == "auto" else (choice,):
-        fn = import_flash_attn(ATTENTION_MODULES[name]) if device.type == "cuda" else None
-        if fn is not None:
-            _ATTENTION.update(name=name, fn=fn)
+        mod = import_flash_attn(ATTENTION_MODULES[name]) if device.type == "cuda" else None
+        if mod is not None:
+            _ATTENTION.update(name=name, fn=mod.flash_attn_func, varlen=getattr(mod, "flash_attn_varlen_func", None))
             break
         if choice != "auto":
             raise ConfigError(f"ATTENTION_BACKEND={choice}: cannot import {ATTENTION_MODULES[name]}.flash_attn_func "
@@ -899,8 +1121,26 @@ def select_attention_backend(device, choice="auto"):
     return _ATTENTION["name"]
 
 
-def causal_attention(q, k, v):
-    """Causal GQA attention on (B, T, H, D) tensors."""
+def varlen_backend_name():
+    """What attends on packed rows (the log's attention_backend_packed)."""
+    name = _ATTENTION["name"]
+    return f"{name}_varlen" if _ATTENTION["varlen"] is not None else "torch_doc_blocks"
+
+
+class DocBounds(NamedTuple):
+    """Document boundaries of packed rows (SPEC-FRONTIER 3): cu_seqlens (int32) over the B*T flattened
+    tokens, [0, starts..., B*T], right-padded with B*T (empty segments); every row start is a boundary and
+    no segment is longer than max_len. RoPE is scaled for rope_len tokens (0: max_len)."""
+    cu_seqlens: Tensor
+    max_len: int
+    rope_len: int = 0
+
+
+def causal_attention(q, k, v, docs=None):
+    """Causal GQA attention on (B, T, H, D) tensors; with docs (DocBounds) no token attends across a
+    document boundary."""
+    if docs is not None:
+        return doc_causal_attention(q, k, v, docs)
     fn = _ATTENTION["fn"]
     if fn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # flash: half types only
         out = fn(q, k, v, causal=True)
@@ -908,6 +1148,42 @@ def causal_attention(q, k, v):
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=True, enable_gqa=k.size(2) != q.size(2))
     return y.transpose(1, 2)
+
+
+def doc_causal_attention(q, k, v, docs):
+    """Per-document causal attention (varlen). Flash: flash_attn_varlen_func on the flattened tokens. PyTorch
+    (CPU, or no flash kernel): exact, in blocks of S = docs.max_len tokens: a segment is at most S long, so
+    the queries of block c see keys of blocks c-1 and c only; one masked SDPA call over all blocks, each
+    (S x 2S). Cost O(N * 2S) per head for N packed tokens (linear in N, not N^2) and a bool mask of N * 2S."""
+    B, T, H, D = q.shape
+    cu = docs.cu_seqlens
+    fn = _ATTENTION["varlen"]
+    if fn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        out = fn(q.reshape(B * T, H, D), k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]),
+                 cu, cu, docs.max_len, docs.max_len, causal=True)
+        return (out[0] if isinstance(out, tuple) else out).view(B, T, H, D)
+    S, N = docs.max_len, B * T
+    nb = -(-N // S)
+    pad = nb * S - N
+    pos = torch.arange(nb * S, device=q.device)
+    # document index per token; padding tokens get their own index, past the last document
+    doc = torch.searchsorted(cu, pos.clamp(max=N - 1).to(cu.dtype), right=True)
+    doc = torch.where(pos < N, doc, cu.numel() + 1)
+
+    def blocks(t):  # (N, h, D) -> (nb, h, S, D), zero-padded
+        return F.pad(t.reshape(N, *t.shape[2:]), (0, 0, 0, 0, 0, pad)).view(nb, S, *t.shape[2:]).transpose(1, 2)
+
+    def with_previous(t):  # (nb, h, S, D) -> (nb, h, 2S, D): block c-1 (zeros before the first) then block c
+        return torch.cat((F.pad(t, (0, 0, 0, 0, 0, 0, 1, 0))[:-1], t), dim=2)
+
+    qb, kb, vb = blocks(q), with_previous(blocks(k)), with_previous(blocks(v))
+    doc_q = doc.view(nb, S)
+    doc_k = torch.cat((F.pad(doc_q, (0, 0, 1, 0), value=-1)[:-1], doc_q), dim=1)
+    pos_q = pos.view(nb, S)
+    pos_k = torch.cat((pos_q - S, pos_q), dim=1)
+    mask = (doc_q[:, :, None] == doc_k[:, None, :]) & (pos_k[:, None, :] <= pos_q[:, :, None])
+    y = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None], enable_gqa=kb.size(1) != qb.size(1))
+    return y.transpose(1, 2).reshape(nb * S, H, D)[:N].view(B, T, H, D)
 
 
 def rms_norm(x):
@@ -1306,12 +1582,14 @@ class CastedLinear(nn.Linear):
         return F.linear(x, w)
 
 
-def rotary_tables(seq_len, rd, base, device, train_len=1024):
+def rotary_tables(seq_len, rd, base, device, train_len=1024, context_len=None):
     """(cos, sin) for partial RoPE on rd dims, NTK-scaled beyond train_len tokens (ROPE_TRAIN_SEQ_LEN: 1024 in the
     03-23 record, 2048 from 04-09). Rebuilt each forward: cheap, and no cache for torch.compile or
-    inference_mode to trip over."""
-    if seq_len > train_len:
-        base = base * (seq_len / train_len) ** (rd / (rd - 2))
+    inference_mode to trip over. On packed rows context_len (the longest segment) decides the scaling, never the
+    packed length (SPEC-FRONTIER 17, pitfall 10)."""
+    context_len = seq_len if context_len is None else context_len
+    if context_len > train_len:
+        base = base * (context_len / train_len) ** (rd / (rd - 2))
     inv_freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
@@ -1352,6 +1630,14 @@ class AttentionGate(nn.Module):
         return y * g[..., None]
 
 
+class Positions(NamedTuple):
+    """What every attention layer needs about token positions: the RoPE tables and, on packed rows, the
+    document boundaries (None: one causal sequence per row)."""
+    cos: Tensor
+    sin: Tensor
+    docs: DocBounds = None
+
+
 class CausalSelfAttention(nn.Module):
     """GQA attention with QK-norm, partial RoPE, a per-head query gain, optional XSA and an optional output gate."""
 
@@ -1377,7 +1663,7 @@ class CausalSelfAttention(nn.Module):
         cos, sin = rope[0].to(q.dtype), rope[1].to(q.dtype)
         q, k = apply_rotary(q, cos, sin, self.rope_dims), apply_rotary(k, cos, sin, self.rope_dims)
         q = q * self.q_gain.to(q.dtype)[None, None, :, None]
-        y = causal_attention(q, k, v)
+        y = causal_attention(q, k, v, rope.docs if isinstance(rope, Positions) else None)  # bare (cos, sin): no docs
         if self.use_xsa:
             y = self._exclude_self_value(y, v)
         if self.attn_gate is not None:
@@ -1610,11 +1896,12 @@ class GPT(nn.Module):
     def qat_on(self):
         return any(m.qat for m in self.modules() if isinstance(m, CastedLinear))
 
-    def forward_logits(self, ids):
-        return softcap_logits(self.raw_logits(ids), self.logit_softcap)
+    def forward_logits(self, ids, docs=None):
+        return softcap_logits(self.raw_logits(ids, docs), self.logit_softcap)
 
-    def raw_logits(self, ids):
-        """The logits before the softcap."""
+    def raw_logits(self, ids, docs=None):
+        """The logits of (B, T) ids before the softcap; docs (DocBounds): packed rows whose documents do not attend
+        to each other (RoPE positions stay the index within the row, as in the records)."""
         x = self.tok_emb(ids)
         if self.bigram is not None:
             x = x + self.bigram(ids)
@@ -1622,7 +1909,8 @@ class GPT(nn.Module):
             x = self.smear_bos(x, ids)
         x0 = x = rms_norm(x) if self.smear is None else self.smear(rms_norm(x))
         ve = self.ve_shared(ids) if self.ve_shared is not None else None
-        rope = rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device, self.rope_train_len)
+        rope = Positions(*rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device, self.rope_train_len,
+                                        context_len=None if docs is None else docs.rope_len or docs.max_len), docs)
         encoder, decoder = self.orders[self.looping]
         skips = []
         for i in encoder:
@@ -1661,11 +1949,11 @@ class GPT(nn.Module):
         s = torch.sigmoid(self.skip_gates[j].to(x.dtype))
         return s * x + (1 - s) * scaled
 
-    def forward(self, ids, targets):
+    def forward(self, ids, targets, docs=None):
         """The mean training loss; FUSED_CE's kernel while training (select_fused_kernels)."""
         if self.training and _FUSED["ce"]:
-            return fused_softcapped_ce(self.raw_logits(ids), targets, self.logit_softcap)
-        return softcapped_ce(self.raw_logits(ids), targets, self.logit_softcap)
+            return fused_softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap)
+        return softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap)
 
 
 @contextlib.contextmanager
@@ -2055,6 +2343,20 @@ def lr_multiplier(h, step, elapsed_ms):
     return max(m, h.min_lr)
 
 
+def seq_len_phase(h, step, elapsed_ms):
+    """Index of the TRAIN_SEQ_LEN_SCHEDULE phase due at this point of training (agreed elapsed time)."""
+    frac = training_fraction(h, step, elapsed_ms)
+    return max(i for i, (_, start) in enumerate(h.seq_len_phases) if start <= frac)
+
+
+def seq_len_rewarmup(h, steps_since_switch):
+    """LR factor after a training-context switch (#2014, SPEC-FRONTIER 19): linear 1/N, 2/N, ... 1 over the
+    N = SEQ_LEN_REWARMUP_STEPS steps from the switch; 1 before any switch (None) and with N = 0."""
+    if steps_since_switch is None or h.seq_len_rewarmup_steps <= 0:
+        return 1.0
+    return min(1.0, (steps_since_switch + 1) / h.seq_len_rewarmup_steps)
+
+
 def muon_momentum_at(h, step):
     frac = min(step / h.muon_momentum_warmup_steps, 1.0) if h.muon_momentum_warmup_steps > 0 else 1.0
     return (1 - frac) * h.muon_momentum_warmup_start + frac * h.muon_momentum
@@ -2123,15 +2425,15 @@ class Trainer:
         for _ in range(accum):
             t0 = time.perf_counter()
             if timer is None:
-                x, y = loader.next_batch()
+                x, y, *docs = loader.next_batch()  # docs: [DocBounds] from the packed loader
             else:  # the plain loader: time batch building and the copy separately
                 with phase("batch_cpu"):
                     host = loader.next_host()
                 with phase("h2d"):
-                    x, y = host_to_device(host, h.train_seq_len, rt.device)
+                    x, y, *docs = loader.to_device(host)
             self.data_wait_ms += 1000.0 * (time.perf_counter() - t0)
             with phase("forward"), rt.autocast():
-                loss = self.forward(x, y)
+                loss = self.forward(x, y, *docs)
             total += loss.detach()
             with phase("backward"):
                 (loss * (1.0 / accum)).backward()
@@ -2177,10 +2479,18 @@ def make_train_loader(rt):
     args = (list_shards(h.train_files), h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len)
     if h.train_loader == "shuffled":
         base = ShuffledSequenceLoader(*args, h.seed, vocab_size=h.vocab_size)
+    elif h.train_loader == "packed":
+        phases = h.seq_len_phases
+        base = DocumentPackingLoader(*args, vocab_size=h.vocab_size,
+                                     rope_len=max((n for n, _ in phases), default=h.train_seq_len))
+        if phases:
+            base.set_cut_len(phases[0][0])
     else:
         base = DistributedTokenLoader(*args, vocab_size=h.vocab_size)
     if not (rt.train_prefetch or rt.train_copy_stream):
         return base
+    if h.train_loader == "packed":
+        return PrefetchingPackedLoader(base, rt, h)
     return PrefetchingDistributedTokenLoader(lambda: (base.next_host(), None), h.train_seq_len, rt.device,
                                              h.train_prefetch_queue, threaded=rt.train_prefetch,
                                              copy_stream=rt.train_copy_stream, name="train")
@@ -2196,14 +2506,21 @@ def warmup_and_restore(rt, trainer):
     start = model.looping
     rt.sync()
     t0 = time.perf_counter()
+    cut_lens = [n for n, _ in h.seq_len_phases] or [None]  # progressive context: every cut length
     for looping in sorted({start, h.num_loops > 0}):
         model.looping = looping
-        for i in range(h.warmup_steps):
-            trainer.step(loader, 1.0, muon_momentum_at(h, 0))
-            rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}" + (" looping:1" if looping else ""))
+        for cut in cut_lens:
+            if cut is not None:
+                loader.set_cut_len(cut)
+            for i in range(h.warmup_steps):
+                trainer.step(loader, 1.0, muon_momentum_at(h, 0))
+                rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}" + (" looping:1" if looping else "")
+                       + (f" seq_len:{cut}" if cut is not None else ""))
+            if h.train_loader == "packed" and compile_enabled(rt):
+                warm_packed_shapes(rt, trainer, cut or h.train_seq_len, loader)
     model.looping = start
     rt.sync()
-    rt.log(f"warmup_time: steps:{h.warmup_steps * len({start, h.num_loops > 0})} "
+    rt.log(f"warmup_time: steps:{h.warmup_steps * len({start, h.num_loops > 0}) * len(cut_lens)} "
            f"ms:{1000.0 * (time.perf_counter() - t0):.0f} (compile and first steps; not in train_time)")
     loader.shutdown()  # first: its thread must not advance the stream during the rewind
     model.load_state_dict(weights, strict=True)
@@ -2211,6 +2528,31 @@ def warmup_and_restore(rt, trainer):
         opt.load_state_dict(state)
     trainer.zero_grad()
     return make_train_loader(rt)
+
+
+WARM_BUCKETS = (64, 128, 192, 256)  # cu_seqlens sizes compiled before the timer (the 04-10+ records)
+
+
+def packed_warm_buckets(local_tokens, cut_len):
+    """The cu_seqlens sizes of WARM_BUCKETS a packed row of local_tokens cut at cut_len can have."""
+    fewest = -(-local_tokens // cut_len) + 1  # entries with no BOS inside the row
+    return [b for b in WARM_BUCKETS if b >= fewest and b - 1 <= local_tokens]
+
+
+def warm_packed_shapes(rt, trainer, cut_len, loader):
+    """Compile the packed training graph for every bucket size of packed_warm_buckets before the timer: one
+    forward and backward each on a real row with synthetic, evenly spaced boundaries; gradients dropped."""
+    x, y, *_ = loader.next_batch()
+    n = x.numel()
+    for entries in packed_warm_buckets(n, cut_len):
+        cu = np.linspace(0, n, entries).round().astype(np.int32)
+        docs = DocBounds(torch.from_numpy(cu).to(x.device), cut_len, loader.rope_len)
+        with rt.autocast():
+            loss = trainer.forward(x, y, docs)
+        loss.backward()
+        trainer.zero_grad()
+        rt.log(f"warmup_shape: seq_len:{cut_len} cu_seqlens:{entries}"
+               + (" looping:1" if trainer.model.looping else ""))
 
 
 class WeightAverager:
@@ -2323,6 +2665,9 @@ def _train_loop(rt, trainer, loader, val_tokens, luts):
     train_ms, stop_after, step = 0.0, None, 0
     elapsed_ms, loop_due = 0.0, False  # agreed by all ranks after each step
     qat_on = h.qat_enabled
+    phases, phase, switch_step = h.seq_len_phases, 0, None  # progressive context (TRAIN_SEQ_LEN_SCHEDULE)
+    if phases:
+        rt.log(f"seq_len_schedule:{phases} rewarmup_steps:{h.seq_len_rewarmup_steps} seq_len:{phases[0][0]} step:0")
     trainer.data_wait_ms = 0.0
     wait_total, wait_max, wait_since_log, steps_since_log = 0.0, 0.0, 0.0, 0
     rt.sync()
@@ -2347,13 +2692,18 @@ def _train_loop(rt, trainer, loader, val_tokens, luts):
             encoder, decoder = model.orders[True]
             rt.log(f"layer_loop:enabled step:{step} frac:{training_fraction(h, step, elapsed_ms):.4f} "
                    f"encoder:{encoder} decoder:{decoder}")
+        if phases and seq_len_phase(h, step, elapsed_ms) != phase:
+            phase, switch_step = seq_len_phase(h, step, elapsed_ms), step
+            loader.set_cut_len(phases[phase][0])
+            rt.log(f"seq_len:{phases[phase][0]} step:{step} frac:{training_fraction(h, step, elapsed_ms):.4f}")
         scale = lr_multiplier(h, step, elapsed_ms)
+        lr_scale = scale * seq_len_rewarmup(h, None if switch_step is None else step - switch_step)
         if h.late_qat_threshold > 0 and scale < h.late_qat_threshold and not qat_on:
             qat_on = True
             model.set_qat(True)
             rt.log(f"late_qat:enabled step:{step} scale:{scale:.4f}")
         profiler.before_step(step + 1)
-        train_loss = trainer.step(loader, scale, muon_momentum_at(h, step), timer)
+        train_loss = trainer.step(loader, lr_scale, muon_momentum_at(h, step), timer)
         averager.update(step + 1, scale)
         step += 1
         profiler.after_step(step)
@@ -2466,9 +2816,9 @@ def collect_hessians(rt, model, loader):
     _RECORDER[0] = rec
     try:
         for _ in range(h.gptq_calibration_batches):
-            x, _ = loader.next_batch()
+            x, _, *docs = loader.next_batch()
             with rt.autocast():
-                model.forward_logits(x)
+                model.forward_logits(x, *docs)
     finally:
         _RECORDER[0] = None
         model.train()
@@ -2803,7 +3153,7 @@ def eval_val(rt, forward, val_tokens, luts):
     first, last = total * h.rank // h.world_size, total * (h.rank + 1) // h.world_size
     starts = iter(range(first, last, batch_seqs))
     num_batches = len(range(first, last, batch_seqs))
-    host_bytes = h.val_bytecount_device == "cpu"
+    host_bytes = h.val_bytecount_device == "cpu" or luts.sidecar is not None
     tokens = val_tokens.numpy()
 
     def produce():
@@ -2812,7 +3162,9 @@ def eval_val(rt, forward, val_tokens, luts):
             return None
         span = tokens[s * L:min(s + batch_seqs, last) * L + 1]
         t = torch.from_numpy(span)
-        return span, float(luts.count(t[:-1], t[1:]).sum()) if host_bytes else None
+        pos = torch.arange(s * L + 1, s * L + span.size)
+        nbytes = float(luts.target_bytes(t[:-1], t[1:], pos).sum()) if host_bytes else None
+        return span, (nbytes, rows_cu_seqlens(span[:-1].reshape(-1, L)) if h.eval_split_at_bos else None)
 
     loader = PrefetchingDistributedTokenLoader(produce, L, dev, queue_size=2, threaded=rt.val_prefetch,
                                                copy_stream=rt.val_copy_stream, name="val")
@@ -2824,18 +3176,34 @@ def eval_val(rt, forward, val_tokens, luts):
     try:
         with torch.inference_mode():
             for i in range(1, num_batches + 1):
-                x, y, nbytes = loader.next()
+                x, y, (nbytes, cu) = loader.next()
+                docs = () if cu is None else (DocBounds(torch.from_numpy(cu).to(dev), L),)
                 with rt.autocast():
-                    loss = forward(x, y).detach()
+                    loss = forward(x, y, *docs).detach()
                 sums[0] += loss.double() * y.numel()
                 sums[1] += y.numel()
                 sums[2] += nbytes if host_bytes else luts_d.count(x.reshape(-1), y.reshape(-1)).sum()
                 if every > 0 and (i % every == 0 or i == num_batches):
                     rt.log(f"val_progress: batch:{i}/{num_batches} elapsed:{1000.0 * (time.perf_counter() - t0):.0f}ms")
+            if h.eval_include_tail and h.rank == h.world_size - 1 and total * L < val_tokens.numel() - 1:
+                sums += score_tail(rt, forward, val_tokens, total * L, luts)
     finally:
         loader.shutdown()
     set_train_mode(forward, was_training)
     return finish_loss_bpb(rt, sums)
+
+
+def score_tail(rt, forward, val_tokens, start, luts):
+    """[nll sum, tokens, bytes] of the targets after the last whole sequence (EVAL_INCLUDE_TAIL=1): one
+    shorter row from `start`."""
+    span = val_tokens[start:]
+    x, y = (t[None].to(rt.device).to(torch.int64) for t in (span[:-1], span[1:]))
+    docs = eval_doc_bounds(rt, span[None, :-1].numpy())
+    with rt.autocast():
+        loss = forward(x, y, *(() if docs is None else (docs,))).detach()
+    nbytes = luts.target_bytes(span[:-1], span[1:], torch.arange(start + 1, start + span.numel())).sum()
+    return torch.stack([loss.double() * y.numel(), torch.tensor(float(y.numel()), dtype=torch.float64,
+                                                                   device=loss.device), nbytes.to(loss.device)])
 
 
 def set_train_mode(module_or_compiled, mode):
@@ -2861,7 +3229,7 @@ def sliding_windows(num_targets, seq_len, stride):
 def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_token=None):
     """Sum of [nll, tokens, bytes] over the scored positions (batches padded to one shape); per_token[pos] = nll."""
     dev, L = rt.device, rt.h.eval_seq_len
-    host_bytes = rt.h.val_bytecount_device == "cpu"
+    host_bytes = rt.h.val_bytecount_device == "cpu" or luts.sidecar is not None
     luts_d = None if host_bytes else luts.to(dev)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
     positions = torch.arange(L)
@@ -2875,18 +3243,19 @@ def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_toke
         mask[real:] = False
         x, y = cut_batch(spans.to(dev).to(torch.int64), L)
         mask_d = mask.to(dev)
+        docs = eval_doc_bounds(rt, spans[:, :-1])
         with rt.autocast():
-            logits = logits_fn(x)
+            logits = logits_fn(x) if docs is None else logits_fn(x, docs)
         nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
         scored = nll.view(x.shape).double()[mask_d]
         sums[0] += scored.sum()
         sums[1] += int(mask.sum())
+        target_pos = rows[:, :1] + positions[None, :] + 1
         if host_bytes:
-            sums[2] += float(luts.count(spans[:, :-1][mask], spans[:, 1:][mask]).sum())
+            sums[2] += float(luts.target_bytes(spans[:, :-1][mask], spans[:, 1:][mask], target_pos[mask]).sum())
         else:
             sums[2] += luts_d.count(x[mask_d], y[mask_d]).sum()
         if per_token is not None:
-            target_pos = rows[:, :1] + positions[None, :] + 1
             per_token[target_pos[mask]] = scored.cpu()
     return sums
 
@@ -2972,8 +3341,9 @@ def ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ch
     if mine:
         lo, hi = chunk_start + mine[0] * L, chunk_start + (mine[-1] + 1) * L + 1
         x, y = host_to_device(val_tokens[lo:hi], L, rt.device)
+        docs = eval_doc_bounds(rt, val_tokens[lo:hi - 1].view(-1, L))
         with rt.autocast():
-            loss = loss_fn(x, y) * (len(mine) / (e - b))
+            loss = (loss_fn(x, y) if docs is None else loss_fn(x, y, docs)) * (len(mine) / (e - b))
         loss.backward()
     for name, p in params:
         if p.grad is None:
@@ -3053,6 +3423,8 @@ def run(rt):
     rt.log(f"seed:{h.seed}")
     rt.log(f"device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps} "
            f"attention_backend:{backend} compile:{int(compile_enabled(rt))}")
+    if h.train_loader == "packed":
+        rt.log(f"attention_backend_packed:{varlen_backend_name()} (document-packed rows, SPEC-FRONTIER 3)")
     rt.log(f"precision: {rt.precision_note}")
     for line in select_fused_kernels(h, rt.device, rt.autocast_dtype or torch.float32):
         rt.log(line)
@@ -3068,8 +3440,13 @@ def run(rt):
     np.random.seed(h.seed)
     stage("reading the tokenizer and validation data")
     luts = build_byte_luts(h.tokenizer_path, h.vocab_size)
-    val_tokens = load_validation_tokens(h.val_files, max(h.train_seq_len, h.eval_seq_len), h.vocab_size)
+    val_tokens = load_validation_tokens(h.val_files, max(h.train_seq_len, h.eval_seq_len), h.vocab_size,
+                                        h.eval_include_tail)
+    luts, bpb_bytes = load_byte_sidecar(h.val_files, val_tokens, luts)
     rt.log(f"val_tokens:{val_tokens.numel() - 1}")
+    rt.log(f"bpb_bytes:{bpb_bytes}")
+    if h.eval_split_at_bos or h.eval_include_tail:
+        rt.log(f"documents: eval_split_at_bos:{int(h.eval_split_at_bos)} eval_include_tail:{int(h.eval_include_tail)}")
 
     if h.eval_only:
         stage("loading the EVAL_ONLY artifact")

@@ -16,11 +16,26 @@ docstrings of a second fixed module list and the comment blocks of all listed
 modules' source files (about 1.9 MB in all), so that fewer of their pieces are
 left rare or unused in the train tokens.
 
+With --caseops the documents go through the CaseOps case transform
+(caseops.py, SPEC-FRONTIER 2) first, as in the CaseOps records' exports: the
+tokenizer holds the four case operators as user-defined symbols (ids 0-7 are
+reserved, so every document gets an explicit <s>), the files are named
+..._caseops, and the val shard gets a byte sidecar
+fineweb_val_bytes_000000.bin (same shard format, one uint16 per val token:
+the UTF-8 bytes of original text that token stands for; 0 for <s> and the
+operators), from which bits per byte are computed.
+
+    <out-dir>/tokenizers/sample_<V>_bpe_caseops.model
+    <out-dir>/datasets/sample_sp<V>_caseops/fineweb_{train,val,val_bytes}_XXXXXX.bin
+
+Every build refuses (one line) to write train shards that contain a val
+document, checked by a fingerprint of each document (data/shards.py).
+
 The output is byte-identical across runs with the same arguments on the same
 Python version (docstrings change between Python releases).
 
     python data/build_sample_data.py [--out-dir DIR] [--vocab-size 1024|...|8192]
-        [--train-shards 4] [--val-tokens 32769] [--seed 0]
+        [--train-shards 4] [--val-tokens 32769] [--seed 0] [--caseops]
 """
 
 import contextlib
@@ -37,7 +52,8 @@ import warnings
 
 import numpy as np
 
-from shards import OneLineParser, UsageError, write_shard
+import caseops
+from shards import OneLineParser, UsageError, val_documents_in_train, write_shard
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -169,6 +185,8 @@ def parse_args(argv):
                    help=f"tokens in the val shard, at least {MIN_VAL_TOKENS} (default {DEFAULT_VAL_TOKENS})")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the document shuffle that picks val documents (default 0)")
+    p.add_argument("--caseops", action="store_true",
+                   help="apply the CaseOps case transform and write a val byte sidecar (default off)")
     args = p.parse_args(argv)
     if not MIN_VOCAB <= args.vocab_size <= MAX_VOCAB:
         raise UsageError(f"--vocab-size must be in {MIN_VOCAB}..{MAX_VOCAB}, got {args.vocab_size}")
@@ -297,7 +315,7 @@ def split_documents(documents, val_tokens, seed, chars_per_token=VAL_CHARS_PER_T
     return order[n_val:], order[:n_val]
 
 
-def train_tokenizer(train_docs, vocab_size):
+def train_tokenizer(train_docs, vocab_size, **options):
     """Train the BPE tokenizer on the train documents; return the .model bytes."""
     import sentencepiece as spm
 
@@ -305,7 +323,7 @@ def train_tokenizer(train_docs, vocab_size):
     lines = [line.strip() for doc in train_docs for line in doc.splitlines() if line.strip()]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
-                                   vocab_size=vocab_size, **SP_TRAINER_OPTIONS)
+                                   vocab_size=vocab_size, **SP_TRAINER_OPTIONS, **options)
     return model.getvalue()
 
 
@@ -314,6 +332,46 @@ def encode_documents(sp, documents):
     bos = sp.bos_id()
     return np.concatenate([np.asarray([bos] + ids, dtype=np.int32)
                            for ids in sp.encode(documents, out_type=int)])
+
+
+def piece_fragments(sp):
+    """Per token id, the text it stands for in the (encoded) input: str, or bytes for byte-fallback pieces;
+    '' for control and unknown ids."""
+    out = []
+    for i in range(sp.vocab_size()):
+        piece = sp.id_to_piece(i)
+        if sp.is_byte(i):
+            out.append(bytes([int(piece[3:5], 16)]))
+        elif sp.is_control(i) or sp.is_unknown(i):
+            out.append("")
+        else:
+            out.append(piece.replace("\u2581", " "))
+    return out
+
+
+def encode_caseops_documents(sp, documents):
+    """CaseOps documents: (token ids with an explicit <s> per document, each token's original UTF-8 byte
+    count). A document is first normalised as the tokenizer normalises (NFKC, collapsed blanks), so that its
+    pieces spell exactly its CaseOps encoding; that normalised text is the text the byte counts add up to."""
+    fragments = piece_fragments(sp)
+    ids_out, bytes_out = [], []
+    for doc in documents:
+        text = caseops.encode(sp.normalize(doc).replace("\u2581", " "))
+        ids = sp.encode(text, out_type=int)
+        pieces = [fragments[i] for i in ids]
+        spelled = b"".join(p if isinstance(p, bytes) else p.encode("utf-8") for p in pieces)
+        if spelled != text.encode("utf-8"):
+            raise RuntimeError(f"the tokenizer does not spell CaseOps text back exactly: {text[:60]!r}")
+        ids_out.append(np.asarray([sp.bos_id()] + ids, dtype=np.int32))
+        bytes_out.append(np.asarray([0] + caseops.original_byte_counts(pieces), dtype=np.int32))
+    return np.concatenate(ids_out), np.concatenate(bytes_out)
+
+
+def check_no_val_in_train(train_tokens, val_tokens, bos):
+    """Pitfall 6 (SPEC-FRONTIER 17): refuse train tokens holding a complete val document."""
+    found = val_documents_in_train(val_tokens, [train_tokens], bos)
+    if found:
+        raise RuntimeError(f"{found} validation documents also occur in the train shards; refusing to write them")
 
 
 def write_bytes_atomic(path, data):
@@ -332,22 +390,35 @@ def build(args):
     train_docs, val_docs = split_documents(documents, args.val_tokens, args.seed,
                                            val_chars_per_token(args.vocab_size))
 
-    model_bytes = train_tokenizer(train_docs, args.vocab_size)
+    suffix, val_bytes = ("_caseops" if args.caseops else ""), None
+    if args.caseops:
+        model_bytes = train_tokenizer([caseops.encode(d) for d in train_docs], args.vocab_size,
+                                      user_defined_symbols=list(caseops.OPERATORS))
+    else:
+        model_bytes = train_tokenizer(train_docs, args.vocab_size)
     sp = spm.SentencePieceProcessor(model_proto=model_bytes)
     if sp.vocab_size() != args.vocab_size:
         raise RuntimeError(f"tokenizer came out with {sp.vocab_size()} pieces, wanted {args.vocab_size}")
 
-    train_tokens = encode_documents(sp, train_docs)
-    val_all = encode_documents(sp, val_docs)
+    if args.caseops:
+        if [sp.piece_to_id(c) for c in caseops.OPERATORS] != list(range(4, caseops.RESERVED_IDS)):
+            raise RuntimeError("the CaseOps operators did not get ids 4..7")
+        train_tokens, _ = encode_caseops_documents(sp, train_docs)
+        val_all, val_bytes_all = encode_caseops_documents(sp, val_docs)
+        val_bytes = val_bytes_all[: args.val_tokens]
+    else:
+        train_tokens = encode_documents(sp, train_docs)
+        val_all = encode_documents(sp, val_docs)
     val_tokens = val_all[: args.val_tokens]
     if len(val_tokens) < MIN_VAL_TOKENS:
         raise RuntimeError(f"val split has only {len(val_tokens)} tokens, need {MIN_VAL_TOKENS}")
+    check_no_val_in_train(train_tokens, val_tokens, sp.bos_id())
 
     tok_dir = os.path.join(args.out_dir, "tokenizers")
-    data_dir = os.path.join(args.out_dir, "datasets", f"sample_sp{args.vocab_size}")
+    data_dir = os.path.join(args.out_dir, "datasets", f"sample_sp{args.vocab_size}{suffix}")
     os.makedirs(tok_dir, exist_ok=True)
     os.makedirs(data_dir, exist_ok=True)
-    model_path = os.path.join(tok_dir, f"sample_{args.vocab_size}_bpe.model")
+    model_path = os.path.join(tok_dir, f"sample_{args.vocab_size}_bpe{suffix}.model")
     write_bytes_atomic(model_path, model_bytes)
     vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.vocab_size()))
     write_bytes_atomic(model_path[: -len(".model")] + ".vocab", vocab.encode("utf-8"))
@@ -363,8 +434,12 @@ def build(args):
         write_shard(shard_paths[-1], chunk)
     shard_paths.append(os.path.join(data_dir, "fineweb_val_000000.bin"))
     write_shard(shard_paths[-1], val_tokens)
+    if val_bytes is not None:
+        shard_paths.append(os.path.join(data_dir, "fineweb_val_bytes_000000.bin"))
+        write_shard(shard_paths[-1], val_bytes)
 
     print(f"documents: {len(train_docs)} train, {len(val_docs)} val"
+          + (", CaseOps" if args.caseops else "")
           + (f", with the extra text of vocabularies above {LARGE_VOCAB}" if extended else "")
           + (f" (modules not importable here, skipped: {' '.join(failed)})" if failed else ""))
     print(f"tokens: {len(train_tokens)} train in {args.train_shards} shards, "

@@ -1,6 +1,6 @@
 """Download the challenge's published FineWeb exports from the Hugging Face hub.
 
-    python data/cached_challenge_fineweb.py --variant sp1024|sp4096|sp8192 [--train-shards N]
+    python data/cached_challenge_fineweb.py --variant sp1024|sp4096|sp8192|sp8192_caseops [--train-shards N]
 
 fetches the variant's tokenizer, every val shard and the first N train shards
 (all of them when the export publishes fewer; an sp1024 shard holds 100M
@@ -14,6 +14,14 @@ tokens) from a Hugging Face dataset repo into, relative to this script's folder:
     sp1024   willdepueoai/parameter-golf  80  (the challenge's export)
     sp4096   kevclark/parameter-golf      143 (what the sp4096 records downloaded)
     sp8192   kevclark/parameter-golf      128 (what the sp8192 records downloaded)
+    sp8192_caseops  romeerp/parameter-golf-caseops-v1  80 (the CaseOps records' export)
+
+sp8192_caseops (SPEC-FRONTIER 2) keeps the export's names:
+datasets/fineweb10B_sp8192_lossless_caps_caseops_v1_reserved/ with, beside the
+shards, the val byte sidecars fineweb_val_bytes_XXXXXX.bin (one per val shard),
+and tokenizers/fineweb_8192_bpe_lossless_caps_caseops_v1_reserved.model. After
+the download its train shards are checked for validation documents (pitfall 6
+of SPEC-FRONTIER 17): more than VAL_OVERLAP_TOLERANCE of them is an error.
 
 MATCHED_FINEWEB_REPO_ID, when set, replaces the repo of every variant; the
 repo used is printed first. Every repo is read the same way: the export
@@ -34,7 +42,9 @@ import sys
 import urllib.error
 import urllib.request
 
-from shards import OneLineParser, UsageError, shard_num_tokens
+import numpy as np
+
+from shards import OneLineParser, UsageError, read_shard, shard_num_tokens, val_documents_in_train
 
 # huggingface_hub (imported lazily below) reads these when it is imported; they
 # bound each network wait.
@@ -53,7 +63,15 @@ VARIANTS = {
     "sp1024": ("fineweb10B_sp1024", "fineweb_1024_bpe", "willdepueoai/parameter-golf", 80),
     "sp4096": ("fineweb10B_sp4096", "fineweb_4096_bpe", "kevclark/parameter-golf", 143),
     "sp8192": ("fineweb10B_sp8192", "fineweb_8192_bpe", "kevclark/parameter-golf", 128),
+    "sp8192_caseops": ("fineweb10B_sp8192_lossless_caps_caseops_v1_reserved",
+                       "fineweb_8192_bpe_lossless_caps_caseops_v1_reserved", "romeerp/parameter-golf-caseops-v1", 80),
 }
+# Variants whose val shards come with byte sidecars and whose train shards are checked for val documents.
+DOCUMENT_VARIANTS = ("sp8192_caseops",)
+BOS_ID = 1
+# Exact duplicates between FineWeb documents are rare but not impossible; the CaseOps overlap of pitfall 6
+# put 40,000 of the 50,000 val documents in train.
+VAL_OVERLAP_TOLERANCE = 0.001
 MAX_TRAIN_SHARDS = 1000  # sanity bound; the manifest gives the real count
 OFFLINE_HINT = ("check your network or set HF_ENDPOINT; "
                 "for an offline sample run use python data/build_sample_data.py")
@@ -291,6 +309,23 @@ def fetch(repo_id, remote_path, dest, staging_dir):
     print(f"fetched: {dest} ({os.path.getsize(dest) / 1e6:.1f} MB)")
 
 
+def sidecar_name(val_name):
+    """fineweb_val_000003.bin -> fineweb_val_bytes_000003.bin"""
+    return val_name.replace("fineweb_val_", "fineweb_val_bytes_", 1)
+
+
+def check_val_not_in_train(dataset_dir, val_files, train_files):
+    """Pitfall 6 (SPEC-FRONTIER 17): count the val documents that occur in the train shards (fingerprints,
+    then exact comparison; one train shard in memory at a time); FetchError above the tolerance."""
+    val = np.concatenate([read_shard(os.path.join(dataset_dir, f)) for f in val_files])
+    n_val = max(int((val == BOS_ID).sum()) - 1, 0)
+    found = val_documents_in_train(val, (read_shard(os.path.join(dataset_dir, f)) for f in train_files), BOS_ID)
+    if found > VAL_OVERLAP_TOLERANCE * n_val:
+        raise FetchError(f"{found} of the {n_val} validation documents also occur in the {len(train_files)} train "
+                         f"shards in {dataset_dir} (train/val overlap); use an export whose train excludes them")
+    print(f"val/train overlap: {found} of {n_val} validation documents found in {len(train_files)} train shards")
+
+
 def resolve_repo(variant):
     """(dataset repo id, where that choice comes from) for a variant.
 
@@ -347,11 +382,17 @@ def download(variant, train_shards):
         print(f"note: {repo_id} has no {manifest_remote}; using the conventional file names")
         val_files, train_files, tokenizer_paths = conventional_plan(variant, requested)
 
+    sidecars = []
+    if variant in DOCUMENT_VARIANTS:
+        val_files = [f for f in val_files if "_bytes_" not in f]
+        sidecars = [sidecar_name(f) for f in val_files]
     for path in tokenizer_paths:
         fetch(repo_id, path, os.path.join(tokenizer_dir, posixpath.basename(path)), staging_dir)
-    for name in val_files + train_files:
+    for name in val_files + sidecars + train_files:
         fetch(repo_id, f"datasets/{dataset}/{name}", os.path.join(dataset_dir, name), staging_dir)
     shutil.rmtree(staging_dir, ignore_errors=True)
+    if variant in DOCUMENT_VARIANTS:
+        check_val_not_in_train(dataset_dir, val_files, train_files)
     print(f"done: {len(val_files)} val and {len(train_files)} train shards from {repo_id} in {dataset_dir}, "
           f"tokenizer in {tokenizer_dir}")
 

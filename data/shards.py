@@ -92,6 +92,54 @@ def read_shard(path):
     return np.fromfile(os.fspath(path), dtype="<u2", count=num_tokens, offset=HEADER_BYTES)
 
 
+# Document fingerprints (pitfall 6 of SPEC-FRONTIER 17: train shards that hold validation documents).
+FINGERPRINT_TOKENS = 32  # a document is known by its length and its first tokens
+
+
+def _documents(tokens, bos, complete_only):
+    """(starts, ends) of the documents of `tokens`, each starting at a `bos`; with complete_only the last one
+    (maybe cut off) is left out."""
+    starts = np.flatnonzero(tokens == bos)
+    ends = np.append(starts[1:], tokens.size)
+    return (starts[:-1], ends[:-1]) if complete_only else (starts, ends)
+
+
+def document_fingerprints(tokens, bos, complete_only=True):
+    """One uint64 per document of `tokens` (a document starts at each `bos`): a hash of its length and its
+    first FINGERPRINT_TOKENS tokens, a cheap pre-filter before an exact comparison."""
+    tokens = np.asarray(tokens)
+    starts, ends = _documents(tokens, bos, complete_only)
+    offsets = np.arange(FINGERPRINT_TOKENS)
+    padded = np.concatenate([tokens.astype(np.uint64), np.zeros(FINGERPRINT_TOKENS, dtype=np.uint64)])
+    window = padded[starts[:, None] + offsets]
+    window[offsets[None, :] >= (ends - starts)[:, None]] = 0
+    powers = np.full(FINGERPRINT_TOKENS, 1_000_003, dtype=np.uint64).cumprod()  # wraps mod 2^64
+    with np.errstate(over="ignore"):
+        return (window * powers).sum(axis=1, dtype=np.uint64) ^ ((ends - starts).astype(np.uint64)
+                                                                  * np.uint64(0x9E3779B97F4A7C15))
+
+
+def val_documents_in_train(val_tokens, train_token_arrays, bos):
+    """How many complete documents of val_tokens occur, token for token, among the complete documents of the
+    train token arrays (fingerprints first, then an exact comparison of the candidates)."""
+    val_tokens = np.asarray(val_tokens)
+    v_starts, v_ends = _documents(val_tokens, bos, True)
+    by_print = {}
+    for fp, a, b in zip(document_fingerprints(val_tokens, bos).tolist(), v_starts.tolist(), v_ends.tolist()):
+        by_print.setdefault(fp, []).append((a, b))
+    found = set()
+    for tokens in train_token_arrays:
+        tokens = np.asarray(tokens)
+        prints = document_fingerprints(tokens, bos)
+        t_starts, t_ends = _documents(tokens, bos, True)
+        for k in np.flatnonzero(np.isin(prints, np.fromiter(by_print, dtype=np.uint64))).tolist():
+            doc = tokens[t_starts[k]:t_ends[k]]
+            for a, b in by_print[int(prints[k])]:
+                if np.array_equal(doc, val_tokens[a:b]):
+                    found.add(a)
+    return len(found)
+
+
 class UsageError(Exception):
     """A bad command-line argument of a data script: reported on one line, exit status 2."""
 

@@ -7,7 +7,8 @@ micro-step), TRAIN_SEQ_LEN=2048. Shards in the challenge format are generated in
 at the end. Loaders are built by train_gpt.make_train_loader from the settings, exactly as a run builds
 them, for rank 0 of 8 (and, with --all-ranks, the production rate of every rank in turn).
 
-For each loader (stream, shuffled) x mode (plain, prefetch, prefetch+copy stream; the last needs CUDA):
+For each loader (stream, shuffled, packed: the documents loader of SPEC-FRONTIER 3, on the same shards, whose
+random ids put a BOS about every 1,024 tokens) x mode (plain, prefetch, prefetch+copy stream; the last needs CUDA):
   - production rate: tokens/s per rank of a tight next_batch loop (no consumer work), after a warm-up;
   - a simulated training step of --step-ms per batch (time.sleep on CPU; calibrated matmuls on CUDA):
     how long next_batch blocks per step (mean, p99, max) and the worst call that crossed into a new shard
@@ -54,7 +55,9 @@ HEADER = ("| loader | mode | tokens/s/rank | mean wait ms | p99 wait ms | max wa
 # Everything train_gpt reads that could leak in from the shell and change what is measured.
 _ENV_KEYS = ("DATA_PATH", "TRAIN_LOADER", "TRAIN_PREFETCH", "TRAIN_PREFETCH_QUEUE", "TRAIN_COPY_STREAM",
              "TRAINING_TIMING_BREAKDOWN", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GRAD_ACCUM_STEPS",
-             "TRAIN_BATCH_TOKENS", "TRAIN_SEQ_LEN", "EVAL_SEQ_LEN", "SEED", "DEVICE")
+             "TRAIN_BATCH_TOKENS", "TRAIN_SEQ_LEN", "EVAL_SEQ_LEN", "SEED", "DEVICE", "BIGRAM_VOCAB_SIZE",
+             "SMEAR_GATE")
+KINDS = ("stream", "shuffled", "packed")
 
 
 # ---------------------------------------------------------------------------------------- shards
@@ -106,6 +109,17 @@ def traced():
     stream_next, shuffled_next = tg.DistributedTokenLoader.next_host, tg.ShuffledSequenceLoader.next_host
     stream_init, shuffled_init = tg.DistributedTokenLoader.__init__, tg.ShuffledSequenceLoader.__init__
     recut = tg.ShuffledSequenceLoader._recut
+    packed_next, packed_init = tg.DocumentPackingLoader.next_host, tg.DocumentPackingLoader.__init__
+
+    def packed_next_traced(self):
+        before = self.reader
+        out = packed_next(self)
+        _TRACE.crossed.append(self.reader is not before)
+        return out
+
+    def packed_init_registered(self, *args, **kwargs):
+        packed_init(self, *args, **kwargs)
+        _TRACE.bases.append(self)
 
     def stream_next_traced(self):
         before = self.stream.reader
@@ -136,9 +150,11 @@ def traced():
     tg.ShuffledSequenceLoader._recut = recut_counted
     tg.DistributedTokenLoader.__init__ = stream_init_registered
     tg.ShuffledSequenceLoader.__init__ = shuffled_init_registered
+    tg.DocumentPackingLoader.next_host, tg.DocumentPackingLoader.__init__ = packed_next_traced, packed_init_registered
     try:
         yield
     finally:
+        tg.DocumentPackingLoader.next_host, tg.DocumentPackingLoader.__init__ = packed_next, packed_init
         tg.DistributedTokenLoader.next_host, tg.ShuffledSequenceLoader.next_host = stream_next, shuffled_next
         tg.ShuffledSequenceLoader._recut = recut
         tg.DistributedTokenLoader.__init__, tg.ShuffledSequenceLoader.__init__ = stream_init, shuffled_init
@@ -156,6 +172,8 @@ def build_loader(kind: str, data_dir: Path, device: torch.device, rank: int, pre
         "EVAL_SEQ_LEN": str(SEQ_LEN), "TRAIN_PREFETCH": str(prefetch), "TRAIN_COPY_STREAM": str(copy_stream),
         "TRAIN_PREFETCH_QUEUE": str(queue_size), "SEED": "1337",
     })
+    if kind == "packed":  # token mixers across documents are refused with the packed loader
+        os.environ.update({"BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "0"})
     h = tg.Hyperparameters()
     assert h.grad_accum_steps == 1 and h.train_batch_tokens // (h.world_size * h.grad_accum_steps) == LOCAL_TOKENS
     rt = tg.Runtime(h, device, False, True, None)
@@ -235,7 +253,7 @@ def measure(kind: str, mode: str, prefetch: int, copy_stream: int, data_dir: Pat
         waits, crossing_waits = [], []
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            x, y = loader.next_batch()
+            x, y, *_ = loader.next_batch()
             wait = 1000.0 * (time.perf_counter() - t0)
             k = taken
             taken += 1
@@ -246,11 +264,13 @@ def measure(kind: str, mode: str, prefetch: int, copy_stream: int, data_dir: Pat
             if crossed:
                 crossing_waits.append(wait)
             consumer.step(x, y)
-        assert x.dtype == torch.int64 and x.shape == (BATCH_SEQS, SEQ_LEN) and x.device.type == device.type
+        rows = 1 if kind == "packed" else BATCH_SEQS
+        assert x.dtype == torch.int64 and x.numel() == rows * (LOCAL_TOKENS // rows) == LOCAL_TOKENS
+        assert x.shape[0] == rows and x.device.type == device.type
     finally:
         loader.shutdown()
     w = np.array(waits)
-    host_words = (LOCAL_TOKENS + 1) if kind == "stream" else BATCH_SEQS * (SEQ_LEN + 1)
+    host_words = BATCH_SEQS * (SEQ_LEN + 1) if kind == "shuffled" else LOCAL_TOKENS + 1
     return {"loader": kind, "mode": mode, "rate": rate, "mean": float(w.mean()), "p99": float(np.percentile(w, 99)),
             "max": float(w.max()), "cross_max": max(crossing_waits) if crossing_waits else None,
             "crossings": len(crossing_waits), "h2d": 4 * host_words}
@@ -282,6 +302,9 @@ def host_read_us(kind: str, data_dir: Path, args) -> tuple[float, float]:
         if kind == "stream":
             loaders.append(tg.DistributedTokenLoader(files, 0, WORLD_SIZE, cpu, LOCAL_TOKENS, SEQ_LEN,
                                                      vocab_size=vocab_size))
+        elif kind == "packed":
+            loaders.append(tg.DocumentPackingLoader(files, 0, WORLD_SIZE, cpu, LOCAL_TOKENS, SEQ_LEN,
+                                                    vocab_size=vocab_size))
         else:
             loaders.append(tg.ShuffledSequenceLoader(files, 0, WORLD_SIZE, cpu, LOCAL_TOKENS, SEQ_LEN, 1337,
                                                      vocab_size=vocab_size))
@@ -384,7 +407,7 @@ def main() -> int:
         stream_dir, shuffled_dir = generate_shards(root, args.num_shards, args.shard_tokens)
         print(f"generated shards in {time.perf_counter() - t0:.1f}s under {root}")
         with traced():
-            for kind, data_dir in (("stream", stream_dir), ("shuffled", shuffled_dir)):
+            for kind, data_dir in zip(KINDS, (stream_dir, shuffled_dir, stream_dir)):
                 for mode, prefetch, copy_stream in MODES:
                     if copy_stream and device.type != "cuda":
                         skipped.append((kind, mode))
@@ -393,18 +416,18 @@ def main() -> int:
                     print(f"  measured {kind}/{mode}", flush=True)
             all_ranks = []
             if args.all_ranks:
-                for kind, data_dir in (("stream", stream_dir), ("shuffled", shuffled_dir)):
+                for kind, data_dir in zip(KINDS, (stream_dir, shuffled_dir, stream_dir)):
                     for rank in range(WORLD_SIZE):
                         all_ranks.append((kind, rank, production_rate(kind, data_dir, device, rank, args)))
         host_reads = {kind: host_read_us(kind, data_dir, args)
-                      for kind, data_dir in (("stream", stream_dir), ("shuffled", shuffled_dir))}
+                      for kind, data_dir in zip(KINDS, (stream_dir, shuffled_dir, stream_dir))}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     print()
     print(HEADER)
     print("|" + "---|" * HEADER.count(" | ") + "---|")
-    for kind in ("stream", "shuffled"):
+    for kind in KINDS:
         for r in rows:
             if r["loader"] == kind:
                 print(fmt_row(r, args.step_ms))
@@ -418,7 +441,7 @@ def main() -> int:
           f"{record_bytes:,} bytes ({record_bytes / (4 * (LOCAL_TOKENS + 1)):.1f}x more)"
           + ("; on CPU there is no copy, the widening to int64 happens in host memory" if device.type == "cpu" else ""))
     print()
-    for kind, data_dir in (("stream", stream_dir), ("shuffled", shuffled_dir)):
+    for kind in KINDS:
         off, on = host_reads[kind]
         print(f"host reads ({kind}, rank 0, next_host only): {off:.1f} us/batch without the VOCAB_SIZE check, "
               f"{on:.1f} us with it ({on - off:+.1f} us, {100.0 * (on - off) / (1000.0 * args.step_ms):+.3f}% "

@@ -739,7 +739,7 @@ def test_bad_setting_stops_the_script_with_one_line(tmp_path, sample_data):
     proc = run_training({**TINY_ENV, **sample_data, "TRAIN_LOADER": "random"}, tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "error: TRAIN_LOADER='random' must be stream or shuffled"
+    assert proc.stderr.strip().splitlines()[-1] == "error: TRAIN_LOADER='random' must be stream or shuffled or packed"
     assert not (tmp_path / "logs").exists()
 
 
@@ -919,7 +919,7 @@ def test_bench_loader_quick_prints_the_table(tmp_path):
     header = ("| loader | mode | tokens/s/rank | mean wait ms | p99 wait ms | max wait ms | "
               "max wait at shard crossing ms | wait/step % of step-ms | H2D bytes/step |")
     assert header in out, out
-    for loader in ("stream", "shuffled"):
+    for loader in ("stream", "shuffled", "packed"):
         for mode in ("plain", "prefetch"):
             assert re.search(rf"^\| {loader} \| {mode} \| [\d,]+ \|", out, re.M), out
         assert re.search(rf"^\| {loader} \| prefetch\+copy stream \| skipped", out, re.M), out

@@ -517,3 +517,55 @@ def test_manifest_schemas():
         with pytest.raises(dl.FetchError, match=reason) as info:
             dl.plan_from_manifest(bad, "sp1024", SP1024_REPO)
         assert "\n" not in str(info.value)
+
+
+CASEOPS_REPO = "romeerp/parameter-golf-caseops-v1"
+CASEOPS_DATASET = "fineweb10B_sp8192_lossless_caps_caseops_v1_reserved"
+CASEOPS_TOKENIZER = "fineweb_8192_bpe_lossless_caps_caseops_v1_reserved"
+
+
+def publish_caseops(root: Path, val_docs: list[np.ndarray], train_docs: list[np.ndarray]) -> Path:
+    """The CaseOps export's layout: val shard + byte sidecar, 2 train shards, its tokenizer, a manifest."""
+    shard_dir = root / "datasets" / "datasets" / CASEOPS_DATASET
+    shard_dir.mkdir(parents=True)
+    val = np.concatenate(val_docs)
+    shards.write_shard(shard_dir / "fineweb_val_000000.bin", val)
+    shards.write_shard(shard_dir / "fineweb_val_bytes_000000.bin", (val != 1).astype(np.int64) * 3)
+    half = len(train_docs) // 2
+    for i, part in enumerate((train_docs[:half], train_docs[half:])):
+        shards.write_shard(shard_dir / f"fineweb_train_{i:06d}.bin", np.concatenate(part))
+    (root / "datasets" / "tokenizers").mkdir()
+    (root / "datasets" / "tokenizers" / f"{CASEOPS_TOKENIZER}.model").write_bytes(b"caseops model")
+    manifest = {"datasets": [{"name": CASEOPS_DATASET, "tokenizer_name": "caseops",
+                              "stats": {"files_train": 2, "files_val": 1}}],
+                "tokenizers": [{"name": "caseops", "model_path": f"tokenizers/{CASEOPS_TOKENIZER}.model"}]}
+    (root / "datasets" / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def caseops_docs(seed, n):
+    rng = np.random.default_rng(seed)
+    return [np.concatenate([[1], rng.integers(8, 8192, size=int(rng.integers(10, 60)))]) for _ in range(n)]
+
+
+def test_download_caseops_variant_with_sidecars_and_overlap_check(fake_hub, tmp_path, capsys):
+    hub, local = fake_hub
+    val, train = caseops_docs(0, 20), caseops_docs(1, 40)
+    hub.repos[CASEOPS_REPO] = publish_caseops(tmp_path / "caseops", val, train)
+    assert dl.main(["--variant", "sp8192_caseops"]) == 0
+    out = capsys.readouterr().out
+    assert f"source: dataset repo {CASEOPS_REPO} (the default for sp8192_caseops" in out
+    assert "val/train overlap: 0 of 19 validation documents" in out
+    shard_dir = local / "datasets" / CASEOPS_DATASET
+    assert sorted(os.listdir(shard_dir)) == ["fineweb_train_000000.bin", "fineweb_train_000001.bin",
+                                             "fineweb_val_000000.bin", "fineweb_val_bytes_000000.bin"]
+    assert (shards.read_shard(shard_dir / "fineweb_val_bytes_000000.bin")
+            == (shards.read_shard(shard_dir / "fineweb_val_000000.bin") != 1) * 3).all()
+    assert os.listdir(local / "tokenizers") == [f"{CASEOPS_TOKENIZER}.model"]
+
+    # Pitfall 6: an export whose train shards hold val documents is refused in one line.
+    hub.repos[CASEOPS_REPO] = publish_caseops(tmp_path / "leaky", val, train[:10] + val[:5] + train[10:])
+    shutil.rmtree(shard_dir)
+    assert dl.main(["--variant", "sp8192_caseops"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "5 of the 19 validation documents also occur in the 2 train shards" in err[0]

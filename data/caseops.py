@@ -1,0 +1,152 @@
+"""CaseOps: the bijective case transform of the CaseOps records (SPEC-FRONTIER 2).
+
+Text is rewritten before SentencePiece so that "The", "THE" and "the" share the
+lowercase pieces. The transform works on maximal runs of ASCII letters (A-Z,
+a-z); everything else, non-ASCII letters included, passes through unchanged:
+
+    lowercase run         unchanged                              "word" -> "word"
+    TitleCase run         TITLE + lowercase                      "Word" -> T"word"
+    ALLCAPS run (>= 2)    ALLCAPS + lowercase                    "WORD" -> A"word"
+    any other mix         TITLE if the first letter is upper,    "iPhone" -> "i" C"phone"
+                          then CAPNEXT before each later upper   "McDo" -> T"m" "c" C"d" "o"
+    a literal operator    ESC + the character                    "\\ue001" -> E"\\ue001"
+
+with the four private-use operators TITLE U+E001, ALLCAPS U+E002, CAPNEXT
+U+E003 and ESC U+E004. decode(encode(t)) == t for every string t; decode
+refuses (CaseOpsError) strings that encode cannot produce.
+
+original_byte_counts(pieces) gives, for the pieces of an encoded text, the
+UTF-8 bytes of the original text each one stands for (operators 0): the values
+of the records' validation byte sidecar.
+"""
+
+TITLE, ALLCAPS, CAPNEXT, ESC = "\ue001", "\ue002", "\ue003", "\ue004"
+OPERATORS = (TITLE, ALLCAPS, CAPNEXT, ESC)
+# ids 0-3 pad/BOS/EOS/UNK, 4-7 the operators as user-defined symbols: the first 8 ids are reserved.
+RESERVED_IDS = 8
+
+
+class CaseOpsError(ValueError):
+    """A string that is not the output of encode()."""
+
+
+def _ascii_letter(ch):
+    return ("a" <= ch <= "z") or ("A" <= ch <= "Z")
+
+
+def _ascii_upper(ch):
+    return "A" <= ch <= "Z"
+
+
+def _encode_run(word, out):
+    """Append the encoding of one maximal ASCII letter run."""
+    lower = word.lower()
+    if word == lower:
+        out.append(word)
+    elif len(word) >= 2 and word == word.upper():
+        out.append(ALLCAPS + lower)
+    elif _ascii_upper(word[0]) and word[1:] == lower[1:]:
+        out.append(TITLE + lower)  # also a lone capital letter
+    else:
+        out.append(TITLE if _ascii_upper(word[0]) else "")
+        out.append(lower[0])
+        out.extend(CAPNEXT + c if _ascii_upper(o) else c for o, c in zip(word[1:], lower[1:]))
+
+
+def encode(text):
+    """The CaseOps encoding of `text` (see the module docstring)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        ch = text[i]
+        if _ascii_letter(ch):
+            j = i + 1
+            while j < n and _ascii_letter(text[j]):
+                j += 1
+            _encode_run(text[i:j], out)
+            i = j
+            continue
+        out.append(ESC + ch if ch in OPERATORS else ch)
+        i += 1
+    return "".join(out)
+
+
+class _Decoder:
+    """Reads an encoded string one character at a time. emit(ch) returns the original text of that character
+    ('' for an operator); the state says what the operators pending before it ask for."""
+
+    def __init__(self):
+        self.escaped = False  # the previous character was ESC
+        self.word_mode = None  # TITLE or ALLCAPS, waiting for a word's first letter
+        self.capnext = False  # CAPNEXT waiting for a letter
+        self.in_word = False  # inside an ASCII letter run
+        self.allcaps = False  # the current run is ALLCAPS
+
+    def emit(self, ch):
+        if self.escaped:
+            if ch not in OPERATORS:
+                raise CaseOpsError(f"ESC followed by {ch!r}, not an operator")
+            if self.word_mode or self.capnext:
+                raise CaseOpsError("case operator not followed by a letter")
+            self.escaped, self.in_word, self.allcaps = False, False, False
+            return ch
+        if ch == ESC:
+            self.escaped = True
+            return ""
+        if ch in (TITLE, ALLCAPS):
+            if self.word_mode or self.capnext or self.in_word:
+                raise CaseOpsError("TITLE/ALLCAPS operator inside a word or after another operator")
+            self.word_mode = ch
+            return ""
+        if ch == CAPNEXT:
+            if self.capnext or self.word_mode or not self.in_word:
+                raise CaseOpsError("CAPNEXT operator outside a word or after another operator")
+            self.capnext = True
+            return ""
+        if not _ascii_letter(ch):
+            if self.word_mode or self.capnext:
+                raise CaseOpsError(f"case operator followed by {ch!r}, not an ASCII letter")
+            self.in_word, self.allcaps = False, False
+            return ch
+        if _ascii_upper(ch):
+            raise CaseOpsError(f"upper-case letter {ch!r} in encoded text")
+        if not self.in_word:
+            self.in_word, self.allcaps = True, self.word_mode == ALLCAPS
+            upper, self.word_mode = self.word_mode is not None, None
+        else:
+            upper = self.allcaps or self.capnext
+            if self.capnext and self.allcaps:
+                raise CaseOpsError("CAPNEXT inside an ALLCAPS word")
+        self.capnext = False
+        return ch.upper() if upper else ch
+
+    def finish(self):
+        if self.escaped or self.word_mode or self.capnext:
+            raise CaseOpsError("encoded text ends with a dangling operator")
+
+
+def decode(text):
+    """The original text of an encoded string; CaseOpsError if encode() cannot have produced it."""
+    d = _Decoder()
+    out = [d.emit(ch) for ch in text]
+    d.finish()
+    return "".join(out)
+
+
+def original_byte_counts(pieces):
+    """For consecutive fragments `pieces` of an encoded text, the UTF-8 byte count of the original text each
+    one decodes to (operators count 0, case changes none). Their sum is len(decode("".join(pieces)) in UTF-8).
+    A fragment may be `bytes` (a tokenizer's byte-fallback piece): part of a non-ASCII character, it counts
+    its length."""
+    d = _Decoder()
+    counts = []
+    for piece in pieces:
+        if isinstance(piece, bytes):
+            if piece.isascii():
+                piece = piece.decode("ascii")
+            else:
+                d.emit("\x80")  # a non-ASCII character: ends a word, refuses a pending operator
+                counts.append(len(piece))
+                continue
+        counts.append(sum(len(d.emit(ch).encode("utf-8")) for ch in piece))
+    d.finish()
+    return counts
