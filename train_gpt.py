@@ -149,7 +149,6 @@ class Hyperparameters:
         self.enable_looping_at = self._env("ENABLE_LOOPING_AT", 0.0, float)
         # ---- the 2026-04-27 model (issue 18; SPEC-FRONTIER 5, 8, 18)
         self.rope_train_seq_len = self._env("ROPE_TRAIN_SEQ_LEN", 1024)
-        self.bos_id = self._env("BOS_ID", 1)
         self.gate_window = self._env("GATE_WINDOW", 12)
         self.attn_gate = self._env("ATTN_GATE", "none", str)
         self.attn_gate_scale = self._env("ATTN_GATE_SCALE", 1.0, float)
@@ -354,7 +353,7 @@ class Hyperparameters:
                  "RANK LOCAL_RANK OMP_NUM_THREADS VAL_PROGRESS_LOG_EVERY MAX_WALLCLOCK_SECONDS EMBED_LR HEAD_LR "
                  "TIED_EMBED_LR MATRIX_LR SCALAR_LR MUON_WD ADAM_WD GRAD_CLIP_NORM TTT_LR TTT_GRAD_CLIP ADAM_EPS "
                  "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD GPTQ_RESERVE_SECONDS MATRIX_CLIP_SIGMAS EMBED_CLIP_SIGMAS "
-                 "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD BOS_ID ATTN_GATE_INIT_STD",
+                 "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD ATTN_GATE_INIT_STD",
                  lambda v: v >= 0, ">= 0"),
                 ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
                  "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
@@ -383,9 +382,9 @@ class Hyperparameters:
                  and phases[-1][1] < 1, f"{name}: fractions must start at 0 and increase, below 1")
             need(all(length > 0 for length, _ in phases), f"{name}: lengths must be > 0")
         need(self.seq_len_rewarmup_steps >= 0, f"SEQ_LEN_REWARMUP_STEPS={self.seq_len_rewarmup_steps} must be >= 0")
-        need(self.train_loader != "packed" or (self.bigram_vocab_size == 0 and not self.smear_gate),
-             "TRAIN_LOADER=packed needs BIGRAM_VOCAB_SIZE=0 and SMEAR_GATE=0 (both mix each token with the "
-             "previous one, across document boundaries)")
+        need(self.train_loader != "packed" or (self.bigram_vocab_size == 0 and self.smear_gate != 1),
+             "TRAIN_LOADER=packed needs BIGRAM_VOCAB_SIZE=0 and SMEAR_GATE=0 or 2 (the bigram hash and SmearGate "
+             "v1 mix each token with the previous one across document boundaries; v2 is masked at BOS)")
         need(self.compressor != "brotli" or importlib.util.find_spec("brotli") is not None,
              "COMPRESSOR=brotli needs the brotli package: pip install brotli")
         need(self.quant != "gptq" or self.max_wallclock_seconds == 0
@@ -419,7 +418,6 @@ class Hyperparameters:
         need(self.parallel_mode != "lanes" or self.parallel_residual_start >= 0,
              "PARALLEL_MODE=lanes needs PARALLEL_RESIDUAL_START >= 0 (the first layer of the two lanes)")
         need(self.gate_window <= self.model_dim, f"GATE_WINDOW={self.gate_window} exceeds MODEL_DIM={self.model_dim}")
-        need(self.bos_id < self.vocab_size, f"BOS_ID={self.bos_id} must be < VOCAB_SIZE={self.vocab_size}")
         need(self.bigram_vocab_size != 1, "BIGRAM_VOCAB_SIZE=1 leaves no hash bucket (use 0 to disable, or >= 2)")
         need(self.ttt_freeze_blocks <= self.num_layers,
              f"TTT_FREEZE_BLOCKS={self.ttt_freeze_blocks} exceeds NUM_LAYERS={self.num_layers}")
@@ -1835,7 +1833,7 @@ class GPT(nn.Module):
         self.tok_emb = CastedEmbedding(h.vocab_size, d)
         self.bigram = BigramHash(h.bigram_vocab_size, h.bigram_dim, d) if h.bigram_vocab_size > 0 else None
         self.smear = SmearGate(d) if h.smear_gate == 1 else None
-        self.smear_bos = SmearGateBOS(h.gate_window, h.bos_id) if h.smear_gate == 2 else None
+        self.smear_bos = SmearGateBOS(h.gate_window, BOS_ID) if h.smear_gate == 2 else None
         num_skips = min(len(half) for half in self.orders[h.num_loops > 0])
         self.skip_weights = nn.Parameter(torch.ones(num_skips, d))
         self.skip_gates = nn.Parameter(torch.zeros(num_skips, d)) if h.skip_gates else None
