@@ -471,7 +471,10 @@ def test_packed_loader_errors(tmp_path, monkeypatch):
                 loader.shutdown()
         assert str(err.value) == f"shard {tmp_path / 'fineweb_train_000000.bin'}: token id 1500 >= VOCAB_SIZE=1024"
     msg = config_error({"TRAIN_LOADER": "packed"})
-    assert "TRAIN_LOADER=packed needs BIGRAM_VOCAB_SIZE=0 and SMEAR_GATE=0" in msg
+    assert "TRAIN_LOADER=packed needs BIGRAM_VOCAB_SIZE=0 and SMEAR_GATE=0 or 2" in msg
+    assert "SMEAR_GATE=0 or 2" in config_error({"TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0"})
+    # SmearGate v2 is masked at BOS, so it never mixes documents: accepted with the packed loader
+    assert tg.Hyperparameters({"TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "2"}).smear_gate == 2
 
 
 # ------------------------------------------------------------ BOS-split evaluation
