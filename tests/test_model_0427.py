@@ -334,6 +334,32 @@ def test_newest_logits_equal_the_04_27_records_code(record_0427, looping):
         assert _rel(ours.forward_logits(ids), want) > 1e-4
 
 
+@pytest.mark.parametrize("looping", [False, True])
+def test_newest_logits_on_a_packed_row_equal_the_04_27_records_varlen_forward(record_0427, looping):
+    """Same weights, fp32, one packed row of several documents (BOS at 0, 70, 150, 151 and 230; a one-token
+    document among them): our forward with the row's DocBounds (issue 17's varlen path, cu_seqlens padded to a
+    bucket) against the record's forward_logits with the unpadded cu_seqlens of the same documents. SmearGate v2
+    and attention must both stop at every BOS for the two to agree."""
+    h = tg.Hyperparameters({**NEWEST, **NARROW})
+    ours, theirs = tg.GPT(h), record_0427.GPT(_record_h(record_0427, h))
+    theirs.eval()
+    _randomise(ours, seed=3)
+    theirs.load_state_dict(_to_record_names(ours.state_dict()), strict=True)
+    ours.looping = theirs.looping_active = looping
+    T, starts = 288, [0, 70, 150, 151, 230]
+    ids = torch.randint(2, h.vocab_size, (1, T), generator=torch.Generator().manual_seed(4))
+    ids[0, starts] = 1
+    ours_cu = torch.from_numpy(tg.packed_cu_seqlens(ids[0].numpy(), T))
+    assert ours_cu.numel() % 64 == 0 and ours_cu[:6].tolist() == starts + [T]
+    cu = torch.tensor(starts + [T], dtype=torch.int32)
+    with torch.no_grad():
+        want = theirs.forward_logits(ids, cu_seqlens=cu, max_seqlen=80)
+        got = ours.forward_logits(ids, tg.DocBounds(ours_cu, T))
+        dense = ours.forward_logits(ids)
+    assert _rel(got, want) < 1e-6, _rel(got, want)
+    assert _rel(dense, want) > 1e-4  # the test can fail: without the boundaries documents attend to each other
+
+
 # ---------------------------------------------------------------------------------------------- training semantics
 
 def _eager_ns(record):
