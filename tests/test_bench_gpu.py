@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 import time
 
 import pytest
@@ -159,7 +160,8 @@ def test_attention_backend_setting(monkeypatch):
     assert tg.select_attention_backend(cuda) == "sdpa"
     with pytest.raises(tg.ConfigError, match=r"ATTENTION_BACKEND=flash_attn_3: cannot import flash_attn_interface"):
         tg.select_attention_backend(cuda, "flash_attn_3")
-    monkeypatch.setattr(tg, "import_flash_attn", lambda module: module)  # stands for the function
+    # stands for the module: its flash_attn_func is the module's name, and it has no varlen function
+    monkeypatch.setattr(tg, "import_flash_attn", lambda module: types.SimpleNamespace(flash_attn_func=module))
     assert tg.select_attention_backend(cuda, "flash_attn_4") == "flash_attn_4"
     assert tg._ATTENTION["fn"] == "flash_attn.cute"
     assert tg.select_attention_backend(cuda) == "flash_attn_3"  # auto never picks FA4 (not measured yet)
