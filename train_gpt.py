@@ -2869,15 +2869,15 @@ def check_artifact_types(obj, path):
 
     w, meta = obj["w"], obj["m"]
     if not isinstance(w, dict) or not isinstance(meta, dict):
-        raise ConfigError(f"{path}: artifact entries 'w' and 'm' must be dicts, got {kind(w)} and {kind(meta)}")
+        raise ConfigError(f"{path}: artifact entries 'w' and 'm' must be dicts, not {kind(w)} and {kind(meta)}")
     bad = next((k for k, v in w.items() if not isinstance(k, str) or not isinstance(v, Tensor)), None)
     if bad is not None:
-        raise ConfigError(f"{path}: artifact entry w[{bad!r}] is a {kind(w[bad])}, not a tensor")
+        raise ConfigError(f"{path}: artifact entry w[{bad!r}] has type {kind(w[bad])}, not a tensor")
     bad = next((k for k, v in meta.items() if not isinstance(k, str) or not isinstance(v, (str, dict))), None)
     if bad is not None:
-        raise ConfigError(f"{path}: artifact metadata m[{bad!r}] is a {kind(meta[bad])}, not a str or dict")
+        raise ConfigError(f"{path}: artifact metadata m[{bad!r}] has type {kind(meta[bad])}, not str or dict")
     if not isinstance(obj.get("late_qat", True), bool):
-        raise ConfigError(f"{path}: artifact entry 'late_qat' is a {kind(obj['late_qat'])}, not a bool")
+        raise ConfigError(f"{path}: artifact entry 'late_qat' has type {kind(obj['late_qat'])}, not bool")
 
 
 def load_artifact(path, h):

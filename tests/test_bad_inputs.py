@@ -167,12 +167,12 @@ def write_artifact(path: Path, obj: dict) -> str:
 WRONG_TYPES = [
     pytest.param(lambda o: {**o, "w": list(o["w"].values())}, "'w' and 'm' must be dicts", id="w-list"),
     pytest.param(lambda o: {**o, "m": "passthrough"}, "'w' and 'm' must be dicts", id="m-str"),
-    pytest.param(lambda o: {**o, "w": {**o["w"], "tok_emb.weight.q": [1, 2]}}, "w['tok_emb.weight.q'] is a list",
+    pytest.param(lambda o: {**o, "w": {**o["w"], "tok_emb.weight.q": [1, 2]}}, "w['tok_emb.weight.q'] has type list",
                  id="w-value-list"),
-    pytest.param(lambda o: {**o, "m": {**o["m"], "tok_emb.weight": 8}}, "m['tok_emb.weight'] is a int",
+    pytest.param(lambda o: {**o, "m": {**o["m"], "tok_emb.weight": 8}}, "m['tok_emb.weight'] has type int",
                  id="meta-value-int"),
-    pytest.param(lambda o: {**o, "late_qat": "0"}, "'late_qat' is a str, not a bool", id="late-qat-str"),
-    pytest.param(lambda o: {**o, "late_qat": 0}, "'late_qat' is a int, not a bool", id="late-qat-int"),
+    pytest.param(lambda o: {**o, "late_qat": "0"}, "'late_qat' has type str, not bool", id="late-qat-str"),
+    pytest.param(lambda o: {**o, "late_qat": 0}, "'late_qat' has type int, not bool", id="late-qat-int"),
 ]
 
 
@@ -193,7 +193,7 @@ def test_eval_only_artifact_with_wrong_types_stops_the_script(tmp_path, sample_d
     path = write_artifact(tmp_path / "bad.ptz", {**obj, "late_qat": "yes"})
     proc = run_training({**TINY_ENV, **sample_data, "TTT_ENABLED": "0", "EVAL_ONLY": path, "RUN_ID": "types"},
                         tmp_path, timeout=120)
-    line = assert_one_line_error(proc, 2, f"error: {path}: artifact entry 'late_qat' is a str, not a bool")
+    line = assert_one_line_error(proc, 2, f"error: {path}: artifact entry 'late_qat' has type str, not bool")
     assert "final_int6_roundtrip" not in proc.stdout
     assert read_log(tmp_path, "types").rstrip("\n").endswith(line)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.ptz", "logs"]
