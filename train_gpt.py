@@ -1716,7 +1716,7 @@ def model_param_counts(h):
     ve_layers = h.ve_layers if h.ve_enabled else []
     embeddings = v * d + h.bigram_vocab_size * h.bigram_dim + (v * h.ve_dim if ve_layers else 0)
     gate = 0 if h.attn_gate == "none" else heads * (d if h.attn_gate == "dense" else h.gate_window)
-    skips = min(len(half) for half in virtual_layers(n, h.num_loops, h.loop_start, h.loop_end))
+    skips = (n + h.num_loops * (h.loop_end - h.loop_start + 1)) // 2  # the shorter half of virtual_layers
     other = (n * (heads + gate + 4 * d)  # per block: q_gain, attention gate, attn/mlp scales, resid_mix
              + skips * d * (2 if h.skip_gates else 1)
              + (h.bigram_dim * d + 1 if h.bigram_vocab_size > 0 else 0)
@@ -2025,8 +2025,8 @@ def open_log(h):
 
 
 # The settings that scale the model's memory; a refusal names the one that grew it most beyond its default.
-SIZE_SETTINGS = ("NUM_LAYERS", "MODEL_DIM", "MLP_MULT", "NUM_KV_HEADS", "VOCAB_SIZE", "BIGRAM_VOCAB_SIZE",
-                 "BIGRAM_DIM", "VE_DIM")
+SIZE_SETTINGS = ("NUM_LAYERS", "MODEL_DIM", "MLP_MULT", "NUM_KV_HEADS", "NUM_LOOPS", "VOCAB_SIZE",
+                 "BIGRAM_VOCAB_SIZE", "BIGRAM_DIM", "VE_DIM")
 
 
 def model_memory_bytes(h):

@@ -89,6 +89,7 @@ def test_memory_formula_equals_a_real_training_step(over):
     ({"MODEL_DIM": "100000", "VOCAB_SIZE": "8192", "MLP_MULT": "4"}, "MODEL_DIM=100000"),
     ({"BIGRAM_VOCAB_SIZE": "100000000000", "NUM_LAYERS": "12"}, "BIGRAM_VOCAB_SIZE=100000000000"),
     ({"VOCAB_SIZE": "1000000000", "MODEL_DIM": "768"}, "VOCAB_SIZE=1000000000"),
+    ({"NUM_LOOPS": "1000000000", "MLP_MULT": "4"}, "NUM_LOOPS=1000000000"),  # the looped order's skip weights
 ])
 def test_absurd_size_is_refused_naming_the_setting_that_grew_it(over, culprit):
     h = tg.Hyperparameters(over)
