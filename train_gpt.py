@@ -75,6 +75,14 @@ PRESETS = {
 }
 
 
+def file_name_max(folder):
+    """The longest file name, in bytes, that `folder`'s filesystem allows (255 where it does not say)."""
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (AttributeError, ValueError, OSError):
+        return 255
+
+
 class Hyperparameters:
     """Every setting of a run. Reads the environment when constructed and validates it, before any work.
 
@@ -395,6 +403,10 @@ class Hyperparameters:
         need(0 <= self.seed < 2**32, f"SEED={self.seed} must be in [0, 2^32)")
         need(self.run_id not in (".", "..") and not any(c in self.run_id for c in "/\\\0"),
              f"RUN_ID={self.run_id!r} must be a plain file name (the log is logs/$RUN_ID.txt)")
+        longest = f"{self.run_id}_profile_rank{self.world_size - 1}.json" if self.profile else f"{self.run_id}.txt"
+        need(len(os.fsencode(longest)) <= file_name_max("."), f"RUN_ID={self.run_id[:24]!r}... is too long: "
+             f"its {len(os.fsencode(self.run_id))} bytes + {longest[len(self.run_id):]!r} exceed this filesystem's "
+             f"{file_name_max('.')}-byte limit on a file name (logs/$RUN_ID.txt)")
         need(not self.eval_only or os.path.isfile(self.eval_only), f"EVAL_ONLY={self.eval_only}: no such artifact file")
         need(self.profile_range is not None, f"PROFILE_STEPS={self.profile_steps!r} must be START:END, 0 < START < END")
         need(self.model_dim % self.num_heads == 0,
@@ -1982,6 +1994,25 @@ def build_model(h):
     return model
 
 
+def model_param_counts(h):
+    """GPT(h)'s parameter count from the settings alone, without building it (so absurd sizes can be refused
+    before any allocation): {"banks": fp32 matrices Muon trains, "embeddings": bf16 tables, "other": fp32 rest}."""
+    n, d, heads, v = h.num_layers, h.model_dim, h.num_heads, h.vocab_size
+    kv, hidden = h.num_kv_heads * h.head_dim, h.mlp_hidden
+    ve_layers = h.ve_layers if h.ve_enabled else []
+    embeddings = v * d + h.bigram_vocab_size * h.bigram_dim + (v * h.ve_dim if ve_layers else 0)
+    gate = 0 if h.attn_gate == "none" else heads * (d if h.attn_gate == "dense" else h.gate_window)
+    skips = (n + h.num_loops * (h.loop_end - h.loop_start + 1)) // 2  # the shorter half of virtual_layers
+    other = (n * (heads + gate + 4 * d)  # per block: q_gain, attention gate, attn/mlp scales, resid_mix
+             + skips * d * (2 if h.skip_gates else 1)
+             + (h.bigram_dim * d + 1 if h.bigram_vocab_size > 0 else 0)
+             + {0: 0, 1: d, 2: h.gate_window + 1}[h.smear_gate]
+             + (6 * n if h.parallel_mode == "lanes" and h.parallel_residual_start >= 0 else 0)
+             + (h.ve_dim * kv + 1 + len(ve_layers) if ve_layers else 0)
+             + (0 if h.tie_embeddings else d * v))
+    return {"banks": 2 * n * d * (d + kv + hidden), "embeddings": embeddings, "other": other}
+
+
 # ==================================================
 # OPTIMISER
 # ==================================================
@@ -2279,6 +2310,76 @@ def open_log(h):
     return path
 
 
+# The settings that scale the model's memory; a refusal names the one that grew it most beyond its default.
+SIZE_SETTINGS = ("NUM_LAYERS", "MODEL_DIM", "MLP_MULT", "NUM_KV_HEADS", "NUM_LOOPS", "VOCAB_SIZE",
+                 "BIGRAM_VOCAB_SIZE", "BIGRAM_DIM", "VE_DIM")
+
+
+def model_memory_bytes(h):
+    """A lower bound on one process's memory for the model (model_param_counts): weights at their dtype; when
+    training also their gradients, Muon's momentum (its 1/WORLD_SIZE shard), AdamW's two moments, the fp32 EMA
+    and SWA copies. Activations, data and compiled graphs come on top."""
+    c = model_param_counts(h)
+    if h.eval_only:
+        return 4 * c["banks"] + 2 * c["embeddings"] + 4 * c["other"]
+    copies = 4 * (h.ema_enabled + h.swa_enabled)
+    momentum = (4 if h.muon_momentum_fp32 else 2) / h.world_size
+    return int(c["banks"] * (8 + momentum + copies) + c["embeddings"] * (8 + copies) + c["other"] * (16 + copies))
+
+
+def available_memory(device):
+    """(bytes, what) this process may still allocate on `device`: CUDA's free memory, or the host's MemAvailable
+    (bounded by a cgroup v2 limit); None where the system does not say."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        try:
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):
+            return None
+    try:
+        limit, used = (Path("/sys/fs/cgroup", f).read_text().strip() for f in ("memory.max", "memory.current"))
+        avail = min(avail, int(limit) - int(used))
+    except (OSError, ValueError):  # no cgroup v2 files, or memory.max is "max"
+        pass
+    return avail, "available on this machine"
+
+
+def size_culprit(h, need):
+    """'NAME=value' of the size setting whose return to its default shrinks `need(h)` the most."""
+    default, best = Hyperparameters({}), (1.0, "the model's sizes")
+    for name in SIZE_SETTINGS:
+        attr = name.lower()
+        if getattr(h, attr) != getattr(default, attr):
+            alt = copy.copy(h)
+            setattr(alt, attr, getattr(default, attr))
+            best = max(best, (need(h) / max(need(alt), 1), f"{name}={h.effective[name][0]}"))
+    return best[1]
+
+
+def check_model_memory(h, device):
+    """Refuse, before any allocation, a model whose weights and optimizer state cannot fit: on `device`
+    (model_memory_bytes per process) and, for CUDA, in host memory, where build_model first makes it in fp32."""
+    ranks = h.local_world_size
+    what = "weights" if h.eval_only else "weights, gradients, optimizer state, EMA"
+    needs = [(device, model_memory_bytes, 1 if device.type == "cuda" else ranks, what)]
+    if device.type == "cuda":
+        needs.append((torch.device("cpu"), lambda hh: 4 * sum(model_param_counts(hh).values()), ranks,
+                      "fp32 weights while it is built"))
+    for where, need, copies, what in needs:
+        avail = available_memory(where)
+        if avail is None or need(h) * copies <= avail[0]:
+            continue
+        params = sum(model_param_counts(h).values())
+        each = f" x {copies} local ranks" if copies > 1 else ""
+        raise ConfigError(f"{size_culprit(h, need)}: the model would need at least {need(h) * copies / 1e9:,.1f} GB "
+                          f"of {where.type.upper()} memory ({params:,} parameters{each}: {what}), "
+                          f"but {avail[0] / 1e9:,.1f} GB is {avail[1]}")
+
+
 def setup_runtime(h):
     want = h.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if want == "cuda" and not torch.cuda.is_available():
@@ -2290,6 +2391,7 @@ def setup_runtime(h):
         raise ConfigError(f"WORLD_SIZE={h.world_size} but MASTER_ADDR/MASTER_PORT are not set: launch with "
                           "torchrun --standalone --nproc_per_node=N train_gpt.py")
     device = torch.device("cuda", h.local_rank) if want == "cuda" else torch.device("cpu")
+    check_model_memory(h, device)
     threads = choose_cpu_threads(h)
     log_path = open_log(h) if h.rank == 0 else None
     if device.type == "cuda":
@@ -3107,6 +3209,25 @@ def size_report(model_bytes, code_bytes, compressor="lzma"):
     return lines
 
 
+def check_artifact_types(obj, path):
+    """One line naming the file when an unpacked artifact's entries have the wrong types: 'w' must map names to
+    tensors, 'm' names to a str ("passthrough") or a dict, and 'late_qat', where present, must be a bool."""
+    def kind(v):
+        return type(v).__name__
+
+    w, meta = obj["w"], obj["m"]
+    if not isinstance(w, dict) or not isinstance(meta, dict):
+        raise ConfigError(f"{path}: artifact entries 'w' and 'm' must be dicts, not {kind(w)} and {kind(meta)}")
+    bad = next((k for k, v in w.items() if not isinstance(k, str) or not isinstance(v, Tensor)), None)
+    if bad is not None:
+        raise ConfigError(f"{path}: artifact entry w[{bad!r}] has type {kind(w[bad])}, not a tensor")
+    bad = next((k for k, v in meta.items() if not isinstance(k, str) or not isinstance(v, (str, dict))), None)
+    if bad is not None:
+        raise ConfigError(f"{path}: artifact metadata m[{bad!r}] has type {kind(meta[bad])}, not str or dict")
+    if not isinstance(obj.get("late_qat", True), bool):
+        raise ConfigError(f"{path}: artifact entry 'late_qat' has type {kind(obj['late_qat'])}, not bool")
+
+
 def load_artifact(path, h):
     """A fresh model from an artifact file."""
     try:
@@ -3123,6 +3244,7 @@ def load_artifact(path, h):
         raise ConfigError(f"{path}: not an int6 artifact (torch.load failed: {type(e).__name__})") from None
     if not isinstance(obj, dict) or "w" not in obj or "m" not in obj:
         raise ConfigError(f"{path}: not an int6 artifact (expected a dict with 'w' and 'm')")
+    check_artifact_types(obj, path)
     model = build_model(h)
     flat = dequantize_state_dict(obj["w"], obj["m"], unbank_state_dict(model.state_dict(), model.num_layers), path)
     model.load_state_dict(rebank_state_dict(flat, model.num_layers), strict=True)

@@ -231,21 +231,33 @@ def results_block(logs: list[rl.RunLog], metric: str, table: str, sig: rl.Signif
     return "\n".join(parts)
 
 
-def update_readme(path: Path, title: str, blurb: str, block: str) -> None:
-    """Replace the marked results block, keeping all other text as written."""
+def read_readme(path: Path) -> str | None:
+    """The folder's README.md text (None when there is none), read before anything is written: a README.md that
+    is a directory, unreadable or not UTF-8 is a one-line RecordError."""
     if not path.exists():
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except IsADirectoryError:
+        raise rl.RecordError(f"{path} is a directory, not a file; move it away") from None
+    except UnicodeDecodeError as exc:
+        raise rl.RecordError(f"{path} is not UTF-8 text (byte {exc.start}); re-save it as UTF-8") from None
+    except OSError as exc:
+        raise rl.RecordError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def readme_with_results(text: str | None, path: Path, title: str, blurb: str, block: str) -> str:
+    """README.md with the marked results block replaced (or added), all other text kept as written."""
+    if text is None:
         intro = f"{blurb}\n\n" if blurb else ""
-        path.write_text(f"# {title}\n\n{intro}## Results\n\n{block}\n", encoding="utf-8")
-        return
-    text = path.read_text(encoding="utf-8")
+        return f"# {title}\n\n{intro}## Results\n\n{block}\n"
     start, end = text.find(rl.RESULTS_START), text.find(rl.RESULTS_END)
     if start == -1 and end == -1:
         sep = "" if text.endswith("\n") else "\n"
-        path.write_text(f"{text}{sep}\n## Results\n\n{block}\n", encoding="utf-8")
-        return
+        return f"{text}{sep}\n## Results\n\n{block}\n"
     if start == -1 or end == -1 or end < start:
         raise rl.RecordError(f"{path}: results markers are unbalanced; fix them by hand")
-    path.write_text(text[:start] + block + text[end + len(rl.RESULTS_END):], encoding="utf-8")
+    return text[:start] + block + text[end + len(rl.RESULTS_END):]
 
 
 # ---------------------------------------------------------------------------
@@ -274,14 +286,16 @@ def run(args: argparse.Namespace) -> int:
         values = [log.score(metric).val_bpb for log in logs]
         sig = rl.significance_test(values, args.sota_bpb, rl.bpb_per_nat(logs, metric))
 
-    sub_path = folder / "submission.json"
+    sub_path, readme_path = folder / "submission.json", folder / "README.md"
     existing = rl.load_submission(sub_path) if sub_path.exists() else {}
+    readme = read_readme(readme_path)
     submission = build_submission(args, existing, logs, metric, sig)
-    sub_path.write_text(json.dumps(submission, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
     table = results_table(logs)
     block = results_block(logs, metric, table, sig, packed=bool(submission.get("code_packed")))
-    update_readme(folder / "README.md", submission["name"], submission["blurb"], block)
+    readme = readme_with_results(readme, readme_path, submission["name"], submission["blurb"], block)
+    # both files written only once both are composed: a bad README.md leaves submission.json as it was
+    sub_path.write_text(json.dumps(submission, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    readme_path.write_text(readme, encoding="utf-8")
 
     print(f"metric: {rl.EVAL_PREFIXES[metric]}_exact  val_bpb={submission['val_bpb']:.8f}"
           f"  bytes_total={submission['bytes_total']}")
