@@ -12,6 +12,9 @@ plus the Hessian collection and GPTQ solve seconds, and the code bytes (readable
     source scripts/sample_env.sh && python3 scripts/bench_artifact.py
     DEVICE=cpu NUM_LAYERS=11 MODEL_DIM=512 ITERATIONS=20 ... python3 scripts/bench_artifact.py
 
+--variants 0427 measures the 2026-04-27 record's options instead (per-class SDClip, LQER, AWQ-lite) with
+brotli and COMPRESSOR=pergroup bytes and their seconds; --then-stand-in adds the stand-in table from the same run.
+
 --stand-in replaces the trained matrices by Student-t rows (trained-like heavy tails) before quantising; the
 Hessians stay the trained model's; the gap column then says how much the quantisation error costs a model
 whose other weights are trained but whose matrices are synthetic (labelled as such).
@@ -42,11 +45,9 @@ VARIANTS = (  # (label, settings over the run's)
 NEWEST = {"QUANT": "gptq", "MLP_CLIP_SIGMAS": "11.5", "ATTN_CLIP_SIGMAS": "13", "EMBED_CLIP_SIGMAS": "14",
           "EMBED_BITS": "7"}
 VARIANTS_0427 = (  # --variants 0427: the 2026-04-27 record's options (issue 19), one after another
-    ("04-09: SDClip 12.85/15, int7 embeddings", VARIANTS[-1][1]),
-    ("per-class SDClip 11.5/13/14 (04-27)", NEWEST),
+    ("per-class SDClip 11.5/13/14, int7 embeddings", NEWEST),
     ("+ LQER rank 4, top 3, group 64 (04-27)", {**NEWEST, "LQER_RANK": "4"}),
-    ("+ LQER rank 4, top 3, group 32 (#2135)", {**NEWEST, "LQER_RANK": "4", "LQER_GROUP": "32"}),
-    ("+ LQER group 64 + AWQ-lite int8 top 1 (#1945)", {**NEWEST, "LQER_RANK": "4", "AWQ_LITE": "1"}),
+    ("+ AWQ-lite int8, top 1 group of 64 (#1945)", {**NEWEST, "LQER_RANK": "4", "AWQ_LITE": "1"}),
 )
 
 
@@ -64,15 +65,24 @@ def stand_in_matrices(model, seed=0):
             bank.copy_(t.to(bank.device, bank.dtype))
 
 
-def quantise_all(rt, h, env, variants, flat, template, hessians, model, val_tokens, luts, compressors):
-    """Every variant on the same weights: (label, embed bits, {compressor: bytes}, roundtrip bpb, quantise s)."""
+def quantise_all(rt, h, env, variants, flat, template, hessians, model, val_tokens, luts, compressors, seconds=None):
+    """Every variant on the same weights: (label, embed bits, {compressor: bytes}, roundtrip bpb, quantise s).
+    `seconds` (a dict): filled with {compressor: (compress s, decompress s)} of the first variant."""
     rows = []
     for label, over in variants:
         hv = tg.Hyperparameters({**env, **over})
         t0 = time.perf_counter()
         w, meta = tg.quantize_state_dict(flat, hv, hessians if hv.quant == "gptq" else None)
         solve = time.perf_counter() - t0
-        sizes = {c: len(tg.serialize(w, meta, False, c)) for c in compressors}
+        sizes = {}
+        for c in compressors:
+            t0 = time.perf_counter()
+            blob = tg.serialize(w, meta, False, c)
+            t1 = time.perf_counter()
+            sizes[c] = len(blob)
+            if seconds is not None and not rows:
+                tg.pergroup_deserialize(blob, "memory") if c == "pergroup" else tg.decompress(blob, "memory")
+                seconds[c] = (t1 - t0, time.perf_counter() - t1)
         back = tg.rebank_state_dict(tg.dequantize_state_dict(w, meta, template, "memory"), model.num_layers)
         probe = rt.prepare_model(tg.build_model(h))
         probe.load_state_dict(back, strict=True)
@@ -80,22 +90,6 @@ def quantise_all(rt, h, env, variants, flat, template, hessians, model, val_toke
         rows.append((label, hv.embed_bits, sizes, bpb, solve))
         print(f"  {label}: {sizes} bpb {bpb:.5f} ({solve:.1f}s)", flush=True)
     return rows
-
-
-def codec_seconds(flat, h, hessians):
-    """Compress and decompress seconds of each compressor at these shapes (the 04-27 quantiser's tensors)."""
-    w, meta = tg.quantize_state_dict(flat, h, hessians)
-    out = []
-    for c in ("lzma", "brotli", "pergroup"):
-        t0 = time.perf_counter()
-        blob = tg.serialize(w, meta, False, c)
-        t1 = time.perf_counter()
-        if c == "pergroup":
-            tg.pergroup_deserialize(blob, "memory")
-        else:
-            tg.decompress(blob, "memory")
-        out.append((c, len(blob), t1 - t0, time.perf_counter() - t1))
-    return out
 
 
 def main():
@@ -163,8 +157,9 @@ def main_0427(args, rt, h, env, model, hessians, val_tokens, luts):
         _, base_bpb = tg.eval_val(rt, model, val_tokens, luts)
         flat = tg.unbank_state_dict(model.state_dict(), model.num_layers)
         template = {k: v.detach().cpu() for k, v in flat.items()}
+        seconds = {} if not swap else None
         rows = quantise_all(rt, h, env, VARIANTS_0427, flat, template, hessians, model, val_tokens, luts,
-                            ("brotli", "pergroup"))
+                            ("brotli", "pergroup"), seconds)
         print(f"\nmodel: {h.num_layers}L d{h.model_dim} MLP x{h.mlp_mult:g} vocab {h.vocab_size}, {h.iterations} "
               f"steps of {h.train_batch_tokens} tokens, {title}; post-EMA val_bpb {base_bpb:.5f}")
         print("| variant | brotli bytes | pergroup bytes | pergroup vs brotli | roundtrip bpb | gap | quantise s |")
@@ -173,10 +168,10 @@ def main_0427(args, rt, h, env, model, hessians, val_tokens, luts):
             br, pg = sizes["brotli"], sizes["pergroup"]
             print(f"| {label} | {br:,} | {pg:,} | {pg - br:+,} | {bpb:.5f} | {bpb - base_bpb:+.5f} | {solve:.1f} |",
                   flush=True)
-        if not swap:
-            print("\n| compressor | bytes | compress s | decompress s |\n|---|---|---|---|")
-            for c, n, cs, ds in codec_seconds(flat, tg.Hyperparameters({**env, **VARIANTS_0427[2][1]}), hessians):
-                print(f"| {c} | {n:,} | {cs:.1f} | {ds:.1f} |", flush=True)
+        if seconds:
+            print(f"\nseconds at this size, first row ({rt.device}, torch threads {torch.get_num_threads()}): " +
+                  "; ".join(f"{c} compress {cs:.1f} decompress {ds:.1f}" for c, (cs, ds) in seconds.items()),
+                  flush=True)
 
 
 if __name__ == "__main__":

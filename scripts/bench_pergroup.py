@@ -9,9 +9,10 @@ no training and no Hessians, so the code statistics, not the bpb, are what this 
 
     python3 scripts/bench_pergroup.py            # every candidate installed; lrzip if the binary exists
     python3 scripts/bench_pergroup.py --sort     # also time the records' O(n^2) Python row sort at 8192 rows
+    python3 scripts/bench_pergroup.py --orders   # only: tok_emb and c_q groups, L2 vs L1 vs no row order, ZPAQ-5
 
 Candidates: brotli q11 lgwin 24 (pip brotli), zstd level 22 with long-distance matching and a 2^27 window
-(pip zstandard), PPMd variant H/I order 6..16 (pip pyppmd), ZPAQ levels 3..5 in one thread (pip zpaq), and
+(pip zstandard), PPMd variant H order 3..16 (pip pyppmd), ZPAQ levels 3..5 in one thread (pip zpaq), and
 `lrzip -z -L 9` (Debian's lrzip, ZPAQ inside: the records' choice, a reference only).
 """
 from __future__ import annotations
@@ -61,11 +62,10 @@ def candidates():
         print("zstandard not installed: skipped")
     try:
         import pyppmd
-        for variant, order in (("H", 6), ("H", 16), ("I", 8), ("I", 16)):
-            out.append((f"PPMd {variant} order {order} 256 MB",
-                        lambda d, v=variant, o=order: pyppmd.compress(d, max_order=o, mem_size=256 << 20, variant=v),
-                        (lambda d, n, o=order: pyppmd.Ppmd7Decoder(o, 256 << 20).decode(d, n)) if variant == "H" else
-                        (lambda d, n, o=order: pyppmd.decompress(d, max_order=o, mem_size=256 << 20, variant="I"))))
+        for order in (3, 4, 6, 16):  # variant H (7-Zip's); low orders suit near-iid codes best
+            out.append((f"PPMd H order {order} 256 MB",
+                        lambda d, o=order: pyppmd.compress(d, max_order=o, mem_size=256 << 20, variant="H"),
+                        lambda d, n, o=order: pyppmd.Ppmd7Decoder(o, 256 << 20).decode(d, n)))
     except ImportError:
         print("pyppmd not installed: skipped")
     try:
@@ -81,6 +81,7 @@ def candidates():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sort", action="store_true", help="also time the records' Python row sort (minutes)")
+    ap.add_argument("--orders", action="store_true", help="only compare row orders (see above)")
     args = ap.parse_args()
     torch.manual_seed(0)
     h = tg.Hyperparameters(RECORD_SHAPE)
@@ -93,6 +94,8 @@ def main():
         emb.copy_(t / t.pow(2).mean(-1, keepdim=True).sqrt() * 0.05)
     flat = tg.unbank_state_dict(model.state_dict(), model.num_layers)
     w, meta = tg.quantize_state_dict(flat, h)
+    if args.orders:
+        return compare_orders(w)
     t0 = time.perf_counter()
     blobs, perms, rest, _ = tg.pergroup_layout(w)
     layout_s = time.perf_counter() - t0
@@ -139,6 +142,25 @@ def main():
     for label, per, total, c_s, d_s in rows:
         print(f"| {label} | {' | '.join(f'{n:,}' for n in per)} | {total:,} | {c_s:.1f} | {d_s:.1f} |")
     print(f"\nraw group bytes: {' | '.join(f'{len(blobs[r]):,}' for r in tg.PERGROUP_ROLES)}")
+
+
+def compare_orders(w):
+    """ZPAQ-5 bytes of the tok_emb and c_q groups with rows in L2 chain order (ours), L1 chain order (the
+    records'), and unsorted; the chains' seconds."""
+    import zpaq
+    print("| group | order | chain s | ZPAQ-5 bytes |\n|---|---|---|---|")
+    for role in ("tok_emb.weight", "attn.c_q.weight"):
+        names = sorted((n for n in w if n.endswith(role + ".q")), key=lambda n: (len(n), n))
+        for metric in ("l2", "l1", "none"):
+            t0, parts = time.perf_counter(), []
+            for n in names:
+                a = w[n].numpy()
+                if metric != "none":
+                    a = a[tg.similarity_order(a, metric).astype("int64")]
+                parts.append(a.T.copy().tobytes())
+            chain_s = time.perf_counter() - t0
+            print(f"| {role} | {metric} | {chain_s:.1f} | {len(zpaq.compress(b''.join(parts), 5, threads=1)):,} |",
+                  flush=True)
 
 
 def tg_record():
