@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 import uuid
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -203,6 +204,19 @@ class Hyperparameters:
         self.embed_bits = self._env("EMBED_BITS", 8)
         self.compressor = self._env("COMPRESSOR", "lzma", str)
         self.target_bytes = self._env("TARGET_BYTES", 0)
+        # ---- artifact of the 2026-04-27 record and #1945 (issue 19; SPEC-FRONTIER 8, 11, 12, 18, 19)
+        self.mlp_clip_sigmas = self._env("MLP_CLIP_SIGMAS", 0.0, float)  # 0: MATRIX_CLIP_SIGMAS
+        self.attn_clip_sigmas = self._env("ATTN_CLIP_SIGMAS", 0.0, float)  # 0: MATRIX_CLIP_SIGMAS
+        self.quant_gate = self._env("QUANT_GATE", False, bool)
+        self.lqer_rank = self._env("LQER_RANK", 0)
+        self.lqer_top_k = self._env("LQER_TOP_K", 3)
+        self.lqer_group = self._env("LQER_GROUP", 64)
+        self.lqer_factor_bits = self._env("LQER_FACTOR_BITS", 4)
+        self.awq_lite = self._env("AWQ_LITE", False, bool)
+        self.awq_lite_bits = self._env("AWQ_LITE_BITS", 8)
+        self.awq_lite_group = self._env("AWQ_LITE_GROUP", 64)
+        self.awq_lite_top_k = self._env("AWQ_LITE_TOP_K", 1)
+        self.gptq_calibration_seqs = self._env("GPTQ_CALIBRATION_SEQS", 0)
         # ---- data path (SPEC 8)
         self.train_loader = self._env("TRAIN_LOADER", "stream", str)
         self.train_prefetch = self._env("TRAIN_PREFETCH", True, bool)
@@ -361,13 +375,13 @@ class Hyperparameters:
                  "RANK LOCAL_RANK OMP_NUM_THREADS VAL_PROGRESS_LOG_EVERY MAX_WALLCLOCK_SECONDS EMBED_LR HEAD_LR "
                  "TIED_EMBED_LR MATRIX_LR SCALAR_LR MUON_WD ADAM_WD GRAD_CLIP_NORM TTT_LR TTT_GRAD_CLIP ADAM_EPS "
                  "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD GPTQ_RESERVE_SECONDS MATRIX_CLIP_SIGMAS EMBED_CLIP_SIGMAS "
-                 "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD ATTN_GATE_INIT_STD",
-                 lambda v: v >= 0, ">= 0"),
+                 "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD ATTN_GATE_INIT_STD MLP_CLIP_SIGMAS ATTN_CLIP_SIGMAS "
+                 "LQER_RANK GPTQ_CALIBRATION_SEQS", lambda v: v >= 0, ">= 0"),
                 ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
                  "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
                  "TTT_CHUNK_TOKENS TTT_BATCH_SEQS WORLD_SIZE LOCAL_WORLD_SIZE DIST_TIMEOUT_SECONDS MLP_MULT "
                  "LOGIT_SOFTCAP QK_GAIN_INIT TRAIN_PREFETCH_QUEUE TRAINING_TIMING_EVERY GPTQ_CALIBRATION_BATCHES "
-                 "ROPE_TRAIN_SEQ_LEN GATE_WINDOW",
+                 "ROPE_TRAIN_SEQ_LEN GATE_WINDOW LQER_TOP_K LQER_GROUP AWQ_LITE_GROUP AWQ_LITE_TOP_K",
                  lambda v: v > 0, "> 0"),
                 ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM ENABLE_LOOPING_AT "
                  "WARMDOWN_FRAC MIN_LR", lambda v: 0 <= v < 1, "in [0, 1)")):
@@ -376,11 +390,12 @@ class Hyperparameters:
                 need(ok(v), f"{name}={v} must be {rule}")
         for name, choices in (("DEVICE", ("", "cpu", "cuda")), ("TRAIN_LOADER", ("stream", "shuffled", "packed")),
                               ("VAL_BYTECOUNT_DEVICE", ("cpu", "cuda")), ("AUTOCAST_DTYPE", ("auto", "bf16", "fp32")),
-                              ("QUANT", ("gptq_lite", "gptq")), ("COMPRESSOR", ("lzma", "brotli")),
+                              ("QUANT", ("gptq_lite", "gptq")), ("COMPRESSOR", ("lzma", "brotli", "pergroup")),
                               ("EMBED_BITS", (8, 7)), ("MUON_NS_COEFFS", tuple(NS_COEFFICIENTS)),
                               ("SMEAR_GATE", (0, 1, 2)), ("ATTN_GATE", ("none", "sparse", "output", "dense")),
                               ("PARALLEL_MODE", ("gptj", "lanes")), ("GRAD_CLIP_SCOPE", ("local", "reduced")),
-                              ("ATTENTION_BACKEND", ("auto", *ATTENTION_MODULES))):
+                              ("ATTENTION_BACKEND", ("auto", *ATTENTION_MODULES)),
+                              ("LQER_FACTOR_BITS", (2, 3, 4, 5, 6, 7, 8)), ("AWQ_LITE_BITS", (7, 8))):
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
         if self.train_seq_len_schedule:
@@ -395,6 +410,13 @@ class Hyperparameters:
              "v1 mix each token with the previous one across document boundaries; v2 is masked at BOS)")
         need(self.compressor != "brotli" or importlib.util.find_spec("brotli") is not None,
              "COMPRESSOR=brotli needs the brotli package: pip install brotli")
+        for module in PERGROUP_MODULES:
+            need(self.compressor != "pergroup" or importlib.util.find_spec(module) is not None,
+                 f"COMPRESSOR=pergroup needs the {module} package: pip install {PERGROUP_MODULES[module]}")
+        need(not self.awq_lite or self.quant == "gptq", "AWQ_LITE=1 needs QUANT=gptq (its saliency reads the "
+                                                       "calibration activations)")
+        need(self.gptq_calibration_seqs == 0 or self.quant == "gptq",
+             f"GPTQ_CALIBRATION_SEQS={self.gptq_calibration_seqs} needs QUANT=gptq")
         need(self.quant != "gptq" or self.max_wallclock_seconds == 0
              or self.gptq_reserve_seconds < self.max_wallclock_seconds,
              f"GPTQ_RESERVE_SECONDS={self.gptq_reserve_seconds} leaves no training time of "
@@ -2596,6 +2618,15 @@ def make_train_loader(rt):
                                              copy_stream=rt.train_copy_stream, name="train")
 
 
+def make_calibration_loader(rt):
+    """GPTQ_CALIBRATION_SEQS > 0, the 2026-04-27 record's calibration data (SPEC-FRONTIER 18): per rank,
+    batches of that many TRAIN_SEQ_LEN windows from a shuffled loader over the rank's shards, seeded by the
+    rank alone (not SEED), read through the final (looped) model like today's batches."""
+    h = rt.h
+    return ShuffledSequenceLoader(list_shards(h.train_files), h.rank, h.world_size, rt.device,
+                                  h.gptq_calibration_seqs * h.train_seq_len, h.train_seq_len, 0, h.vocab_size)
+
+
 def warmup_and_restore(rt, trainer):
     """WARMUP_STEPS real steps (compile, kernels) in every layer order the run will use (with NUM_LOOPS > 0 both,
     so that both compiled graphs exist before the timer), then restore the initial state; returns a fresh loader."""
@@ -2744,10 +2775,11 @@ def train(rt, model, val_tokens, luts):
             return qat_on, None
         stage("collecting GPTQ Hessians")
         t0 = time.perf_counter()
-        hessians = collect_hessians(rt, model, loader)
+        hessians = collect_hessians(rt, model, make_calibration_loader(rt) if h.gptq_calibration_seqs else loader)
         ms = 1000.0 * (time.perf_counter() - t0)
         rt.log(f"gptq: hessians:{len(hessians)} batches:{h.gptq_calibration_batches}x{h.world_size} "
-               f"time:{ms:.0f}ms train+hessians:{train_ms + ms:.0f}ms")
+               f"time:{ms:.0f}ms train+hessians:{train_ms + ms:.0f}ms" + (
+                f" calibration:shuffled {h.gptq_calibration_seqs}x{h.train_seq_len}" if h.gptq_calibration_seqs else ""))
         if h.max_wallclock_seconds > 0 and train_ms + ms > 1000.0 * h.max_wallclock_seconds:
             rt.log(f"gptq: warning: training + Hessians exceed MAX_WALLCLOCK_SECONDS={h.max_wallclock_seconds:g}; "
                    "raise GPTQ_RESERVE_SECONDS or lower GPTQ_CALIBRATION_BATCHES")
@@ -2848,6 +2880,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts):
 INT6_CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999)  # plus the row max
 INT8_CLIP_QUANTILE = 0.9999984
 PASSTHROUGH_MAX_NUMEL = 65_536
+PERGROUP_MODULES = {"brotli": "brotli", "zpaq": "zpaq"}  # COMPRESSOR=pergroup's modules -> their PyPI packages
 BANK_SLOTS = {  # bank -> per-layer names of its [0, n) and [n, 2n) halves (SPEC 6)
     "qo_bank": (".attn.c_q.weight", ".attn.proj.weight"),
     "kv_bank": (".attn.c_k.weight", ".attn.c_v.weight"),
@@ -2890,7 +2923,7 @@ class HessianRecorder:
     def __init__(self, model):
         flat = unbank_state_dict(model.state_dict(), model.num_layers)
         self.names = {t.data_ptr(): name for name, t in flat.items() if t.ndim == 2}
-        self.sums, self.last = {}, (None, None)
+        self.sums, self.rows, self.last = {}, {}, (None, None)
 
     def add(self, x, w):
         name = self.names.get(w.data_ptr())
@@ -2905,6 +2938,16 @@ class HessianRecorder:
             self.sums[name] += self.last[1]
         else:
             self.sums[name] = self.last[1].clone()
+        self.rows[name] = self.rows.get(name, 0) + x.numel() // x.size(-1)
+
+
+class Hessians(dict):
+    """name -> H (collect_hessians), with .rows: name -> input rows per calibration batch (a looped layer counts
+    each pass), so that AWQ-lite reads the activation RMS as sqrt(diag(H) / rows)."""
+
+    def __init__(self, items, rows):
+        super().__init__(items)
+        self.rows = rows
 
 
 @torch.no_grad()
@@ -2925,7 +2968,8 @@ def collect_hessians(rt, model, loader):
     names = sorted(rec.sums)
     flat = rt.all_reduce(torch.cat([rec.sums[k].reshape(-1) for k in names]))
     parts = flat.div_(h.gptq_calibration_batches * h.world_size).float().split([rec.sums[k].numel() for k in names])
-    return {k: p.view_as(rec.sums[k]) for k, p in zip(names, parts)}
+    rows = {k: rec.rows[k] / h.gptq_calibration_batches for k in names}  # equal on every rank: same batch shapes
+    return Hessians({k: p.view_as(rec.sums[k]) for k, p in zip(names, parts)}, rows)
 
 
 def int6_candidate_scales(t32):
@@ -2941,11 +2985,13 @@ def sdclip_scales(t32, sigmas, q_max):
     return (sigmas * t32.std(dim=1) / q_max).clamp_min(2.0 ** -14).to(torch.float16)
 
 
-def gptq_codes(w, hessian, s, q_max):
+def gptq_codes(w, hessian, s, q_max, hi=None):
     """Full-Hessian GPTQ (SPEC-FRONTIER 11) with fixed row scales s, on the Hessian's device: dead columns
     (H_jj = 0) zeroed, 1% damping, columns in descending diag(H) order (act-order), each rounded and its error
     spread over the columns after it through U, the upper Cholesky factor of H^-1, in blocks of 128.
-    Rows are independent, so several scale candidates run as one taller W. Codes return in the original order."""
+    Rows are independent, so several scale candidates run as one taller W. Codes return in the original order.
+    hi = (column mask, row scales, q_hi): AWQ-lite's columns, rounded to [-q_hi, q_hi] with those scales inside
+    the same solve (their error propagates like any other)."""
     dev = hessian.device
     W, H = w.detach().float().to(dev).clone(), hessian.detach().double().clone()
     dead = (H.diagonal() == 0).nonzero().squeeze(1)
@@ -2960,40 +3006,50 @@ def gptq_codes(w, hessian, s, q_max):
     U = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).float()
     W, s = W[:, perm], s.float().to(dev)
     Q = torch.empty_like(W)
+    if hi is not None:
+        hi = (hi[0][perm.cpu()].tolist(), hi[1].float().to(dev), hi[2])
     # Thousands of tiny ops: on a busy 2-core CPU one thread took 1.9 s for a 512x1536 matrix, two took 15 s.
     with one_torch_thread() if dev.type == "cpu" else contextlib.nullcontext():
-        _gptq_columns(W, U, s, Q, q_max)
+        _gptq_columns(W, U, s, Q, q_max, hi)
     return Q[:, torch.argsort(perm)].to(torch.int8).cpu()
 
 
-def _gptq_columns(W, U, s, Q, q_max):
+def _gptq_columns(W, U, s, Q, q_max, hi=None):
     inv_d = 1.0 / U.diagonal()
     for a in range(0, W.size(1), 128):
         b = min(a + 128, W.size(1))
         Wb, E = W[:, a:b], torch.empty_like(W[:, a:b])
         for j in range(b - a):
-            q = torch.clamp(torch.round(Wb[:, j] / s), -q_max, q_max)
+            sc, qm = (hi[1], hi[2]) if hi is not None and hi[0][a + j] else (s, q_max)
+            q = torch.clamp(torch.round(Wb[:, j] / sc), -qm, qm)
             Q[:, a + j] = q
-            E[:, j] = (Wb[:, j] - q * s) * inv_d[a + j]
+            E[:, j] = (Wb[:, j] - q * sc) * inv_d[a + j]
             Wb[:, j + 1:].sub_(torch.outer(E[:, j], U[a + j, a + j + 1:b]))
         W[:, b:] -= E @ U[a:b, b:]
 
 
-def quantize_rows(t, q_max, scales, hessian=None):
+def quantize_rows(t, q_max, scales, hessian=None, awq=None):
     """Codes and fp16 row scales: of the candidate `scales`, the one whose reconstruction has the lowest MSE;
-    codes by GPTQ when a Hessian is given (all candidates in one pass), else rounded to nearest."""
+    codes by GPTQ when a Hessian is given (all candidates in one pass), else rounded to nearest.
+    awq = (column mask, q_hi), with a Hessian: AWQ-lite, those columns rounded to q_hi in the same GPTQ solve
+    with the scales awq_scales(s); then returns (codes, scale, that column scale)."""
     t32, scales = t.float(), list(scales)
     if hessian is not None:
         stacked = torch.cat([s.float() for s in scales])
-        codes = gptq_codes(t32.repeat(len(scales), 1), hessian, stacked, q_max).float().split(t32.size(0))
+        hi = None if awq is None else (awq[0], awq_scales(stacked, q_max, awq[1]), awq[1])
+        codes = gptq_codes(t32.repeat(len(scales), 1), hessian, stacked, q_max, hi).float().split(t32.size(0))
     best = None
     for i, scale in enumerate(scales):
         s = scale.float()
         q = torch.clamp(torch.round(t32 / s[:, None]), -q_max, q_max) if hessian is None else codes[i]
-        err = (t32 - q * s[:, None]).pow(2).mean().item()
+        s_hi = None if awq is None else awq_scales(scale, q_max, awq[1])
+        deq = q * s[:, None]
+        if s_hi is not None:
+            deq[:, awq[0]] = q[:, awq[0]] * s_hi.float()[:, None]
+        err = (t32 - deq).pow(2).mean().item()
         if best is None or err < best[0]:
-            best = (err, q.to(torch.int8), scale)
-    return best[1], best[2]
+            best = (err, q.to(torch.int8), scale, s_hi)
+    return best[1:] if awq is not None else best[1:3]
 
 
 def quantize_int6_rows(t):
@@ -3015,35 +3071,159 @@ def quantize_int8_rows(t, q_max=127):
     return q, scale.to(torch.float16)
 
 
+def clip_sigmas_for(name, h):
+    """Per-class SDClip k (SPEC-FRONTIER 11, records 04-14 on; class by name): `.mlp.` -> MLP_CLIP_SIGMAS,
+    `.attn.` -> ATTN_CLIP_SIGMAS (0: MATRIX_CLIP_SIGMAS for both), anything else (tok_emb, the other embedding
+    tables) -> EMBED_CLIP_SIGMAS. 0 overall: the record's clip candidates / row quantile."""
+    if ".mlp." in name:
+        return h.mlp_clip_sigmas or h.matrix_clip_sigmas
+    if ".attn." in name:
+        return h.attn_clip_sigmas or h.matrix_clip_sigmas
+    return h.embed_clip_sigmas
+
+
+def is_quant_gate(name, t):
+    """QUANT_GATE's tensors (SPEC-FRONTIER 8, records 04-19/04-23): a floating 2-D attention gate (ours
+    `*.attn.attn_gate.weight`, the records' `*attn_gate_w`) with 32 to 8,192 entries (the dense 8x512 and the
+    sparse 8x12 gates); smaller gates stay fp16."""
+    return (name.endswith((".attn_gate.weight", "attn_gate_w")) and t.is_floating_point() and t.ndim == 2
+            and 32 <= t.numel() <= 8192)
+
+
+def quantize_gate_rows(t):
+    """Quant gate (SPEC-FRONTIER 8): int8 per row (per head), s_h = max|W_h|/127 in fp16 (floored at fp16's
+    smallest subnormal, so a zero row gets codes 0), q = clamp(round(W/s), +-127)."""
+    t32 = t.float()
+    s = (t32.abs().amax(dim=1) / 127.0).clamp_min(2.0 ** -24).to(torch.float16)
+    return torch.clamp(torch.round(t32 / s.float()[:, None]), -127, 127).to(torch.int8), s
+
+
+def awq_scales(s, q_max, q_hi):
+    """AWQ-lite's row scales for its promoted columns: the same clip range at q_hi levels, fp16."""
+    return (s.float() * q_max / q_hi).to(torch.float16)
+
+
+def awq_lite_groups(flat, hessians, h):
+    """AWQ-lite (#1945, SPEC-FRONTIER 19): over every tensor GPTQ quantises at fewer than AWQ_LITE_BITS bits,
+    the saliency of column j is act_rms_j * mean_i |W_ij| (act_rms_j = sqrt(H_jj / input rows per calibration
+    batch)), summed over groups of AWQ_LITE_GROUP columns; the AWQ_LITE_TOP_K highest groups of all tensors
+    are promoted. Returns {name: [first column of each promoted group]}."""
+    cands, rows = [], getattr(hessians, "rows", {})
+    for name, t in flat.items():
+        H = hessians.get(name)
+        if H is None or not t.is_floating_point() or t.ndim != 2 or t.numel() <= PASSTHROUGH_MAX_NUMEL:
+            continue
+        bits = 6 if (".attn." in name or ".mlp." in name) else h.embed_bits
+        if bits >= h.awq_lite_bits:
+            continue
+        act_rms = (H.diagonal().double() / rows.get(name, 1)).sqrt()
+        saliency = act_rms * t.detach().cpu().double().abs().mean(dim=0)
+        for start in range(0, t.size(1) - h.awq_lite_group + 1, h.awq_lite_group):
+            cands.append((float(saliency[start:start + h.awq_lite_group].sum()), name, start))
+    cands.sort(key=lambda c: -c[0])
+    picked = {}
+    for _, name, start in cands[:h.awq_lite_top_k]:
+        picked.setdefault(name, []).append(start)
+    return {name: sorted(starts) for name, starts in picked.items()}
+
+
+def lqer_pack(A, B, group, bits):
+    """LQER factor packing (SPEC-FRONTIER 11, NEWEST's asymmetric mode): A (rows x r) -> codes {-2,-1,0,1} with
+    one fp16 scale max|A|/1.5; B (r x cols) flattened in groups of `group` -> codes [-2^(b-1), 2^(b-1)-1]
+    with an fp16 scale max|B_g|/(2^(b-1) - 0.5) per group (b = 4: [-8, 7], /7.5). If B's size is not a
+    multiple of `group`: both factors symmetric b-bit per row, s = max|row|/(2^(b-1) - 1).
+    Returns (qA, sA, qB, sB, "asym" | "sym"), codes in int8 containers."""
+    half = 2 ** (bits - 1)
+    if B.numel() % group == 0:
+        sA = (A.abs().amax().clamp_min(1e-10) / 1.5).to(torch.float16)
+        qA = torch.clamp(torch.round(A / sA.float()), -2, 1).to(torch.int8)
+        Bg = B.reshape(-1, group)
+        sB = (Bg.abs().amax(dim=1).clamp_min(1e-10) / (half - 0.5)).to(torch.float16)
+        qB = torch.clamp(torch.round(Bg / sB.float()[:, None]), -half, half - 1).to(torch.int8).reshape(B.shape)
+        return qA, sA, qB, sB, "asym"
+    sA, sB = ((m.abs().amax(dim=1).clamp_min(1e-10) / (half - 1)).to(torch.float16) for m in (A, B))
+    qA, qB = (torch.clamp(torch.round(m / sc.float()[:, None]), 1 - half, half - 1).to(torch.int8)
+              for m, sc in ((A, sA), (B, sB)))
+    return qA, sA, qB, sB, "sym"
+
+
+def lqer_unpack(w, name, kind):
+    """Â·B̂, the correction lqer_pack stored under name.lqA/.lqAs/.lqB/.lqBs."""
+    qA, sA, qB, sB = (w[name + k].float() for k in (".lqA", ".lqAs", ".lqB", ".lqBs"))
+    if kind == "asym":
+        return (qA * sA) @ (qB.reshape(sB.numel(), -1) * sB[:, None]).reshape(qB.shape)
+    return (qA * sA[:, None]) @ (qB * sB[:, None])
+
+
+def lqer_corrections(flat, w, meta, h):
+    """LQER (SPEC-FRONTIER 11/18, NEWEST): E = W - Ŵ for every quantised matrix (quant gates excepted); the
+    LQER_TOP_K with the largest ||E||_F get a rank-LQER_RANK correction from the fp32 SVD E ~ U S V^T,
+    A = U_r S_r, B = V_r^T, packed by lqer_pack. Returns the names corrected, largest error first."""
+    errs = []
+    for name, info in meta.items():
+        if not isinstance(info, str) and info["type"] != "gate_int8":
+            errs.append((float((flat[name].detach().cpu().float() - dequantize_entry(w, name, info)).norm()), name))
+    errs.sort(key=lambda e: -e[0])
+    top = [name for _, name in errs[:h.lqer_top_k]]
+    for name in top:
+        E = flat[name].detach().cpu().float() - dequantize_entry(w, name, meta[name])
+        U, S, Vh = torch.linalg.svd(E, full_matrices=False)
+        r = min(h.lqer_rank, S.numel())
+        qA, sA, qB, sB, kind = lqer_pack(U[:, :r] * S[:r], Vh[:r], h.lqer_group, h.lqer_factor_bits)
+        w[name + ".lqA"], w[name + ".lqAs"], w[name + ".lqB"], w[name + ".lqBs"] = qA, sA, qB, sB
+        meta[name]["lqer"] = kind
+    return top
+
+
 def quantize_state_dict(flat, h=None, hessians=None):
     """SPEC 6: small floats as fp16, attention/MLP matrices int6, other large matrices int8 (EMBED_BITS).
-    Beyond the record: QUANT=gptq rounds tensors with a Hessian by GPTQ; *_CLIP_SIGMAS > 0 pick scales by SDClip."""
+    Beyond the record: QUANT=gptq rounds tensors with a Hessian by GPTQ; *_CLIP_SIGMAS > 0 pick scales by SDClip
+    (per class: clip_sigmas_for); QUANT_GATE=1 stores gate tensors int8 per row; AWQ_LITE=1 promotes the most
+    salient column groups; LQER_RANK > 0 adds low-rank corrections of the worst tensors."""
     h, hessians = h or Hyperparameters({}), hessians or {}
     e_max = 2 ** (h.embed_bits - 1) - 1
+    promoted = awq_lite_groups(flat, hessians, h) if h.awq_lite else {}
+    q_hi = 2 ** (h.awq_lite_bits - 1) - 1
     w, meta = {}, {}
     for name, t in flat.items():
         t = t.detach().cpu().contiguous()  # on CPU: the same codes whatever the run's device
         if not t.is_floating_point():
             w[name], meta[name] = t, "passthrough"
             continue
+        if h.quant_gate and is_quant_gate(name, t):
+            w[name + ".q"], w[name + ".scale"] = quantize_gate_rows(t)
+            meta[name] = {"type": "gate_int8"}
+            continue
         if t.numel() <= PASSTHROUGH_MAX_NUMEL or t.ndim != 2:
             w[name], meta[name] = t.to(torch.float16), "passthrough"
             continue
-        t32, H = t.float(), hessians.get(name)
+        t32, H, sigmas = t.float(), hessians.get(name), clip_sigmas_for(name, h)
+        awq = None
+        if name in promoted:
+            mask = torch.zeros(t.size(1), dtype=torch.bool)
+            for start in promoted[name]:
+                mask[start:start + h.awq_lite_group] = True
+            awq = (mask, q_hi)
         if ".attn." in name or ".mlp." in name:
-            kind, sigmas = "int6", h.matrix_clip_sigmas
+            kind = "int6"
             scales = [sdclip_scales(t32, sigmas, 31)] if sigmas > 0 else int6_candidate_scales(t32)
-            q, s = quantize_rows(t32, 31, scales, H)
+            q, s, *s_hi = quantize_rows(t32, 31, scales, H, awq)
         else:
             # one str object per kind: pickle stores repeats as references, so the bytes stay the record's
-            kind, sigmas = sys.intern(f"int{h.embed_bits}"), h.embed_clip_sigmas
+            kind = sys.intern(f"int{h.embed_bits}")
             if H is None and sigmas == 0:
                 q, s = quantize_int8_rows(t32, e_max)
             else:
                 scale = sdclip_scales(t32, sigmas, e_max) if sigmas > 0 else (
                     (int8_clip(t32) / e_max).clamp_min(1.0 / e_max).to(torch.float16))
-                q, s = quantize_rows(t32, e_max, [scale], H)
+                q, s, *s_hi = quantize_rows(t32, e_max, [scale], H, awq)
         w[name + ".q"], w[name + ".scale"], meta[name] = q, s, {"type": kind}
+        if awq is not None:
+            w[name + ".awq_start"] = torch.tensor(promoted[name], dtype=torch.int32)
+            w[name + ".awq_scale"] = s_hi[0]
+            meta[name]["awq"] = h.awq_lite_group
+    if h.lqer_rank > 0:
+        lqer_corrections(flat, w, meta, h)
     return w, meta
 
 
@@ -3097,15 +3277,24 @@ def dequantize_state_dict(w, meta, template, source):
         info = meta.get(name)
         if info is None:
             raise ConfigError(f"{source}: artifact has no entry for {name} (other model settings?)")
-        if isinstance(info, str):  # "passthrough" (and the reference's "passthrough_ctrl")
-            t = w[name]
-        else:
-            q, s = w[name + ".q"], w[name + ".scale"]
-            t = q.float() * (s.float().view(-1, *([1] * (q.ndim - 1))) if s.ndim > 0 else s.float())
+        t = w[name] if isinstance(info, str) else dequantize_entry(w, name, info)
         if tuple(t.shape) != tuple(ref.shape):
             raise ConfigError(f"{source}: {name} has shape {tuple(t.shape)}, the model expects {tuple(ref.shape)}")
         out[name] = t.to(ref.dtype)
     return out
+
+
+def dequantize_entry(w, name, info):
+    """One quantised tensor in fp32: q*s per row, AWQ-lite's promoted columns q*s_hi, plus LQER's correction."""
+    q, s = w[name + ".q"], w[name + ".scale"]
+    t = q.float() * (s.float().view(-1, *([1] * (q.ndim - 1))) if s.ndim > 0 else s.float())
+    if "awq" in info:
+        for start in w[name + ".awq_start"].tolist():
+            cols = slice(start, start + info["awq"])
+            t[:, cols] = q[:, cols].float() * w[name + ".awq_scale"].float()[:, None]
+    if "lqer" in info:
+        t = t + lqer_unpack(w, name, info["lqer"])
+    return t
 
 
 def count_blocks(keys):
@@ -3168,8 +3357,158 @@ def decompress(data, path):
     return byte_unshuffle(data) if data[:4] == b"BSHF" and len(data) > 4 else data
 
 
+PERGROUP_ROLES = ("tok_emb.weight", "attn.c_k.weight", "attn.c_q.weight", "attn.c_v.weight", "attn.proj.weight",
+                  "mlp.fc.weight", "mlp.proj.weight")  # SPEC-FRONTIER 12: the groups, in stream order
+PERGROUP_SORTED = ("tok_emb.weight", "attn.c_q.weight", "mlp.fc.weight")  # rows reordered by similarity
+PERGROUP_MAGIC = b"PGRP"
+
+
+def similarity_order(codes, metric="l2"):
+    """SPEC-FRONTIER 12/18's row order: a greedy chain from row 0, each step to the unused row nearest to the
+    current one (the lowest index on ties). metric "l1" is the records' distance; "l2" (squared Euclidean,
+    what COMPRESSOR=pergroup uses) comes from one matrix product, |b|^2 - 2 a.b, so 8192 rows take seconds
+    where L1 (torch.cdist) takes half a minute. Both are exact: integer sums in fp32 while below 2^24
+    (int7 codes at 512 columns), else in fp64.
+    Instead of the records' n steps over all rows in Python, each step is one argmin over a row of the
+    distance matrix. Returns the order as uint16 (row i of the sorted matrix is codes[order[i]])."""
+    x = torch.from_numpy(np.ascontiguousarray(codes)).float()
+    n, top = x.size(0), float(x.abs().max()) if x.numel() else 0.0
+    if n > 65536:
+        raise RunError(f"similarity_order: {n} rows do not fit uint16 row indices")
+    if 3 * x.size(1) * top * top >= 2 ** 24:
+        x = x.double()
+    if metric == "l1":
+        d = torch.empty(n, n)
+        for a in range(0, n, 1024):
+            d[a:a + 1024] = torch.cdist(x[a:a + 1024], x, p=1)
+    else:
+        d = x.pow(2).sum(1)[None, :] - 2.0 * (x @ x.T)  # |a - b|^2 - |a|^2: the same argmin in each row
+    d = d.numpy()
+    used = np.zeros(n, dtype=d.dtype)
+    order, cur = np.zeros(n, dtype=np.int64), 0
+    for i in range(1, n):
+        used[cur] = np.inf
+        cur = int(np.argmin(d[cur] + used))
+        order[i] = cur
+    return order.astype(np.uint16)
+
+
+def pergroup_layout(w):
+    """SPEC-FRONTIER 12/18's layout: the int8 code tensors of each role, layers in index order, each row-sorted
+    (PERGROUP_SORTED) and written column-major, concatenated into one raw group blob per role.
+    Returns ({role: blob}, the uint16 permutations concatenated, the other entries of w, {role: [(name, shape)]})."""
+    members = {role: [] for role in PERGROUP_ROLES}
+    rest = {}
+    for name, t in w.items():
+        base = name[:-2] if name.endswith(".q") else ""
+        parts = base.split(".")
+        role = ".".join(parts[2:]) if parts[0] == "blocks" and len(parts) > 2 and parts[1].isdigit() else base
+        if t.dtype == torch.int8 and t.ndim == 2 and role in members:
+            members[role].append((int(parts[1]) if role != base else 0, name))
+        else:
+            rest[name] = t
+    blobs, perms, layout = {}, [], {}
+    for role, found in members.items():
+        chunks = []
+        for _, name in sorted(found):
+            a = w[name].numpy()
+            if role in PERGROUP_SORTED:
+                order = similarity_order(a)
+                perms.append(order.tobytes())
+                a = a[order.astype(np.int64)]
+            chunks.append(np.ascontiguousarray(a.T).tobytes())
+        blobs[role] = b"".join(chunks)
+        layout[role] = [(name, tuple(w[name].shape)) for _, name in sorted(found)]
+    return blobs, b"".join(perms), rest, layout
+
+
+def pergroup_codec_compress(data):
+    """COMPRESSOR=pergroup's back end for the group blobs: ZPAQ level 5 from PyPI's `zpaq` (libzpaq in-process),
+    one thread so the bytes do not depend on the machine. Chosen by scripts/bench_pergroup.py (README "The
+    artifact"): within 0.1% of the records' `lrzip -z -L 9` on the same groups, ~2% below brotli."""
+    import zpaq
+    return zpaq.compress(data, 5, threads=1) if data else b""
+
+
+def pergroup_codec_decompress(data):
+    import zpaq
+    return zpaq.decompress(data) if data else b""
+
+
+def pack_streams(streams):
+    """The per-group container (SPEC-FRONTIER 12): b"PGRP", uint32 stream count, uint32 lengths, then (beyond
+    the record's) uint32 CRC-32 of each stream, so that any damaged byte is found before decoding; the streams."""
+    head = [len(streams), *map(len, streams), *map(zlib.crc32, streams)]
+    return PERGROUP_MAGIC + np.array(head, dtype="<u4").tobytes() + b"".join(streams)
+
+
+def unpack_streams(data, path):
+    """The streams of pack_streams' container; a wrong count, length or checksum is a one-line ConfigError."""
+    n = len(PERGROUP_ROLES) + 2
+    if len(data) < 8 + 8 * n or int(np.frombuffer(data, dtype="<u4", count=1, offset=4)[0]) != n:
+        raise ConfigError(f"{path}: corrupt per-group artifact (header is not {n} streams)")
+    head = np.frombuffer(data, dtype="<u4", count=2 * n, offset=8).tolist()
+    lengths, crcs = head[:n], head[n:]
+    if 8 + 8 * n + sum(lengths) != len(data):
+        raise ConfigError(f"{path}: corrupt per-group artifact (stream lengths {sum(lengths)} do not match the "
+                          f"{len(data)}-byte file)")
+    out, at = [], 8 + 8 * n
+    for i, (length, crc) in enumerate(zip(lengths, crcs)):
+        out.append(data[at:at + length])
+        at += length
+        if zlib.crc32(out[-1]) != crc:
+            raise ConfigError(f"{path}: corrupt per-group artifact (stream {i} fails its CRC-32)")
+    return out
+
+
+def pergroup_serialize(obj):
+    """COMPRESSOR=pergroup: one stream per group blob (pergroup_layout) through pergroup_codec_compress, then the
+    rest (scales, passthrough, LQER/AWQ entries, meta, layout) as torch.save + brotli q11 lgwin 24, then the
+    permutations (brotli q11), in pack_streams' container."""
+    import brotli
+    blobs, perms, rest, layout = pergroup_layout(obj["w"])
+    buf = io.BytesIO()
+    torch.save({**obj, "w": rest, "layout": layout}, buf)
+    streams = [pergroup_codec_compress(blobs[role]) for role in PERGROUP_ROLES]
+    streams += [brotli.compress(buf.getvalue(), quality=11, lgwin=24), brotli.compress(perms, quality=11)]
+    return pack_streams(streams)
+
+
+def pergroup_deserialize(data, path):
+    """Inverse of pergroup_serialize: the artifact's dict ({"w", "m", "late_qat"}); any damage is one line."""
+    for module, package in PERGROUP_MODULES.items():
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{path}: per-group artifacts need the {module} module: pip install {package}")
+    import brotli
+    streams = unpack_streams(data, path)
+    try:
+        rest = torch.load(io.BytesIO(brotli.decompress(streams[-2])), map_location="cpu")
+        perms = np.frombuffer(brotli.decompress(streams[-1]), dtype=np.uint16)
+        blobs = [np.frombuffer(pergroup_codec_decompress(s), dtype=np.int8) for s in streams[:-2]]
+    except Exception as e:  # any codec or unpickling error: the file is damaged
+        raise ConfigError(f"{path}: corrupt per-group artifact ({type(e).__name__}: {first_line(e)})") from None
+    w, layout, p_at = dict(rest["w"]), rest.pop("layout"), 0
+    for role, blob in zip(PERGROUP_ROLES, blobs):
+        at = 0
+        for name, (rows, cols) in layout[role]:
+            if at + rows * cols > blob.size or (role in PERGROUP_SORTED and p_at + rows > perms.size):
+                raise ConfigError(f"{path}: corrupt per-group artifact (group {role} is short)")
+            a = blob[at:at + rows * cols].reshape(cols, rows).T
+            at += rows * cols
+            if role in PERGROUP_SORTED:
+                inverse = np.empty(rows, dtype=np.int64)
+                inverse[perms[p_at:p_at + rows].astype(np.int64)] = np.arange(rows)
+                a, p_at = a[inverse], p_at + rows
+            w[name] = torch.from_numpy(np.ascontiguousarray(a))
+        if at != blob.size:
+            raise ConfigError(f"{path}: corrupt per-group artifact (group {role} has {blob.size - at} extra bytes)")
+    return {**rest, "w": w}
+
+
 def serialize(w, meta, late_qat, compressor):
     """Stores `late_qat` too (the run's TTT trains with it, so EVAL_ONLY must)."""
+    if compressor == "pergroup":
+        return pergroup_serialize({"w": w, "m": meta, "late_qat": late_qat})
     buf = io.BytesIO()
     torch.save({"w": w, "m": meta, "late_qat": late_qat}, buf)
     return compress(buf.getvalue(), compressor)
@@ -3185,6 +3524,8 @@ def save_artifact(path, model, late_qat, h=None, hessians=None, code_bytes=0, lo
             f"quantised by GPTQ (the rest are small: fp16) "
             f"(scales: {'SDClip' if h.matrix_clip_sigmas > 0 else 'clip candidates'}) "
             f"time:{1000.0 * (time.perf_counter() - t0):.0f}ms")
+    for line in quantiser_notes(meta, h):
+        log(line)
     if h.target_bytes > 0:
         room = h.target_bytes - code_bytes
 
@@ -3195,9 +3536,27 @@ def save_artifact(path, model, late_qat, h=None, hessians=None, code_bytes=0, lo
         log(f"target_bytes:{h.target_bytes} pruned_ones:{k} total:{code_bytes + len(blob)} "
             f"margin:{room - len(blob)} bytes")
     else:
+        t0 = time.perf_counter()
         blob = serialize(w, meta, late_qat, h.compressor)
+        if h.compressor == "pergroup":
+            log(f"pergroup: {len(blob)} bytes, serialized in {time.perf_counter() - t0:.1f}s")
     write_atomically(path, blob)
     return len(blob)
+
+
+def quantiser_notes(meta, h):
+    """Log lines naming what QUANT_GATE, AWQ_LITE and LQER_RANK did (nothing when they are off)."""
+    def having(test):
+        return [n for n, m in meta.items() if not isinstance(m, str) and test(m)]
+    lines = []
+    if h.quant_gate:
+        lines.append(f"quant_gate: {len(having(lambda m: m['type'] == 'gate_int8'))} gate tensors int8 per row")
+    if h.awq_lite:
+        lines.append(f"awq_lite: int{h.awq_lite_bits} column groups of {h.awq_lite_group} in "
+                     f"{','.join(having(lambda m: 'awq' in m)) or '(none)'}")
+    if h.lqer_rank > 0:
+        lines.append(f"lqer: rank {h.lqer_rank} corrections of {','.join(having(lambda m: 'lqer' in m))}")
+    return lines
 
 
 def size_report(model_bytes, code_bytes, compressor="lzma"):
@@ -3237,11 +3596,14 @@ def load_artifact(path, h):
         raise ConfigError(f"{path}: artifact does not exist") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the artifact ({e.strerror or e})") from None
-    blob = decompress(data, path)
-    try:
-        obj = torch.load(io.BytesIO(blob), map_location="cpu")
-    except Exception as e:  # any unreadable payload: pickle, zip or torch errors alike
-        raise ConfigError(f"{path}: not an int6 artifact (torch.load failed: {type(e).__name__})") from None
+    if data.startswith(PERGROUP_MAGIC):
+        obj = pergroup_deserialize(data, path)
+    else:
+        blob = decompress(data, path)
+        try:
+            obj = torch.load(io.BytesIO(blob), map_location="cpu")
+        except Exception as e:  # any unreadable payload: pickle, zip or torch errors alike
+            raise ConfigError(f"{path}: not an int6 artifact (torch.load failed: {type(e).__name__})") from None
     if not isinstance(obj, dict) or "w" not in obj or "m" not in obj:
         raise ConfigError(f"{path}: not an int6 artifact (expected a dict with 'w' and 'm')")
     check_artifact_types(obj, path)
