@@ -96,3 +96,16 @@ def run_training(env: dict[str, str], cwd: Path, nproc: int = 0, timeout: int = 
 
 def read_log(cwd: Path, run_id: str) -> str:
     return (cwd / "logs" / f"{run_id}.txt").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module's in-process work (restored after), for modules that ask for it with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`: on a loaded 2-core machine OpenMP threads that
+    spin-wait for a descheduled partner make CPU runs tens of times slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

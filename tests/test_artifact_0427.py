@@ -21,12 +21,7 @@ from conftest import TINY_ENV, config_error, read_log, run_training, short_val_d
 RECORD_0427 = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "frontier" / "record_0427" / "train_gpt.py"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
 
 
 @pytest.fixture(scope="module")

@@ -26,14 +26,7 @@ CPU = torch.device("cpu")
 SPACE = "\u2581"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread in this module (restored after): on a loaded 2-core machine OpenMP threads that
-    spin-wait for a descheduled partner make CPU runs tens of times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
 
 
 def cpu_runtime(h: tg.Hyperparameters) -> tg.Runtime:

@@ -22,13 +22,7 @@ CPU = torch.device("cpu")
 XZ_MAGIC = b"\xfd7zXZ\x00"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread (restored after): OpenMP spin-waits make a loaded 2-core machine crawl."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
 
 
 def hp(**env) -> tg.Hyperparameters:
