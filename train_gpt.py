@@ -265,6 +265,8 @@ class Hyperparameters:
         self.ttt_chunk_size = self._env("TTT_CHUNK_SIZE", 48)
         self.ttt_batch_size = self._env("TTT_BATCH_SIZE", 64)
         self.ttt_eval_seq_len = self._env("TTT_EVAL_SEQ_LEN", 0)  # 0: EVAL_SEQ_LEN
+        self.phased_ttt_prefix_docs = self._env("PHASED_TTT_PREFIX_DOCS", 0)  # 0: no global SGD phases
+        self.phased_ttt_num_phases = self._env("PHASED_TTT_NUM_PHASES", 1)
         # ---- fused Triton kernels (issue 21, SPEC-FRONTIER 15): training only, eager where they cannot run
         self.fused_mlp = self._env("FUSED_MLP", False, bool)
         self.fused_ce = self._env("FUSED_CE", False, bool)
@@ -491,7 +493,8 @@ class Hyperparameters:
         need(self.eval_stride <= self.eval_seq_len,
              f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
         need(self.ttt_mode in ("sgd", "lora"), f"TTT_MODE={self.ttt_mode!r} must be sgd or lora")
-        for name in ("TTT_LORA_RANK", "TTT_CHUNK_SIZE", "TTT_BATCH_SIZE", "TTT_LORA_LR"):
+        need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0")
+        for name in ("TTT_LORA_RANK", "TTT_CHUNK_SIZE", "TTT_BATCH_SIZE", "TTT_LORA_LR", "PHASED_TTT_NUM_PHASES"):
             need(getattr(self, name.lower()) > 0, f"{name}={getattr(self, name.lower())} must be > 0")
         need(self.ttt_eval_seq_len >= 0, f"TTT_EVAL_SEQ_LEN={self.ttt_eval_seq_len} must be >= 0 (0: EVAL_SEQ_LEN)")
         need(0 <= self.ttt_beta1 < 1 and 0 <= self.ttt_beta2 < 1, "TTT_BETA1 and TTT_BETA2 must be in [0, 1)")
@@ -3889,22 +3892,30 @@ def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None):
                                   per_token)
         if ci == num_chunks - 1 or h.ttt_epochs == 0:
             continue
-        lr = h.ttt_lr * 0.5 * (1.0 + math.cos(math.pi * ci / max(num_chunks - 1, 1)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        chunk_start = ci * C
-        num_seqs = (min(chunk_start + C, num_targets) - chunk_start) // L
-        model.train()
-        for _ in range(h.ttt_epochs):
-            for b in range(0, num_seqs, h.ttt_batch_seqs):
-                ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, chunk_start,
-                                b, min(b + h.ttt_batch_seqs, num_seqs))
+        lr = ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ci, num_chunks)
         if rt.is_main and (ci % 10 == 0 or ci == num_chunks - 2):
             rt.log(f"ttt_progress chunk:{ci + 1}/{num_chunks} lr:{lr:.6f} elapsed:{time.perf_counter() - t0:.1f}s")
     for p in model.parameters():
         p.requires_grad_(True)
     model.eval()
     return finish_loss_bpb(rt, sums)
+
+
+def ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, tokens, ci, num_chunks):
+    """TTT_EPOCHS epochs of SGD on chunk ci of `tokens` (TTT_CHUNK_TOKENS each, whole EVAL_SEQ_LEN sequences in
+    batches of TTT_BATCH_SEQS) at the cosine LR TTT_LR * (1 + cos(pi * ci / (num_chunks - 1))) / 2; returns it."""
+    h, L, C = rt.h, rt.h.eval_seq_len, rt.h.ttt_chunk_tokens
+    lr = h.ttt_lr * 0.5 * (1.0 + math.cos(math.pi * ci / max(num_chunks - 1, 1)))
+    for g in opt.param_groups:
+        g["lr"] = lr
+    chunk_start = ci * C
+    num_seqs = (min(chunk_start + C, tokens.numel() - 1) - chunk_start) // L
+    model.train()
+    for _ in range(h.ttt_epochs):
+        for b in range(0, num_seqs, h.ttt_batch_seqs):
+            ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, tokens, chunk_start,
+                            b, min(b + h.ttt_batch_seqs, num_seqs))
+    return lr
 
 
 def ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, chunk_start, b, e):
@@ -4002,14 +4013,18 @@ def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None):
 
 
 def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None):
-    """Document-wise score-first LoRA TTT (SPEC-FRONTIER 14, 18; the 04-27 record without phases): this rank's
-    [nll sum, tokens, bytes]. Base weights frozen; the batches of the length-sorted queue are dealt to ranks in
-    turn. A batch of TTT_BATCH_SIZE docs resets the reusable adapters (B and AdamW state zeroed, A kept with
-    TTT_WARM_START_A); any other size gets fresh adapters (new A) and optimizer. A is drawn from one generator
-    seeded with SEED."""
+    """Document-wise score-first LoRA TTT (SPEC-FRONTIER 14, 18; the 04-27 record): this rank's [nll sum, tokens,
+    bytes]. Base weights frozen outside the phases. The length-sorted queue is run in rounds, batch r*W + rank on
+    rank `rank` in round r. A batch of TTT_BATCH_SIZE docs resets the reusable adapters (B and AdamW state zeroed, A
+    kept with TTT_WARM_START_A); any other size gets fresh adapters (new A) and optimizer. A is drawn from one
+    generator seeded with SEED. Phases (PHASED_TTT_PREFIX_DOCS > 0): after the round in which the count of scored
+    docs reaches boundary B_k = P*k/N, every rank runs global_sgd_phase on the first B_k scored docs (lora_ttt_prefix)
+    and the reusable adapters are built afresh; the count is the same on every rank (the queue is), so no rank waits
+    on a message."""
     h, dev = rt.h, rt.device
     queue_ = lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)
-    mine = queue_[h.rank::h.world_size]
+    P, N, W = min(h.phased_ttt_prefix_docs, sum(len(b) for _, b in queue_)), h.phased_ttt_num_phases, h.world_size
+    boundaries = [P * (k + 1) // N for k in range(N)] if P > 0 else []
     gen = torch.Generator().manual_seed(h.seed)
 
     def fresh(bsz):
@@ -4019,30 +4034,63 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None):
 
     rt.log(f"ttt_lora: docs:{sum(len(b) for _, b in queue_)} batches:{len(queue_)} rank:{h.ttt_lora_rank} "
            f"alpha:{h.ttt_lora_alpha} targets:{h.ttt_lora_targets} chunk:{h.ttt_chunk_size} "
-           f"context:{h.ttt_eval_seq_len or h.eval_seq_len} warm_start_a:{int(h.ttt_warm_start_a)} forward:eager")
+           f"context:{h.ttt_eval_seq_len or h.eval_seq_len} warm_start_a:{int(h.ttt_warm_start_a)} forward:eager "
+           f"phase_boundaries:{boundaries}")
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
     model.eval()
     reusable = fresh(h.ttt_batch_size)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
-    t0 = time.perf_counter()
+    t0, phase = time.perf_counter(), 0
     try:
-        for i, (_, batch) in enumerate(mine):
-            if len(batch) == h.ttt_batch_size:
-                lora, opt = reusable
-                lora.reset()
-                opt.state.clear()
-            else:
-                lora, opt = fresh(len(batch))
-            lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token)
-            if rt.is_main and (i % 50 == 0 or i == len(mine) - 1):
-                rt.log(f"ttt_lora_progress batch:{i + 1}/{len(mine)} doc_len:{batch[0][1]}-{batch[-1][1]} "
+        for r in range(-(-len(queue_) // W)):
+            if r * W + h.rank < len(queue_):
+                batch = queue_[r * W + h.rank][1]
+                if len(batch) == h.ttt_batch_size:
+                    lora, opt = reusable
+                    lora.reset()
+                    opt.state.clear()
+                else:
+                    lora, opt = fresh(len(batch))
+                lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token)
+                if rt.is_main and (r % 50 == 0 or (r + 1) * W >= len(queue_)):
+                    rt.log(f"ttt_lora_progress round:{r + 1}/{-(-len(queue_) // W)} doc_len:{batch[0][1]}-"
+                           f"{batch[-1][1]} elapsed:{time.perf_counter() - t0:.1f}s")
+            scored = sum(len(b) for _, b in queue_[:(r + 1) * W])
+            if phase < len(boundaries) and scored >= boundaries[phase]:
+                prefix = lora_ttt_prefix(queue_[:(r + 1) * W], boundaries[phase])
+                rt.log(f"ttt_lora_phase:{phase + 1}/{N} scored_docs:{scored} trained_docs:{len(prefix)} "
                        f"elapsed:{time.perf_counter() - t0:.1f}s")
+                global_sgd_phase(rt, model, torch.cat([val_tokens[a:a + n] for a, n in prefix]))
+                reusable, phase = fresh(h.ttt_batch_size), phase + 1
     finally:
         for p, requires in frozen:
             p.requires_grad_(requires)
     return sums
+
+
+def lora_ttt_prefix(scored_batches, count):
+    """The first `count` scored docs by (batch index in ascending-length order, position in the batch): what phase k
+    trains on, cumulative (SPEC-FRONTIER 18)."""
+    return [doc for _, batch in sorted(scored_batches, key=lambda ib: ib[0]) for doc in batch][:count]
+
+
+def global_sgd_phase(rt, model, tokens):
+    """A phase's global SGD on all base weights (SPEC-FRONTIER 14, 18), with the chunked SGD TTT's pieces and
+    settings: `tokens` (the scored docs, concatenated) in TTT_CHUNK_TOKENS chunks, all but the last trained with
+    ttt_train_chunk (TTT_LR cosine over the chunks, TTT_MOMENTUM, TTT_EPOCHS, TTT_GRAD_CLIP, gradients averaged over
+    ranks, rows split at BOS with EVAL_SPLIT_AT_BOS); a new optimizer each phase. Weights frozen again after."""
+    params = list(model.named_parameters())
+    for _, p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.SGD([p for _, p in params], lr=rt.h.ttt_lr, momentum=rt.h.ttt_momentum)
+    num_chunks = -(-(tokens.numel() - 1) // rt.h.ttt_chunk_tokens)
+    for ci in range(num_chunks - 1):
+        ttt_train_chunk(rt, model, model, opt, params, {}, tokens, ci, num_chunks)
+    for _, p in params:
+        p.requires_grad_(False)
+    model.eval()
 
 
 # ==================================================
