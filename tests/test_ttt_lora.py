@@ -119,13 +119,17 @@ def _batches_by_doc(tokens, h):
     return out
 
 
-@pytest.mark.parametrize("doc, p", [(0, 1), (0, 70), (8, 30)])
-def test_changing_tokens_after_p_changes_no_score_at_or_before_p_nor_of_docs_scored_earlier(setup, doc, p):
+@pytest.mark.parametrize("doc, p, phased", [(0, 1, False), (0, 70, False), (8, 30, False), (0, 70, True),
+                                            (8, 5, True)])
+def test_changing_tokens_after_p_changes_no_score_at_or_before_p_nor_of_docs_scored_earlier(setup, doc, p, phased):
     """Document `doc` gets new tokens after its offset p (doc 0: 91 tokens, windows of 64 slide, alone in a 1-doc
     batch; doc 8: 51 tokens, in a full batch): no target at a position <= p changes, nor any target of a document
     in a batch processed before it or beside it; its later targets do change, and so do later full batches
-    (warm-start A carries over) when its batch is full, but not after a 1-doc batch (fresh adapters)."""
+    (warm-start A carries over) when its batch is full, but not after a 1-doc batch (fresh adapters). The same
+    with phases (PHASE_ENV): doc 8's first tokens are trained on in both phases (later batches change, although each
+    phase ends with fresh adapters), doc 0 is in neither prefix (nothing else changes)."""
     h, model, state = setup
+    h = tg.Hyperparameters({**LORA_ENV, **PHASE_ENV}) if phased else h
     tokens = stream()
     luts = luts_for(tokens, sidecar=True)
     docs = tg.lora_ttt_documents(tokens)
@@ -141,17 +145,67 @@ def test_changing_tokens_after_p_changes_no_score_at_or_before_p_nor_of_docs_sco
     where = _batches_by_doc(tokens, h)
     qi, same_batch = where[start]
     full = len(same_batch) == h.ttt_batch_size
+    reaches_later = full or phased and doc == 8  # through A, or through the phases' base weights
     keep = torch.zeros(tokens.numel(), dtype=torch.bool)
     keep[start + 1:start + p + 1] = True  # this document's targets at positions <= p
     later = torch.zeros_like(keep)
     for s, n in docs:
-        if s != start and (where[s][0] < qi or s in same_batch or not full):
+        if s != start and (where[s][0] < qi or s in same_batch or not reaches_later):
             keep[s + 1:s + n] = True
-        elif s != start and len(where[s][1]) == h.ttt_batch_size:
+        elif s != start and (phased or len(where[s][1]) == h.ttt_batch_size):
             later[s + 1:s + n] = True
     assert keep.sum() >= p and torch.equal(base[keep], other[keep])
     assert not torch.equal(base[start + p + 2:start + length], other[start + p + 2:start + length])
-    assert later.any() == full and (not full or not torch.equal(base[later], other[later]))
+    assert later.any() == reaches_later and (not reaches_later or not torch.equal(base[later], other[later]))
+
+
+# ---------------------------------------------------------------------------------------------- phases
+
+# Boundaries 2 and 5 of the 10 docs; global SGD on 32-token rows, 64-token chunks.
+PHASE_ENV = {"PHASED_TTT_PREFIX_DOCS": "5", "PHASED_TTT_NUM_PHASES": "2", "EVAL_SEQ_LEN": "32", "EVAL_STRIDE": "16",
+             "TTT_CHUNK_TOKENS": "64", "TTT_EPOCHS": "1", "TTT_LR": "0.01", "EVAL_SPLIT_AT_BOS": "1"}
+
+
+def test_phases_train_cumulatively_on_the_first_scored_docs_and_change_later_scores(setup, monkeypatch):
+    """Phase k runs after the batch that brings the scored count to B_k (2, then 5) and trains on the first B_k
+    scored docs by (ascending-length batch index, position), i.e. the scored docs in ascending length order,
+    concatenated; afterwards the base weights have moved and the docs scored later score differently."""
+    h0, model, state = setup
+    h = tg.Hyperparameters({**LORA_ENV, **PHASE_ENV})
+    tokens = stream()
+    luts = luts_for(tokens, True)
+    docs = tg.lora_ttt_documents(tokens)
+    calls, inner = [], tg.global_sgd_phase
+
+    def spy(rt, model_, phase_tokens):
+        calls.append((phase_tokens.clone(), {k: v.clone() for k, v in model_.state_dict().items()}))
+        inner(rt, model_, phase_tokens)
+
+    monkeypatch.setattr(tg, "global_sgd_phase", spy)
+    model.load_state_dict(state)
+    _, phased = run_lora(h, model, tokens, luts)
+    after = model.state_dict()
+    by_len = sorted(docs, key=lambda d: d[1])
+    scored_in_order, counts = [], []  # docs scored after each batch, batches longest first (sizes 1, 3, 3, 3)
+    for size in (1, 3, 3, 3):
+        counts.append(len(scored_in_order) + size)
+        scored_in_order = by_len[len(by_len) - counts[-1]:]
+    assert counts == [1, 4, 7, 10] and len(calls) == 2
+    for (got, _), (bound, when) in zip(calls, ((2, 4), (5, 7))):
+        prefix = by_len[len(by_len) - when:][:bound]  # the docs scored by then, ascending length, first B_k
+        want = torch.cat([tokens[a:a + n] for a, n in prefix])
+        assert torch.equal(got, want)
+    assert torch.equal(calls[0][1]["qo_bank"], state["qo_bank"])  # the first phase starts from the artifact
+    assert not torch.equal(calls[1][1]["qo_bank"], calls[0][1]["qo_bank"])  # cumulative: from phase 1's weights
+    assert not torch.equal(after["qo_bank"], calls[1][1]["qo_bank"])
+    model.load_state_dict(state)
+    _, plain = run_lora(tg.Hyperparameters({**LORA_ENV, **PHASE_ENV, "PHASED_TTT_PREFIX_DOCS": "0"}), model,
+                        tokens, luts)
+    first_two = torch.zeros(tokens.numel(), dtype=torch.bool)  # docs of the first two batches: before any phase
+    for a, n in by_len[len(by_len) - 4:]:
+        first_two[a + 1:a + n] = True
+    assert torch.equal(phased[first_two], plain[first_two])
+    assert not torch.equal(phased[~first_two][1:], plain[~first_two][1:])
 
 
 # ---------------------------------------------------------------------------------------------- accounting
