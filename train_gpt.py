@@ -13,6 +13,7 @@ import datetime
 import glob
 import importlib.util
 import io
+import itertools
 import lzma
 import math
 import os
@@ -251,6 +252,21 @@ class Hyperparameters:
         self.ttt_momentum = self._env("TTT_MOMENTUM", 0.9, float)
         self.ttt_batch_seqs = self._env("TTT_BATCH_SEQS", 32)
         self.ttt_grad_clip = self._env("TTT_GRAD_CLIP", 1.0, float)
+        # ---- document LoRA TTT (issue 20; SPEC-FRONTIER 14, 18, 19): TTT_MODE=lora, the 04-27 record's settings
+        self.ttt_mode = self._env("TTT_MODE", "sgd", str)
+        self.ttt_lora_rank = self._env("TTT_LORA_RANK", 80)
+        self.ttt_lora_alpha = self._env("TTT_LORA_ALPHA", 144.0, float)
+        self.ttt_lora_lr = self._env("TTT_LORA_LR", 1e-4, float)
+        self.ttt_lora_targets = self._env("TTT_LORA_TARGETS", "q,k,v,o,mlp,head", str)
+        self.ttt_warm_start_a = self._env("TTT_WARM_START_A", True, bool)
+        self.ttt_beta1 = self._env("TTT_BETA1", 0.0, float)
+        self.ttt_beta2 = self._env("TTT_BETA2", 0.99, float)
+        self.ttt_weight_decay = self._env("TTT_WEIGHT_DECAY", 0.5, float)
+        self.ttt_chunk_size = self._env("TTT_CHUNK_SIZE", 48)
+        self.ttt_batch_size = self._env("TTT_BATCH_SIZE", 64)
+        self.ttt_eval_seq_len = self._env("TTT_EVAL_SEQ_LEN", 0)  # 0: EVAL_SEQ_LEN
+        self.phased_ttt_prefix_docs = self._env("PHASED_TTT_PREFIX_DOCS", 0)  # 0: no global SGD phases
+        self.phased_ttt_num_phases = self._env("PHASED_TTT_NUM_PHASES", 1)
         # ---- fused Triton kernels (issue 21, SPEC-FRONTIER 15): training only, eager where they cannot run
         self.fused_mlp = self._env("FUSED_MLP", False, bool)
         self.fused_ce = self._env("FUSED_CE", False, bool)
@@ -476,7 +492,16 @@ class Hyperparameters:
              f"per rank and micro-step (world_size {self.world_size} x grad_accum {self.grad_accum_steps})")
         need(self.eval_stride <= self.eval_seq_len,
              f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
-        if self.ttt_enabled:
+        need(self.ttt_mode in ("sgd", "lora"), f"TTT_MODE={self.ttt_mode!r} must be sgd or lora")
+        need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0")
+        for name in ("TTT_LORA_RANK", "TTT_CHUNK_SIZE", "TTT_BATCH_SIZE", "TTT_LORA_LR", "PHASED_TTT_NUM_PHASES"):
+            need(getattr(self, name.lower()) > 0, f"{name}={getattr(self, name.lower())} must be > 0")
+        need(self.ttt_eval_seq_len >= 0, f"TTT_EVAL_SEQ_LEN={self.ttt_eval_seq_len} must be >= 0 (0: EVAL_SEQ_LEN)")
+        need(0 <= self.ttt_beta1 < 1 and 0 <= self.ttt_beta2 < 1, "TTT_BETA1 and TTT_BETA2 must be in [0, 1)")
+        targets = self.ttt_lora_targets.split(",")
+        need(targets != [""] and set(targets) <= set(LORA_TARGETS) and len(set(targets)) == len(targets),
+             f"TTT_LORA_TARGETS={self.ttt_lora_targets!r} must be distinct names among {','.join(LORA_TARGETS)}")
+        if self.ttt_enabled and self.ttt_mode == "sgd":
             need(self.eval_stride > 0, "TTT_ENABLED=1 needs EVAL_STRIDE > 0 (TTT scores sliding windows)")
             need(self.ttt_chunk_tokens >= self.eval_seq_len,
                  f"TTT_CHUNK_TOKENS={self.ttt_chunk_tokens} is shorter than EVAL_SEQ_LEN={self.eval_seq_len}")
@@ -1670,6 +1695,66 @@ class Positions(NamedTuple):
     docs: DocBounds = None
 
 
+# ---- document LoRA adapters for test-time training (issue 20; SPEC-FRONTIER 14, 18): TTT_MODE=lora
+
+LORA_TARGETS = ("head", "q", "v", "k", "mlp", "o")  # TTT_LORA_TARGETS names, in the 04-27 record's draw order
+
+
+class LoRAAdapters(nn.Module):
+    """Batched LoRA of the doc-LoRA TTT (SPEC-FRONTIER 14, 18): per target and virtual-layer slot, A (bsz, r, in)
+    ~ U(+-1/sqrt(in)) and B (bsz, out, r) = 0, one independent adapter per batch row (document); the delta of a
+    row x is (alpha/r) * (x A^T) B^T. Targets: q, k, v (on the attention input, added to the projection), o (input:
+    the attention input, added to the projected attention output), mlp (input: the MLP input, added to the MLP
+    output), head (input: the final hidden, added to the logits before the softcap). A is drawn with `generator`
+    target by target, slot by slot, in LORA_TARGETS order (the record's order)."""
+
+    def __init__(self, bsz, model, h, generator=None):
+        super().__init__()
+        d, kv, slots = h.model_dim, h.num_kv_heads * h.head_dim, sum(map(len, model.orders[model.looping]))
+        shapes = {"head": (d, h.vocab_size), "q": (d, d), "v": (d, kv), "k": (d, kv), "mlp": (d, d), "o": (d, d)}
+        on = h.ttt_lora_targets.split(",")
+        self.bsz, self.scale, self.warm_start_a, self.generator = bsz, h.ttt_lora_alpha / h.ttt_lora_rank, \
+            h.ttt_warm_start_a, generator
+        self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
+        for name in (t for t in LORA_TARGETS if t in on):
+            n_in, n_out = shapes[name]
+            count = 1 if name == "head" else slots
+            self.A[name] = nn.Parameter(torch.empty(count, bsz, h.ttt_lora_rank, n_in))
+            self.B[name] = nn.Parameter(torch.zeros(count, bsz, n_out, h.ttt_lora_rank))
+            self._draw_a(name)
+
+    @torch.no_grad()
+    def _draw_a(self, name):
+        a = self.A[name]
+        for s in range(a.size(0)):  # one draw per slot, as the record's one module per slot
+            a[s].uniform_(-1.0 / math.sqrt(a.size(-1)), 1.0 / math.sqrt(a.size(-1)), generator=self.generator)
+
+    @torch.no_grad()
+    def reset(self):
+        """Between document batches: B zeroed; A kept (TTT_WARM_START_A=1, 04-23 on) or drawn afresh."""
+        for name in self.B:
+            self.B[name].zero_()
+            if not self.warm_start_a:
+                self._draw_a(name)
+
+    def add(self, name, slot, y, x):
+        """y plus target `name`'s delta of input x at virtual-layer `slot` (y unchanged if the target is off)."""
+        if name not in self.A:
+            return y
+        return y + ((x @ self.A[name][slot].transpose(1, 2)) @ self.B[name][slot].transpose(1, 2)) * self.scale
+
+
+class LoRASlot(NamedTuple):
+    """The adapters of one virtual layer, handed down the forward (None everywhere outside TTT_MODE=lora)."""
+    adapters: LoRAAdapters
+    slot: int
+
+
+def lora_add(lora, name, y, x):
+    """The LoRA hook of the forward pieces: y, plus the LoRASlot's delta of input x for target `name`."""
+    return y if lora is None else lora.adapters.add(name, lora.slot, y, x)
+
+
 class CausalSelfAttention(nn.Module):
     """GQA attention with QK-norm, partial RoPE, a per-head query gain, optional XSA and an optional output gate."""
 
@@ -1682,12 +1767,12 @@ class CausalSelfAttention(nn.Module):
         self.attn_gate = None if h.attn_gate == "none" else AttentionGate(
             h.attn_gate, h.num_heads, h.model_dim, h.gate_window, h.attn_gate_scale, h.attn_gate_init_std)
 
-    def forward(self, x, w, v_embed, rope):
+    def forward(self, x, w, v_embed, rope, lora=None):
         q_w, k_w, v_w, out_w = w
         B, T, D = x.shape
-        q = linear(x, q_w).view(B, T, self.num_heads, self.head_dim)
-        k = linear(x, k_w).view(B, T, self.num_kv_heads, self.head_dim)
-        v = linear(x, v_w)
+        q = lora_add(lora, "q", linear(x, q_w), x).view(B, T, self.num_heads, self.head_dim)
+        k = lora_add(lora, "k", linear(x, k_w), x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = lora_add(lora, "v", linear(x, v_w), x)
         if v_embed is not None:
             v = v + v_embed
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
@@ -1700,7 +1785,7 @@ class CausalSelfAttention(nn.Module):
             y = self._exclude_self_value(y, v)
         if self.attn_gate is not None:
             y = self.attn_gate(y, x)
-        return linear(y.reshape(B, T, D), out_w)
+        return lora_add(lora, "o", linear(y.reshape(B, T, D), out_w), x)
 
     def _exclude_self_value(self, y, v):
         """XSA: remove from each head's output its component along its own position's unit value."""
@@ -1734,21 +1819,23 @@ class Block(nn.Module):
             return fused_leaky_relu2_mlp(x, up_w, down_w)
         return leaky_relu2_mlp(x, up_w, down_w)
 
-    def forward(self, x, x0, w, v_embed, rope):
+    def forward(self, x, x0, w, v_embed, rope, lora=None):
         x = self.mix_in(x, x0)
-        x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x) * self.ln_scale, w[:4], v_embed, rope)
-        return x + self.mlp_scale.to(x.dtype) * self.mlp(rms_norm(x) * self.ln_scale, *w[4:])
+        x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x) * self.ln_scale, w[:4], v_embed, rope, lora)
+        n = rms_norm(x) * self.ln_scale
+        return x + self.mlp_scale.to(x.dtype) * lora_add(lora, "mlp", self.mlp(n, *w[4:]), n)
 
 
 class ParallelBlock(Block):
     """GPT-J parallel residual (SPEC-FRONTIER 5; the 04-09 record from PARALLEL_RESIDUAL_START=7): attention and
     MLP read the same normalised input and both add to it, x + a*Attn(n) + b*MLP(n). Same parameters as Block."""
 
-    def forward(self, x, x0, w, v_embed, rope):
+    def forward(self, x, x0, w, v_embed, rope, lora=None):
         x = self.mix_in(x, x0)
         n = rms_norm(x) * self.ln_scale
-        attn = self.attn(n, w[:4], v_embed, rope)
-        return x + self.attn_scale.to(x.dtype) * attn + self.mlp_scale.to(x.dtype) * self.mlp(n, *w[4:])
+        attn = self.attn(n, w[:4], v_embed, rope, lora)
+        mlp = lora_add(lora, "mlp", self.mlp(n, *w[4:]), n)
+        return x + self.attn_scale.to(x.dtype) * attn + self.mlp_scale.to(x.dtype) * mlp
 
 
 class TwoLaneResidual(nn.Module):
@@ -1763,10 +1850,11 @@ class TwoLaneResidual(nn.Module):
         self.post = nn.Parameter(torch.ones(num_layers, 2, 2, dtype=torch.float32))
         self.resid = nn.Parameter(torch.full((num_layers, 2), 1.1, dtype=torch.float32))
 
-    def forward(self, i, block, a, m, x0, w, v_embed, rope):
-        attn = block.attn(rms_norm(block.mix_in(a, x0)) * block.ln_scale, w[:4], v_embed, rope)
+    def forward(self, i, block, a, m, x0, w, v_embed, rope, lora=None):
+        attn = block.attn(rms_norm(block.mix_in(a, x0)) * block.ln_scale, w[:4], v_embed, rope, lora)
         attn = block.attn_scale.to(a.dtype) * attn
-        mlp = block.mlp_scale.to(m.dtype) * block.mlp(rms_norm(m) * block.ln_scale, *w[4:])
+        n = rms_norm(m) * block.ln_scale
+        mlp = block.mlp_scale.to(m.dtype) * lora_add(lora, "mlp", block.mlp(n, *w[4:]), n)
         post, resid = self.post[i].to(a.dtype), self.resid[i].to(a.dtype)
         return (resid[0] * a + post[0, 0] * attn + post[1, 0] * mlp,
                 resid[1] * m + post[0, 1] * attn + post[1, 1] * mlp)
@@ -1928,12 +2016,17 @@ class GPT(nn.Module):
     def qat_on(self):
         return any(m.qat for m in self.modules() if isinstance(m, CastedLinear))
 
-    def forward_logits(self, ids, docs=None):
-        return softcap_logits(self.raw_logits(ids, docs), self.logit_softcap)
+    def forward_logits(self, ids, docs=None, lora=None):
+        return softcap_logits(self.raw_logits(ids, docs, lora), self.logit_softcap)
 
-    def raw_logits(self, ids, docs=None):
+    def raw_logits(self, ids, docs=None, lora=None):
         """The logits of (B, T) ids before the softcap; docs (DocBounds): packed rows whose documents do not attend
-        to each other (RoPE positions stay the index within the row, as in the records)."""
+        to each other (RoPE positions stay the index within the row, as in the records); lora (LoRAAdapters,
+        TTT_MODE=lora): its slot k adapts the k-th virtual layer run, its head the logits."""
+        slots = itertools.count()
+
+        def at():  # this virtual layer's adapters
+            return None if lora is None else LoRASlot(lora, next(slots))
         x = self.tok_emb(ids)
         if self.bigram is not None:
             x = x + self.bigram(ids)
@@ -1946,7 +2039,7 @@ class GPT(nn.Module):
         encoder, decoder = self.orders[self.looping]
         skips = []
         for i in encoder:
-            x = self._block(i, x, x0, ve, rope)
+            x = self._block(i, x, x0, ve, rope, at())
             skips.append(x)
         lanes = None  # (attention lane, MLP lane) once the two lanes have started
         for j, i in enumerate(decoder):
@@ -1955,22 +2048,24 @@ class GPT(nn.Module):
             if lanes is None:
                 if j < len(self.skip_weights) and skips:
                     x = self._merge_skip(j, x, skips.pop())
-                x = self._block(i, x, x0, ve, rope)
+                x = self._block(i, x, x0, ve, rope, at())
                 continue
             a, m = lanes
             if j < len(self.skip_weights) and skips:  # the skip joins the attention lane only
                 a = self._merge_skip(j, a, skips.pop())
-            lanes = self.lanes(i, self.blocks[i], a, m, x0, self.block_weights(i), self._value_embed(i, ve), rope)
+            lanes = self.lanes(i, self.blocks[i], a, m, x0, self.block_weights(i), self._value_embed(i, ve), rope,
+                               at())
         if lanes is not None:
             x = 0.5 * (lanes[0] + lanes[1])
         x = rms_norm(x)
-        return self.lm_head(x) if self.lm_head is not None else linear(x, self.tok_emb.weight)
+        logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.tok_emb.weight)
+        return logits if lora is None else lora.add("head", 0, logits, x)
 
     def _value_embed(self, i, ve):
         return ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype) if i in self.ve_layers else None
 
-    def _block(self, i, x, x0, ve, rope):
-        return self.blocks[i](x, x0, self.block_weights(i), self._value_embed(i, ve), rope)
+    def _block(self, i, x, x0, ve, rope, lora=None):
+        return self.blocks[i](x, x0, self.block_weights(i), self._value_embed(i, ve), rope, lora)
 
     def _merge_skip(self, j, x, skip):
         """U-Net skip j: x + w*skip, or with SKIP_GATES the sigmoid-gated lerp s*x + (1-s)*(w*skip), s = sigmoid(g)
@@ -3797,22 +3892,30 @@ def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None):
                                   per_token)
         if ci == num_chunks - 1 or h.ttt_epochs == 0:
             continue
-        lr = h.ttt_lr * 0.5 * (1.0 + math.cos(math.pi * ci / max(num_chunks - 1, 1)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        chunk_start = ci * C
-        num_seqs = (min(chunk_start + C, num_targets) - chunk_start) // L
-        model.train()
-        for _ in range(h.ttt_epochs):
-            for b in range(0, num_seqs, h.ttt_batch_seqs):
-                ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, chunk_start,
-                                b, min(b + h.ttt_batch_seqs, num_seqs))
+        lr = ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ci, num_chunks)
         if rt.is_main and (ci % 10 == 0 or ci == num_chunks - 2):
             rt.log(f"ttt_progress chunk:{ci + 1}/{num_chunks} lr:{lr:.6f} elapsed:{time.perf_counter() - t0:.1f}s")
     for p in model.parameters():
         p.requires_grad_(True)
     model.eval()
     return finish_loss_bpb(rt, sums)
+
+
+def ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, tokens, ci, num_chunks):
+    """TTT_EPOCHS epochs of SGD on chunk ci of `tokens` (TTT_CHUNK_TOKENS each, whole EVAL_SEQ_LEN sequences in
+    batches of TTT_BATCH_SEQS) at the cosine LR TTT_LR * (1 + cos(pi * ci / (num_chunks - 1))) / 2; returns it."""
+    h, L, C = rt.h, rt.h.eval_seq_len, rt.h.ttt_chunk_tokens
+    lr = h.ttt_lr * 0.5 * (1.0 + math.cos(math.pi * ci / max(num_chunks - 1, 1)))
+    for g in opt.param_groups:
+        g["lr"] = lr
+    chunk_start = ci * C
+    num_seqs = (min(chunk_start + C, tokens.numel() - 1) - chunk_start) // L
+    model.train()
+    for _ in range(h.ttt_epochs):
+        for b in range(0, num_seqs, h.ttt_batch_seqs):
+            ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, tokens, chunk_start,
+                            b, min(b + h.ttt_batch_seqs, num_seqs))
+    return lr
 
 
 def ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, chunk_start, b, e):
@@ -3835,6 +3938,159 @@ def ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ch
     rt.all_reduce_coalesced([p.grad for _, p in params])
     torch.nn.utils.clip_grad_norm_([p for _, p in params], h.ttt_grad_clip)
     opt.step()
+
+
+def lora_ttt_documents(val_tokens):
+    """The val stream's documents for TTT_MODE=lora (SPEC-FRONTIER 14, 18), split at BOS with issue 17's doc_starts:
+    doc i runs from its start through the next document's BOS (its last target); the first starts at 0, the last
+    runs to the end. (start, length) pairs, those with no target left out; their targets cover 1..N-1 once."""
+    starts = doc_starts(val_tokens.numpy()).tolist()
+    ends = [e + 1 for e in starts[1:]] + [val_tokens.numel()]
+    return [(a, b - a) for a, b in zip(starts, ends) if b - a >= 2]
+
+
+def lora_ttt_queue(docs, batch_size):
+    """Docs sorted by length (stable), cut into batches of TTT_BATCH_SIZE, queued longest batch first (SPEC-FRONTIER
+    18): [(batch index in ascending-length order, [(start, length), ...])]."""
+    ordered = sorted(docs, key=lambda d: d[1])
+    batches = [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
+    return sorted(enumerate(batches), key=lambda ib: -ib[1][-1][1])
+
+
+def lora_ttt_chunk(batch, ci, chunk, seq_len):
+    """Chunk ci of a document batch (SPEC-FRONTIER 18): per row the window of <= seq_len tokens ending at the chunk's
+    end (the doc's last target for its last chunk), right-padded. Returns (token index of each window start,
+    window lengths, scored offsets, scored lengths (0: doc has no chunk ci), width, training offset of a full chunk)."""
+    width = min((ci + 1) * chunk, seq_len)
+    starts, lens, offs, counts = (torch.zeros(len(batch), dtype=torch.int64) for _ in range(4))
+    for b, (doc_start, doc_len) in enumerate(batch):
+        pred = doc_len - 1
+        if ci * chunk >= pred:
+            continue
+        end = min((ci + 1) * chunk, pred)
+        win = max(0, end - seq_len)
+        starts[b], lens[b], offs[b], counts[b] = doc_start + win, end - win, ci * chunk - win, end - ci * chunk
+    return starts, lens, offs, counts, width, ci * chunk - max(0, (ci + 1) * chunk - seq_len)
+
+
+def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token=None):
+    """Score-first doc-LoRA TTT of one document batch (SPEC-FRONTIER 14, 18): for each chunk, one forward of every
+    doc's window through the model with its row's LoRA; the chunk's per-token losses and bytes are added to sums;
+    then, if any doc has chunks left, one optimizer step on the sum over those docs of their chunk's mean loss (a
+    doc's last chunk is never trained on)."""
+    h, dev, C = rt.h, rt.device, rt.h.ttt_chunk_size
+    L = h.ttt_eval_seq_len or h.eval_seq_len
+    num_chunks = torch.tensor([-(-(n - 1) // C) for _, n in batch])
+    for ci in range(int(num_chunks.max())):
+        starts, lens, offs, counts, width, train_off = lora_ttt_chunk(batch, ci, C, L)
+        cols = torch.arange(width + 1)
+        span = val_tokens[(starts[:, None] + cols).clamp_(max=val_tokens.numel() - 1)].long()
+        valid = cols[None, :width] < lens[:, None]
+        x, y = torch.where(valid, span[:, :-1], 0), torch.where(valid, span[:, 1:], 0)
+        scored = (cols[None, :width] >= offs[:, None]) & (cols[None, :width] < (offs + counts)[:, None])
+        with rt.autocast():
+            logits = model.forward_logits(x.to(dev), lora=lora)
+        nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.to(dev).reshape(-1),
+                              reduction="none").view(x.shape)
+        target_pos = starts[:, None] + 1 + cols[None, :width]
+        with torch.no_grad():
+            scored_d = scored.to(dev)
+            sums[0] += nll.detach().double()[scored_d].sum()
+            sums[1] += int(scored.sum())
+            sums[2] += float(luts.target_bytes(x[scored], y[scored], target_pos[scored]).sum())
+            if per_token is not None:
+                per_token[target_pos[scored]] = nll.detach()[scored_d].double().cpu()
+        train = (num_chunks - 1 > ci).to(dev, torch.float32)
+        if bool(train.any()):
+            opt.zero_grad(set_to_none=True)
+            (nll[:, train_off:train_off + C].mean(dim=-1) * train).sum().backward()
+            opt.step()
+
+
+def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None):
+    """TTT_MODE=lora: (val_loss, val_bpb) of lora_ttt_sums over all ranks."""
+    return finish_loss_bpb(rt, lora_ttt_sums(rt, model, val_tokens, luts, per_token))
+
+
+def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None):
+    """Document-wise score-first LoRA TTT (SPEC-FRONTIER 14, 18; the 04-27 record): this rank's [nll sum, tokens,
+    bytes]. Base weights frozen outside the phases. The length-sorted queue is run in rounds, batch r*W + rank on
+    rank `rank` in round r. A batch of TTT_BATCH_SIZE docs resets the reusable adapters (B and AdamW state zeroed, A
+    kept with TTT_WARM_START_A); any other size gets fresh adapters (new A) and optimizer. A is drawn from one
+    generator seeded with SEED. Phases (PHASED_TTT_PREFIX_DOCS > 0): after the round in which the count of scored
+    docs reaches boundary B_k = P*k/N, every rank runs global_sgd_phase on the first B_k scored docs (lora_ttt_prefix)
+    and the reusable adapters are built afresh; the count is the same on every rank (the queue is), so no rank waits
+    on a message."""
+    h, dev = rt.h, rt.device
+    queue_ = lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)
+    P, N, W = min(h.phased_ttt_prefix_docs, sum(len(b) for _, b in queue_)), h.phased_ttt_num_phases, h.world_size
+    boundaries = [P * (k + 1) // N for k in range(N)] if P > 0 else []
+    gen = torch.Generator().manual_seed(h.seed)
+
+    def fresh(bsz):
+        lora = LoRAAdapters(bsz, model, h, gen).to(dev)
+        return lora, torch.optim.AdamW(lora.parameters(), lr=h.ttt_lora_lr, betas=(h.ttt_beta1, h.ttt_beta2),
+                                       eps=1e-10, weight_decay=h.ttt_weight_decay, fused=dev.type == "cuda")
+
+    rt.log(f"ttt_lora: docs:{sum(len(b) for _, b in queue_)} batches:{len(queue_)} rank:{h.ttt_lora_rank} "
+           f"alpha:{h.ttt_lora_alpha} targets:{h.ttt_lora_targets} chunk:{h.ttt_chunk_size} "
+           f"context:{h.ttt_eval_seq_len or h.eval_seq_len} warm_start_a:{int(h.ttt_warm_start_a)} forward:eager "
+           f"phase_boundaries:{boundaries}")
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in frozen:
+        p.requires_grad_(False)
+    model.eval()
+    reusable = fresh(h.ttt_batch_size)
+    sums = torch.zeros(3, dtype=torch.float64, device=dev)
+    t0, phase = time.perf_counter(), 0
+    try:
+        for r in range(-(-len(queue_) // W)):
+            if r * W + h.rank < len(queue_):
+                batch = queue_[r * W + h.rank][1]
+                if len(batch) == h.ttt_batch_size:
+                    lora, opt = reusable
+                    lora.reset()
+                    opt.state.clear()
+                else:
+                    lora, opt = fresh(len(batch))
+                lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token)
+                if rt.is_main and (r % 50 == 0 or (r + 1) * W >= len(queue_)):
+                    rt.log(f"ttt_lora_progress round:{r + 1}/{-(-len(queue_) // W)} doc_len:{batch[0][1]}-"
+                           f"{batch[-1][1]} elapsed:{time.perf_counter() - t0:.1f}s")
+            scored = sum(len(b) for _, b in queue_[:(r + 1) * W])
+            if phase < len(boundaries) and scored >= boundaries[phase]:
+                prefix = lora_ttt_prefix(queue_[:(r + 1) * W], boundaries[phase])
+                rt.log(f"ttt_lora_phase:{phase + 1}/{N} scored_docs:{scored} trained_docs:{len(prefix)} "
+                       f"elapsed:{time.perf_counter() - t0:.1f}s")
+                global_sgd_phase(rt, model, torch.cat([val_tokens[a:a + n] for a, n in prefix]))
+                reusable, phase = fresh(h.ttt_batch_size), phase + 1
+    finally:
+        for p, requires in frozen:
+            p.requires_grad_(requires)
+    return sums
+
+
+def lora_ttt_prefix(scored_batches, count):
+    """The first `count` scored docs by (batch index in ascending-length order, position in the batch): what phase k
+    trains on, cumulative (SPEC-FRONTIER 18)."""
+    return [doc for _, batch in sorted(scored_batches, key=lambda ib: ib[0]) for doc in batch][:count]
+
+
+def global_sgd_phase(rt, model, tokens):
+    """A phase's global SGD on all base weights (SPEC-FRONTIER 14, 18), with the chunked SGD TTT's pieces and
+    settings: `tokens` (the scored docs, concatenated) in TTT_CHUNK_TOKENS chunks, all but the last trained with
+    ttt_train_chunk (TTT_LR cosine over the chunks, TTT_MOMENTUM, TTT_EPOCHS, TTT_GRAD_CLIP, gradients averaged over
+    ranks, rows split at BOS with EVAL_SPLIT_AT_BOS); a new optimizer each phase. Weights frozen again after."""
+    params = list(model.named_parameters())
+    for _, p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.SGD([p for _, p in params], lr=rt.h.ttt_lr, momentum=rt.h.ttt_momentum)
+    num_chunks = -(-(tokens.numel() - 1) // rt.h.ttt_chunk_tokens)
+    for ci in range(num_chunks - 1):
+        ttt_train_chunk(rt, model, model, opt, params, {}, tokens, ci, num_chunks)
+    for _, p in params:
+        p.requires_grad_(False)
+    model.eval()
 
 
 # ==================================================
@@ -3871,7 +4127,9 @@ def evaluate_artifact(rt, model, val_tokens, luts):
     if h.eval_stride > 0:
         timed("final_int6_sliding_window", lambda: eval_sliding(rt, model, logits_fn, val_tokens, luts),
               f" stride:{h.eval_stride}")
-    if h.ttt_enabled:
+    if h.ttt_enabled and h.ttt_mode == "lora":
+        timed("legal_ttt", lambda: eval_ttt_lora(rt, model, val_tokens, luts))
+    elif h.ttt_enabled:
         timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts))
 
 
