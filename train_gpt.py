@@ -1174,7 +1174,7 @@ def select_attention_backend(device, choice="auto"):
             break
         if choice != "auto":
             raise ConfigError(f"ATTENTION_BACKEND={choice}: cannot import {ATTENTION_MODULES[name]}.flash_attn_func "
-                              "(README, Attention)")
+                              "(docs/gpu.md, Attention)")
     return _ATTENTION["name"]
 
 
@@ -3519,8 +3519,8 @@ def pergroup_layout(w):
 
 def pergroup_codec_compress(data):
     """COMPRESSOR=pergroup's back end for the group blobs: ZPAQ level 5 from PyPI's `zpaq` (libzpaq in-process),
-    one thread so the bytes do not depend on the machine. Chosen by scripts/bench_pergroup.py (README "The
-    artifact"): within 0.1% of the records' `lrzip -z -L 9` on the same groups, ~2% below brotli."""
+    one thread so the bytes do not depend on the machine. Chosen by scripts/bench_pergroup.py (docs/artifact.md,
+    "The 2026-04-27 artifact"): within 0.1% of the records' `lrzip -z -L 9` on the same groups, ~2% below brotli."""
     import zpaq
     return zpaq.compress(data, 5, threads=1) if data else b""
 

@@ -7,7 +7,7 @@ settings and presets that exist in this checkout, the 2026-03-23 record's own sc
 attention backend, and the sliding-window and TTT evaluations of ours against the record's functions on one
 model. Without CUDA, or with BENCH_TINY=1, the same pipeline runs at tiny shapes (the CI test of this script).
 
-    bash scripts/bench_gpu.sh                 # README, "GPU benchmark"
+    bash scripts/bench_gpu.sh                 # docs/gpu.md, "GPU benchmark"
     BENCH_TINY=1 bash scripts/bench_gpu.sh    # the same on CPU in under a minute
 
 Needs nothing beyond PyTorch, NumPy, SentencePiece (and Triton for torch.compile on CUDA).
@@ -84,7 +84,7 @@ def cuda_available():
 
 
 def flops_per_token(h, looping):
-    """Training FLOPs per token, the formula in README ("GPU benchmark"): 6 x (matmul weights a token meets) plus
+    """Training FLOPs per token, the formula in docs/gpu.md ("GPU benchmark"): 6 x (matmul weights a token meets) plus
     causal attention 6 x layers run x seq_len x model_dim; embeddings lookups, norms and small projections
     (bigram, value embedding: under 0.5%) are left out."""
     import train_gpt as tg
@@ -380,7 +380,7 @@ def matmul_peak():
 def record_tail_sums(rt, model, val_tokens, luts, min_len):
     """[nll, tokens, bytes] of the windows the record's evaluation adds at the end of the stream: its windows
     start every stride up to the end, so the truncated ones (length < EVAL_SEQ_LEN, at least min_len) each score
-    their last stride targets again (README, "The artifact"). Ours scores every target once; these sums make
+    their last stride targets again (docs/evaluation.md, "Every target scored once"). Ours scores every target once; these sums make
     our result comparable with the record's. Needs (targets - EVAL_SEQ_LEN) % stride == 0."""
     import torch
     import torch.nn.functional as F
@@ -605,7 +605,7 @@ def main():
     if sys.argv[1:] == ["--eval"]:
         return eval_compare()
     if sys.argv[1:]:
-        raise SystemExit(f"error: unexpected argument {sys.argv[1]!r}: settings are BENCH_* variables (README)")
+        raise SystemExit(f"error: unexpected argument {sys.argv[1]!r}: settings are BENCH_* variables (docs/gpu.md)")
     cfg = bench_config(os.environ)
     start = time.monotonic()
     deadline = start + cfg["budget"]

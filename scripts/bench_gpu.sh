@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-command benchmark on one CUDA GPU (README, "GPU benchmark"): builds the offline sample data at the record's
+# One-command benchmark on one CUDA GPU (docs/gpu.md, "GPU benchmark"): builds the offline sample data at the record's
 # shapes, times every row in its own process under a time limit and prints one table (also written to
 # $BENCH_DIR/table.md, default logs/bench_gpu/). Without CUDA, or with BENCH_TINY=1, the same pipeline runs at
 # tiny shapes on CPU in under a minute (tests/test_bench_gpu.py).

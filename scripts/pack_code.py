@@ -34,7 +34,7 @@ MIN_PYTHON = (3, 10)
 # the filter id, so it gets liblzma's default dictionary (preset 6: 8 MiB). A match may reach back at
 # most the encoder's dictionary size, so the encoder is held to the same 8 MiB: any input then decodes.
 # pb=0 (no 4-byte position alignment: this is text) was measured best on train_gpt.py among lc/lp/pb,
-# nice_len and match finders (see the README's "Packed code"); the rest is preset 9 extreme.
+# nice_len and match finders (see docs/submitting.md, "Packed code"); the rest is preset 9 extreme.
 DECODER_DICT_SIZE = 1 << 23
 LZMA_FILTER = {
     "id": lzma.FILTER_LZMA2,
