@@ -19,12 +19,16 @@ import argparse
 import ast
 import base64
 import contextlib
+import dis
 import io
+import itertools
+import keyword
 import lzma
 import os
 import sys
 import tempfile
 import tokenize
+import types
 from pathlib import Path
 
 # The oldest Python the packed file must run on; the wrapper and the payload are both checked against it.
@@ -198,6 +202,187 @@ def _edits(source: _Source, tree: ast.Module) -> tuple[set[int], dict[int, str]]
     return drop, replace
 
 
+# ---------------------------------------------------------------------------
+# Rename function-local names
+
+# A function that calls one of these may read its locals by name: none of its names are renamed.
+_DYNAMIC = frozenset({"locals", "vars", "eval", "exec", "dir"})
+_NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_RESERVED = frozenset(keyword.kwlist) | frozenset({"match", "case", "type", "_", "print"})
+
+
+def _identifiers(node: ast.AST) -> set[str]:
+    """Every identifier that can name a variable anywhere under ``node``: names, arguments, imports,
+    def/class names, global/nonlocal declarations, except-as and match captures."""
+    out: set[str] = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, ast.arg):
+            out.add(n.arg)
+        elif isinstance(n, ast.alias):
+            out.add((n.asname or n.name).split(".")[0])
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Global, ast.Nonlocal)):
+            out.update(n.names)
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            out.add(n.name)
+        elif isinstance(n, (ast.MatchAs, ast.MatchStar)) and n.name:
+            out.add(n.name)
+        elif isinstance(n, ast.MatchMapping) and n.rest:
+            out.add(n.rest)
+    return out
+
+
+def _short_names():
+    """a, b, ..., z, A, ..., Z, aa, ab, ...: the names given to renamed locals, in this order."""
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    for size in range(1, 4):
+        for combo in itertools.product(letters, repeat=size):
+            yield "".join(combo)
+
+
+def _function_scope(fn: ast.AST) -> tuple[list[ast.AST], set[str]]:
+    """The Name and ExceptHandler nodes of ``fn``'s own scope (comprehensions included: their free names are
+    ``fn``'s), and the names that must keep their spelling: parameters, global/nonlocal, imports, def/class
+    names, match captures, comprehension targets, every identifier of a nested function, lambda or class
+    (closures) and every name inside an f-string (its text is copied verbatim)."""
+    nodes: list[ast.AST] = []
+    keep = {a.arg for a in _signature_args(fn)}
+    stack = list(reversed(fn.body))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, _NESTED):
+            keep |= _identifiers(node)
+            continue  # its decorators and defaults, evaluated here, are kept too: conservative
+        if isinstance(node, ast.JoinedStr):
+            keep |= _identifiers(node)
+            continue
+        if isinstance(node, _COMPREHENSIONS):
+            for gen in node.generators:
+                keep |= _identifiers(gen.target)
+        if isinstance(node, (ast.Global, ast.Nonlocal, ast.Import, ast.ImportFrom, ast.MatchAs, ast.MatchStar,
+                             ast.MatchMapping)):
+            keep |= _identifiers(node)
+        if isinstance(node, (ast.Name, ast.ExceptHandler)):
+            nodes.append(node)
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+    return nodes, keep
+
+
+def rename_plan(tree: ast.Module) -> dict[tuple[int, int], dict[str, str]]:
+    """For each function (by its (lineno, col_offset)), the renaming of its local variables to short names.
+
+    Only names the function itself binds (assignment, for/with/except targets, walrus, del) and that nothing
+    else can see: not parameters (a caller may pass them by keyword), not names a nested function, lambda or
+    class mentions (closures), not global/nonlocal ones, not names used in f-strings, and nothing at all in a
+    function that calls locals/vars/eval/exec/dir. A new name is one that no identifier under the function
+    uses (so it shadows nothing the function can see). Derived from ``tree`` alone: deterministic."""
+    plan: dict[tuple[int, int], dict[str, str]] = {}
+    for fn in _functions(tree):
+        identifiers = _identifiers(fn)
+        if identifiers & _DYNAMIC:
+            continue
+        nodes, keep = _function_scope(fn)
+        bound: list[str] = []
+        for n in nodes:
+            name = n.name if isinstance(n, ast.ExceptHandler) else n.id if not isinstance(n.ctx, ast.Load) else None
+            if name and name not in keep and not name.startswith("__") and name not in bound:
+                bound.append(name)
+        if not bound:
+            continue
+        taken = identifiers - set(bound)  # the renamed names may swap spellings among themselves
+        fresh = (n for n in _short_names() if n not in taken and n not in _RESERVED)
+        plan[(fn.lineno, fn.col_offset)] = {name: next(fresh) for name in bound}
+    return plan
+
+
+def _rename_targets(tree: ast.Module, plan: dict[tuple[int, int], dict[str, str]]):
+    """(node, new name) for every Name / ExceptHandler the plan renames."""
+    for fn in _functions(tree):
+        mapping = plan.get((fn.lineno, fn.col_offset))
+        if mapping:
+            for n in _function_scope(fn)[0]:
+                old = n.name if isinstance(n, ast.ExceptHandler) else n.id
+                if old in mapping:
+                    yield n, mapping[old]
+
+
+def apply_rename(tree: ast.Module, plan: dict[tuple[int, int], dict[str, str]]) -> ast.Module:
+    """``tree`` with the plan's renames made on the nodes (the AST minify's renamed output must parse to)."""
+    for node, new in list(_rename_targets(tree, plan)):
+        if isinstance(node, ast.ExceptHandler):
+            node.name = new
+        else:
+            node.id = new
+    return tree
+
+
+def _rename_edits(source: _Source, tree: ast.Module, plan) -> dict[int, str]:
+    """Token index -> new spelling for the plan's renames."""
+    replace: dict[int, str] = {}
+    for node, new in _rename_targets(tree, plan):
+        if isinstance(node, ast.ExceptHandler):  # `except E as name:`: the NAME after `as`
+            i = source.token_at(node.lineno, node.col_offset)
+            while not (source.tokens[i].string == node.name and source.tokens[i - 1].string == "as"):
+                i += 1
+        else:
+            i = source.token_at(node.lineno, node.col_offset)
+        if source.tokens[i].type != tokenize.NAME or source.tokens[i].string != (
+                node.name if isinstance(node, ast.ExceptHandler) else node.id):
+            raise PackError(f"line {node.lineno}: cannot locate the name to rename")
+        replace[i] = new
+    return replace
+
+
+_LOCAL_OPS = ("FAST", "DEREF", "CLOSURE", "CELL")
+
+
+def _same_code_but_local_names(a, b, pairs: set[tuple[str, str]]) -> bool:
+    """Whether code objects ``a`` (not renamed) and ``b`` (renamed) run the same instructions on the same
+    globals, attributes and constants, differing only in local/cell variable names, one to one, by ``pairs``:
+    a rename that turned a local into a global (or back) or merged two variables would change them. Cells
+    are created in name order, so MAKE_CELL is compared as a set."""
+    if (a.co_names != b.co_names or a.co_argcount != b.co_argcount or a.co_flags != b.co_flags
+            or a.co_kwonlyargcount != b.co_kwonlyargcount or a.co_nlocals != b.co_nlocals
+            or a.co_varnames[:a.co_argcount + a.co_kwonlyargcount] != b.co_varnames[:b.co_argcount
+                                                                                  + b.co_kwonlyargcount]):
+        return False
+    ia, ib = list(dis.get_instructions(a)), list(dis.get_instructions(b))
+    if len(ia) != len(ib):
+        return False
+    forward: dict[str, str] = {}
+    backward: dict[str, str] = {}
+    cells: tuple[set, set] = (set(), set())
+    for x, y in zip(ia, ib):
+        if x.opname != y.opname:
+            return False
+        if isinstance(x.argval, types.CodeType) and isinstance(y.argval, types.CodeType):
+            continue  # compared through co_consts below
+        if x.opname == "MAKE_CELL":
+            cells[0].add(x.argval)
+            cells[1].add(y.argval)
+        elif any(op in x.opname for op in _LOCAL_OPS):
+            olds = x.argval if isinstance(x.argval, tuple) else (x.argval,)
+            news = y.argval if isinstance(y.argval, tuple) else (y.argval,)
+            if len(olds) != len(news):
+                return False
+            for o, n in zip(olds, news):
+                if forward.setdefault(o, n) != n or backward.setdefault(n, o) != o or (o != n and (o, n) not in pairs):
+                    return False
+        elif x.argval != y.argval:
+            return False
+    if {forward.get(c, c) for c in cells[0]} != cells[1]:
+        return False
+    ca = [c for c in a.co_consts if isinstance(c, types.CodeType)]
+    cb = [c for c in b.co_consts if isinstance(c, types.CodeType)]
+    plain = [c for c in a.co_consts if not isinstance(c, types.CodeType)]
+    return (plain == [c for c in b.co_consts if not isinstance(c, types.CodeType)] and len(ca) == len(cb)
+            and all(_same_code_but_local_names(x, y, pairs) for x, y in zip(ca, cb)))
+
+
 def _needs_space(prev: str, prev_type: int, nxt: str, nxt_type: int) -> bool:
     if not prev or not nxt:
         return False
@@ -270,15 +455,22 @@ def minify(src: str) -> str:
     except (tokenize.TokenError, SyntaxError) as exc:
         raise PackError(f"cannot tokenize: {exc}") from None
     drop, replace = _edits(source, tree)
-    result = "".join(_emit_lines(source, drop, replace))
-    expected = _dump(strip_reference(tree))
+    plan = rename_plan(tree)
+    renamed = {**replace, **_rename_edits(source, tree, plan)}
+    stripped = "".join(_emit_lines(source, drop, replace))
+    result = "".join(_emit_lines(source, drop, renamed))
+    expected = _dump(apply_rename(strip_reference(tree), plan))
     try:
         got = _dump(ast.parse(result))
     except SyntaxError as exc:
         raise PackError(f"minified source does not parse: {exc.msg} (line {exc.lineno}); a minify bug") from None
     if got != expected:
         raise PackError("minified source is a different program (AST differs from the source's with docstrings"
-                        " and signature annotations removed); a minify bug")
+                        " and signature annotations removed and its locals renamed); a minify bug")
+    pairs = {pair for mapping in plan.values() for pair in mapping.items()}
+    if not _same_code_but_local_names(compile(stripped, "<minified>", "exec", dont_inherit=True),
+                                      compile(result, "<minified>", "exec", dont_inherit=True), pairs):
+        raise PackError("renaming locals changed the compiled code beyond local names; a minify bug")
     return result
 
 
