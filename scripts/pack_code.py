@@ -212,28 +212,24 @@ _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _RESERVED = frozenset(keyword.kwlist) | frozenset({"match", "case", "type", "_", "print"})
 
 
-def _identifiers(node: ast.AST) -> set[str]:
-    """Every identifier that can name a variable anywhere under ``node``: names, arguments, imports,
-    def/class names, global/nonlocal declarations, except-as and match captures."""
-    out: set[str] = set()
-    for n in ast.walk(node):
-        if isinstance(n, ast.Name):
-            out.add(n.id)
-        elif isinstance(n, ast.arg):
-            out.add(n.arg)
-        elif isinstance(n, ast.alias):
-            out.add((n.asname or n.name).split(".")[0])
-        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            out.add(n.name)
-        elif isinstance(n, (ast.Global, ast.Nonlocal)):
-            out.update(n.names)
-        elif isinstance(n, ast.ExceptHandler) and n.name:
-            out.add(n.name)
-        elif isinstance(n, (ast.MatchAs, ast.MatchStar)) and n.name:
-            out.add(n.name)
-        elif isinstance(n, ast.MatchMapping) and n.rest:
-            out.add(n.rest)
-    return out
+def _own_identifiers(n: ast.AST) -> set[str]:
+    """The identifiers ``n`` itself (not its children) can name a variable with: a name, an argument, an
+    import, a def/class name, global/nonlocal declarations, except-as and match captures."""
+    if isinstance(n, ast.Name):
+        return {n.id}
+    if isinstance(n, ast.arg):
+        return {n.arg}
+    if isinstance(n, ast.alias):
+        return {(n.asname or n.name).split(".")[0]}
+    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {n.name}
+    if isinstance(n, (ast.Global, ast.Nonlocal)):
+        return set(n.names)
+    if isinstance(n, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and n.name:
+        return {n.name}
+    if isinstance(n, ast.MatchMapping) and n.rest:
+        return {n.rest}
+    return set()
 
 
 def _short_names():
@@ -244,28 +240,25 @@ def _short_names():
             yield "".join(combo)
 
 
-def _function_scope(fn: ast.AST) -> tuple[list[ast.AST], set[str]]:
+def _function_scope(fn: ast.AST, visible) -> tuple[list[ast.AST], set[str]]:
     """The Name and ExceptHandler nodes of ``fn``'s own scope (comprehensions included: their free names are
     ``fn``'s), and the names that must keep their spelling: parameters, global/nonlocal, imports, def/class
-    names, match captures, comprehension targets, every identifier of a nested function, lambda or class
-    (closures) and every name inside an f-string (its text is copied verbatim)."""
+    names, match captures, comprehension targets, every name a nested function, lambda or class can see
+    (closures: ``visible(node)``) and every name inside an f-string (its text is copied verbatim)."""
     nodes: list[ast.AST] = []
     keep = {a.arg for a in _signature_args(fn)}
     stack = list(reversed(fn.body))
     while stack:
         node = stack.pop()
-        if isinstance(node, _NESTED):
-            keep |= _identifiers(node)
-            continue  # its decorators and defaults, evaluated here, are kept too: conservative
-        if isinstance(node, ast.JoinedStr):
-            keep |= _identifiers(node)
+        if isinstance(node, (*_NESTED, ast.JoinedStr)):
+            keep |= visible(node)  # a nested def's decorators and defaults, evaluated here, are kept too
             continue
         if isinstance(node, _COMPREHENSIONS):
             for gen in node.generators:
-                keep |= _identifiers(gen.target)
+                keep |= visible(gen.target)
         if isinstance(node, (ast.Global, ast.Nonlocal, ast.Import, ast.ImportFrom, ast.MatchAs, ast.MatchStar,
                              ast.MatchMapping)):
-            keep |= _identifiers(node)
+            keep |= visible(node)
         if isinstance(node, (ast.Name, ast.ExceptHandler)):
             nodes.append(node)
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
@@ -277,25 +270,50 @@ def rename_plan(tree: ast.Module) -> dict[tuple[int, int], dict[str, str]]:
 
     Only names the function itself binds (assignment, for/with/except targets, walrus, del) and that nothing
     else can see: not parameters (a caller may pass them by keyword), not names a nested function, lambda or
-    class mentions (closures), not global/nonlocal ones, not names used in f-strings, and nothing at all in a
+    class can see (closures), not global/nonlocal ones, not names used in f-strings, and nothing at all in a
     function that calls locals/vars/eval/exec/dir. A new name is one that no identifier under the function
-    uses (so it shadows nothing the function can see). Derived from ``tree`` alone: deterministic."""
+    uses, except the renamed names themselves and the renamed locals of nested functions (invisible here),
+    so it shadows nothing the function can see. Derived from ``tree`` alone: deterministic, and idempotent
+    (minifying minified code renames nothing more)."""
     plan: dict[tuple[int, int], dict[str, str]] = {}
+    seen: dict[int, set[str]] = {}
+
+    def visible(node: ast.AST) -> set[str]:
+        """Identifiers under ``node`` that a scope around it must treat as used there."""
+        out: set[str] = set()
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out |= function(n)
+                continue
+            out |= _own_identifiers(n)
+            stack.extend(ast.iter_child_nodes(n))
+        return out
+
+    def function(fn: ast.AST) -> set[str]:
+        """Plans ``fn`` (once); what it shows its surroundings: its identifiers less its renamed locals."""
+        if id(fn) in seen:
+            return seen[id(fn)]
+        identifiers = _own_identifiers(fn).union(*map(visible, ast.iter_child_nodes(fn)))
+        mapping: dict[str, str] = {}
+        if not identifiers & _DYNAMIC:
+            nodes, keep = _function_scope(fn, visible)
+            bound: list[str] = []
+            for n in nodes:
+                name = n.name if isinstance(n, ast.ExceptHandler) else None if isinstance(n.ctx, ast.Load) else n.id
+                if name and name not in keep and not name.startswith("__") and name not in bound:
+                    bound.append(name)
+            taken = identifiers - set(bound)  # the renamed names may swap spellings among themselves
+            fresh = (n for n in _short_names() if n not in taken and n not in _RESERVED)
+            mapping = {name: next(fresh) for name in bound}
+        if mapping:
+            plan[(fn.lineno, fn.col_offset)] = mapping
+        seen[id(fn)] = identifiers - set(mapping) - set(mapping.values())
+        return seen[id(fn)]
+
     for fn in _functions(tree):
-        identifiers = _identifiers(fn)
-        if identifiers & _DYNAMIC:
-            continue
-        nodes, keep = _function_scope(fn)
-        bound: list[str] = []
-        for n in nodes:
-            name = n.name if isinstance(n, ast.ExceptHandler) else n.id if not isinstance(n.ctx, ast.Load) else None
-            if name and name not in keep and not name.startswith("__") and name not in bound:
-                bound.append(name)
-        if not bound:
-            continue
-        taken = identifiers - set(bound)  # the renamed names may swap spellings among themselves
-        fresh = (n for n in _short_names() if n not in taken and n not in _RESERVED)
-        plan[(fn.lineno, fn.col_offset)] = {name: next(fresh) for name in bound}
+        function(fn)
     return plan
 
 
@@ -304,7 +322,7 @@ def _rename_targets(tree: ast.Module, plan: dict[tuple[int, int], dict[str, str]
     for fn in _functions(tree):
         mapping = plan.get((fn.lineno, fn.col_offset))
         if mapping:
-            for n in _function_scope(fn)[0]:
+            for n in _function_scope(fn, lambda node: set())[0]:
                 old = n.name if isinstance(n, ast.ExceptHandler) else n.id
                 if old in mapping:
                     yield n, mapping[old]
@@ -344,7 +362,7 @@ def _same_code_but_local_names(a, b, pairs: set[tuple[str, str]]) -> bool:
     """Whether code objects ``a`` (not renamed) and ``b`` (renamed) run the same instructions on the same
     globals, attributes and constants, differing only in local/cell variable names, one to one, by ``pairs``:
     a rename that turned a local into a global (or back) or merged two variables would change them. Cells
-    are created in name order, so MAKE_CELL is compared as a set."""
+    and closures are ordered by name, so MAKE_CELL and LOAD_CLOSURE are compared as a set."""
     if (a.co_names != b.co_names or a.co_argcount != b.co_argcount or a.co_flags != b.co_flags
             or a.co_kwonlyargcount != b.co_kwonlyargcount or a.co_nlocals != b.co_nlocals
             or a.co_varnames[:a.co_argcount + a.co_kwonlyargcount] != b.co_varnames[:b.co_argcount
@@ -361,7 +379,7 @@ def _same_code_but_local_names(a, b, pairs: set[tuple[str, str]]) -> bool:
             return False
         if isinstance(x.argval, types.CodeType) and isinstance(y.argval, types.CodeType):
             continue  # compared through co_consts below
-        if x.opname == "MAKE_CELL":
+        if x.opname in ("MAKE_CELL", "LOAD_CLOSURE"):
             cells[0].add(x.argval)
             cells[1].add(y.argval)
         elif any(op in x.opname for op in _LOCAL_OPS):
