@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
-"""Pack a training script into a two-line self-extracting file, so fewer code bytes count toward the cap.
+"""Pack a training script into a self-extracting file, so fewer code bytes count toward the cap.
 
-    python3 scripts/pack_code.py [SRC] [-o OUT] [--check PACKED]
+    python3 scripts/pack_code.py [SRC] [-o OUT] [--check PACKED] [--table]
 
 SRC (default train_gpt.py) is minified (comments, docstrings, blank lines and function-signature annotations
-removed, one space per indentation level, bracketed continuation lines joined), compressed with raw LZMA2 and
-Base85-encoded into a file of two lines: an import of lzma and base64, then an exec of the decoded source.
-Without -o only the sizes are printed. --check PACKED verifies that PACKED is the packed form of SRC
-(compares the decoded payload with minify(SRC); nothing is executed) and exits 1 if not.
+removed, one space per indentation level, bracketed continuation lines joined, function-local variables
+renamed to short names), compressed with brotli and written in base 116 as a bytes literal inside a
+wrapper of two statements: an import of brotli, then an exec of the decoded source. Without -o only the
+sizes are printed; --table prints them for each packing step. --check PACKED verifies that PACKED is the packed form of
+SRC (compares the decoded payload with minify(SRC); nothing is executed) and exits 1 if not.
 
 Minification is done by text edits located with the standard library's ast and tokenize, never by
 ast.unparse, and is verified: the minified source must parse to the same AST as SRC with its docstrings and
-signature annotations removed. String literals (f-strings included) are copied byte for byte.
+signature annotations removed and the renaming plan applied, and compile to the same instructions on the
+same globals, attributes and constants as the unrenamed text. String literals (f-strings included) are
+copied byte for byte. The renaming plan is derived from SRC alone (rename_plan), so --check re-derives it.
 """
 from __future__ import annotations
 
@@ -34,24 +37,29 @@ from pathlib import Path
 # The oldest Python the packed file must run on; the wrapper and the payload are both checked against it.
 MIN_PYTHON = (3, 10)
 
-# Raw LZMA2 (no .xz container: no header, footer or check bytes). The decoder in the wrapper names only
-# the filter id, so it gets liblzma's default dictionary (preset 6: 8 MiB). A match may reach back at
-# most the encoder's dictionary size, so the encoder is held to the same 8 MiB: any input then decodes.
-# pb=0 (no 4-byte position alignment: this is text) was measured best on train_gpt.py among lc/lp/pb,
-# nice_len and match finders (see the README's "Packed code"); the rest is preset 9 extreme.
-DECODER_DICT_SIZE = 1 << 23
-LZMA_FILTER = {
-    "id": lzma.FILTER_LZMA2,
-    "preset": 9 | lzma.PRESET_EXTREME,
-    "dict_size": DECODER_DICT_SIZE,
-    "lc": 3,
-    "lp": 0,
-    "pb": 0,
-}
+# The payload is brotli (quality 11, 16 MiB window: smaller than raw LZMA2 on train_gpt.py, see the README's
+# "Packed code"; `--table` measures both) of the minified source.
+BROTLI_QUALITY, BROTLI_LGWIN = 11, 24
 
-# The two lines, around the Base85 payload (its alphabet has no quote or backslash).
-WRAPPER_HEAD = "import lzma as L,base64 as B\nexec(L.decompress(B.b85decode(\""
-WRAPPER_TAIL = "\"),format=L.FORMAT_RAW,filters=[{\"id\":L.FILTER_LZMA2}]))\n"
+# ... written as a bytes literal in base 116: each 6 bytes as 7 characters (116**7 >= 2**48) and a last block
+# of r < 6 bytes as r + 1 characters, little-endian. The 116 digits are the ASCII codes 1..127 except CR,
+# the other line breaks of str.splitlines (VT FF FS GS RS), SO/SI and ESC (they garble a terminal that
+# shows the file) and the quote and backslash, so the literal holds them verbatim (1.167 characters a byte;
+# Base85 takes 1.25). The wrapper maps a code c to its digit c-1-5*(c>15)-4*(c>30)-(c>34)-(c>92).
+EXCLUDED_CODES = frozenset({0, 11, 12, 13, 14, 15, 27, 28, 29, 30, 34, 92})
+ALPHABET = bytes(c for c in range(128) if c not in EXCLUDED_CODES)
+BASE, BLOCK = len(ALPHABET), 6
+WRAPPER_HEAD = ("import brotli as B\nexec(B.decompress((lambda s:b\"\".join(sum((c-1-5*(c>15)-4*(c>30)-(c>34)-(c>92))"
+                "*116**i for i,c in enumerate(s[j:j+7])).to_bytes(len(s[j:j+7])-1,\"little\")for j in"
+                " range(0,len(s),7)))(b\"\"\"")
+WRAPPER_TAIL = "\"\"\")))\n"
+
+# Files written before local renaming and brotli: refused with one line (their payload is not today's minify).
+LEGACY_HEAD = "import lzma as L,base64 as B\nexec(L.decompress(B.b85decode(\""
+
+# Raw LZMA2, the format before brotli, kept for `--table`: preset 9 extreme with pb=0 and an 8 MiB dictionary.
+LZMA_FILTER = {"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "dict_size": 1 << 23, "lc": 3, "lp": 0,
+               "pb": 0}
 
 _FSTRING_START = getattr(tokenize, "FSTRING_START", None)  # Python 3.12+ splits f-strings into tokens
 _FSTRING_END = getattr(tokenize, "FSTRING_END", None)
@@ -459,9 +467,9 @@ def _dump(tree: ast.AST) -> str:
     return ast.dump(tree, include_attributes=False)
 
 
-def minify(src: str) -> str:
+def minify(src: str, rename: bool = True) -> str:
     """The same program in fewer bytes (see the module docstring); raises PackError if ``src`` does not parse
-    or the result would not be the same program."""
+    or the result would not be the same program. ``rename=False`` keeps local names (for `--table`)."""
     try:
         tree = ast.parse(src)
     except SyntaxError as exc:
@@ -473,7 +481,7 @@ def minify(src: str) -> str:
     except (tokenize.TokenError, SyntaxError) as exc:
         raise PackError(f"cannot tokenize: {exc}") from None
     drop, replace = _edits(source, tree)
-    plan = rename_plan(tree)
+    plan = rename_plan(tree) if rename else {}
     renamed = {**replace, **_rename_edits(source, tree, plan)}
     stripped = "".join(_emit_lines(source, drop, replace))
     result = "".join(_emit_lines(source, drop, renamed))
@@ -496,17 +504,53 @@ def minify(src: str) -> str:
 # Pack / unpack
 
 
-def compress(data: bytes, filter_spec: dict | None = None) -> bytes:
-    return lzma.compress(data, format=lzma.FORMAT_RAW, filters=[filter_spec or LZMA_FILTER])
+def _brotli():
+    """The brotli module (imported here: minify and the checks of the wrapper need no brotli)."""
+    try:
+        import brotli
+    except ImportError:
+        raise PackError("packed code needs the brotli package: pip install brotli") from None
+    return brotli
+
+
+def compress(data: bytes) -> bytes:
+    return _brotli().compress(data, quality=BROTLI_QUALITY, lgwin=BROTLI_LGWIN)
+
+
+def b116encode(data: bytes) -> str:
+    """``data`` in base 116 (see ALPHABET): 7 characters per 6 bytes, r + 1 for a last block of r bytes."""
+    out = []
+    for j in range(0, len(data), BLOCK):
+        block = data[j:j + BLOCK]
+        n = int.from_bytes(block, "little")
+        for _ in range(len(block) + 1):
+            n, digit = divmod(n, BASE)
+            out.append(ALPHABET[digit])
+    return bytes(out).decode("ascii")
+
+
+def b116decode(text: str) -> bytes:
+    """The inverse of b116encode; PackError for a character outside ALPHABET or a block that overflows."""
+    raw = text.encode("ascii", errors="replace")
+    digits = {c: d for d, c in enumerate(ALPHABET)}
+    if len(raw) % (BLOCK + 1) == 1 or not set(raw) <= digits.keys():
+        raise PackError("payload is not base 116")
+    out = bytearray()
+    for j in range(0, len(raw), BLOCK + 1):
+        chunk = raw[j:j + BLOCK + 1]
+        n = sum(digits[c] * BASE ** i for i, c in enumerate(chunk))
+        if n >= 256 ** (len(chunk) - 1):
+            raise PackError("payload is not base 116: a block overflows")
+        out += n.to_bytes(len(chunk) - 1, "little")
+    return bytes(out)
 
 
 def _decode(payload: str) -> str:
     """What the wrapper's exec receives, decoded as Python does (UTF-8)."""
+    brotli = _brotli()
     try:
-        raw = lzma.decompress(base64.b85decode(payload), format=lzma.FORMAT_RAW,
-                              filters=[{"id": lzma.FILTER_LZMA2}])
-        return raw.decode("utf-8")
-    except (ValueError, lzma.LZMAError) as exc:  # bad Base85, corrupt stream, not UTF-8
+        return brotli.decompress(b116decode(payload)).decode("utf-8")
+    except (brotli.error, UnicodeDecodeError) as exc:  # corrupt stream, not UTF-8
         raise PackError(f"payload does not decode: {exc}") from None
 
 
@@ -515,13 +559,13 @@ def _wrap(payload: str) -> str:
 
 
 def pack_minified(minified: str) -> str:
-    """The two-line file for an already minified source; checked to decode back to it."""
+    """The packed file for an already minified source; checked to decode back to it."""
     try:
         ast.parse(minified, feature_version=MIN_PYTHON)
     except SyntaxError as exc:
         raise PackError(f"does not parse as Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]}: {exc.msg}"
                         f" (line {exc.lineno})") from None
-    packed = _wrap(base64.b85encode(compress(minified.encode("utf-8"))).decode("ascii"))
+    packed = _wrap(b116encode(compress(minified.encode("utf-8"))))
     ast.parse(packed, feature_version=MIN_PYTHON)
     if unpack(packed) != minified:
         raise PackError("packed file does not decode back to the minified source")
@@ -529,23 +573,22 @@ def pack_minified(minified: str) -> str:
 
 
 def pack(src: str) -> str:
-    """Two lines: import lzma and base64, then exec the minified ``src`` from raw LZMA2 + Base85."""
+    """The self-extracting file: import brotli, then exec the minified ``src`` from brotli + base 116."""
     if is_packed(src):
         raise PackError("already packed")
     return pack_minified(minify(src))
 
 
 def _payload_literal(text: str) -> str:
-    """The Base85 string of a packed file; PackError unless the file is exactly the wrapper around it."""
-    try:
-        tree = ast.parse(text, feature_version=MIN_PYTHON)
-    except (SyntaxError, ValueError):
-        raise PackError("not a packed file: does not parse") from None
-    consts = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
-    payloads = [c for c in consts if c != "id"]
-    if len(payloads) != 1 or text != _wrap(payloads[0]):
-        raise PackError("not a packed file: not the two-line wrapper pack_code.py writes")
-    return payloads[0]
+    """The base-116 payload of a packed file; PackError unless the file is exactly the wrapper around it."""
+    if text.startswith(LEGACY_HEAD):
+        raise PackError("an older packed format (LZMA2 + Base85, locals not renamed): repack it from the readable"
+                        " source with this scripts/pack_code.py")
+    payload = text[len(WRAPPER_HEAD):len(text) - len(WRAPPER_TAIL)]
+    if (not text.startswith(WRAPPER_HEAD) or not text.endswith(WRAPPER_TAIL)
+            or len(text) < len(WRAPPER_HEAD) + len(WRAPPER_TAIL) or not set(payload.encode("utf-8")) <= set(ALPHABET)):
+        raise PackError("not a packed file: not the wrapper pack_code.py writes")
+    return payload
 
 
 def unpack(packed_text: str) -> str:
@@ -554,14 +597,34 @@ def unpack(packed_text: str) -> str:
 
 
 def is_packed(text: str) -> bool:
-    """True if ``text`` is the two-line wrapper (whether or not its payload decodes)."""
-    if not text.startswith(WRAPPER_HEAD):
-        return False
+    """True if ``text`` is the wrapper (whether or not its payload decodes), or the older LZMA2 + Base85 one."""
+    if text.startswith(LEGACY_HEAD):
+        return True
     try:
         _payload_literal(text)
     except PackError:
         return False
     return True
+
+
+def size_table(src: str) -> list[tuple[str, int, int, int]]:
+    """(step, minified bytes, compressed bytes, packed bytes) for the packing steps one at a time: the older
+    format (local names kept, raw LZMA2, Base85), then brotli, local renaming and base 116 added in turn."""
+    def b85_file(head: str, data: bytes, tail: str) -> int:
+        return len(head) + len(base64.b85encode(data)) + len(tail)
+
+    kept, renamed = (minify(src, rename=r).encode("utf-8") for r in (False, True))
+    lz = lzma.compress(kept, format=lzma.FORMAT_RAW, filters=[LZMA_FILTER])
+    legacy_tail = "\"),format=L.FORMAT_RAW,filters=[{\"id\":L.FILTER_LZMA2}]))\n"
+    head85, tail85 = "import brotli as B,base64 as A\nexec(B.decompress(A.b85decode(\"", "\")))\n"
+    rows = [("locals kept, LZMA2, Base85 (the older format)", kept, lz, b85_file(LEGACY_HEAD, lz, legacy_tail))]
+    for step, text in (("locals kept, brotli, Base85", kept), ("locals renamed, brotli, Base85", renamed)):
+        data = compress(text)
+        rows.append((step, text, data, b85_file(head85, data, tail85)))
+    data = compress(renamed)
+    rows.append(("locals renamed, brotli, base 116 (this format)", renamed, data,
+                 len(_wrap(b116encode(data)).encode("utf-8"))))
+    return [(step, len(text), len(data), packed) for step, text, data, packed in rows]
 
 
 # ---------------------------------------------------------------------------
@@ -597,6 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=Path, help="write the packed file here (atomically)")
     p.add_argument("--check", type=Path, metavar="PACKED",
                    help="verify that PACKED is the packed form of SRC (nothing is executed); exit 1 if not")
+    p.add_argument("--table", action="store_true",
+                   help="print minified, compressed and packed bytes of SRC for each packing step")
     return p
 
 
@@ -615,6 +680,11 @@ def run(args: argparse.Namespace) -> int:
         minified = minify(src)
     except PackError as exc:
         raise PackError(f"{src_path}: {exc}") from None
+    if args.table:
+        print("| step | minified bytes | compressed bytes | packed bytes |\n|---|---:|---:|---:|")
+        for step, *sizes in size_table(src):
+            print(f"| {step} | " + " | ".join(f"{n:,}" for n in sizes) + " |")
+        return 0
     if args.check is not None:
         try:
             payload = unpack(_read_source(args.check))
