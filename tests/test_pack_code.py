@@ -494,7 +494,7 @@ def test_packed_train_gpt_meets_the_32000_byte_target(packed_train_gpt):
     assert len(packed.encode("utf-8")) <= 32_000
 
 
-def test_legacy_packed_files_are_refused_with_one_line(tmp_path):
+def test_legacy_packed_files_are_refused_with_one_line(tmp_path, capsys):
     import base64
     import lzma
     old = pc.minify(READABLE, rename=False).encode()
@@ -508,6 +508,12 @@ def test_legacy_packed_files_are_refused_with_one_line(tmp_path):
     out.write_text(legacy, encoding="utf-8")
     proc = pack_cli(str(src), "--check", str(out))
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1 and "older packed format" in proc.stderr
+    folder = packed_folder(tmp_path)
+    (folder / "train_gpt.py").write_text(legacy, encoding="utf-8")
+    rc, out = run_check(folder, capsys)
+    assert rc == 1 and [line for line in out.splitlines() if "older packed format" in line] == [
+        f"FAIL: {folder / 'train_gpt.py'}: packed, but an older packed format (LZMA2 + Base85, locals not renamed):"
+        " repack it from the readable source with this scripts/pack_code.py"]
 
 
 def _pythons() -> list[str]:
