@@ -21,8 +21,10 @@ traceback) and the exit status is 1. Checked:
   PACK_CODE=1): its payload decodes (nothing is executed) and parses as
   Python 3.10, train_gpt_readable.py is present, its sha256 is
   submission.json's code_source_sha256 (and code_packed is true), and
-  minify(train_gpt_readable.py) is exactly the payload, so the readable file
-  is the code that ran;
+  minify(train_gpt_readable.py) (local renaming included, re-derived from
+  that source) is exactly the payload, so the readable file is the code that
+  ran; a file in the older LZMA2 + Base85 format is refused with one line
+  (repack it);
 - submission.json is a JSON object whose fields have the types make_record.py
   writes (required: name, blurb, author, github_id non-empty strings; date
   YYYY-MM-DD; val_bpb a positive number; bytes_total a positive integer;
@@ -197,7 +199,7 @@ def check_packed_code(folder: Path) -> list[Problem]:
         data = None
     if not pack_code.is_packed(text):
         if text.startswith(pack_code.WRAPPER_HEAD.split("\n")[0] + "\n"):
-            return [(code, "starts like a packed file but is not the exact two-line wrapper scripts/pack_code.py"
+            return [(code, "starts like a packed file but is not the exact wrapper scripts/pack_code.py"
                            " writes; repack it")]
         if data is not None and data.get("code_packed") is True:
             return [(sub, "field 'code_packed' is true but train_gpt.py is not a packed file")]

@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
-"""Pack a training script into a two-line self-extracting file, so fewer code bytes count toward the cap.
+"""Pack a training script into a self-extracting file, so fewer code bytes count toward the cap.
 
-    python3 scripts/pack_code.py [SRC] [-o OUT] [--check PACKED]
+    python3 scripts/pack_code.py [SRC] [-o OUT] [--check PACKED] [--table]
 
 SRC (default train_gpt.py) is minified (comments, docstrings, blank lines and function-signature annotations
-removed, one space per indentation level, bracketed continuation lines joined), compressed with raw LZMA2 and
-Base85-encoded into a file of two lines: an import of lzma and base64, then an exec of the decoded source.
-Without -o only the sizes are printed. --check PACKED verifies that PACKED is the packed form of SRC
-(compares the decoded payload with minify(SRC); nothing is executed) and exits 1 if not.
+removed, one space per indentation level, bracketed continuation lines joined, function-local variables
+renamed to short names), compressed with ZPAQ and written in base 116 as a bytes literal inside a
+wrapper of two statements: an import of zpaq, then an exec of the decoded source. Without -o only the
+sizes are printed; --table prints them for each packing step. --check PACKED verifies that PACKED is the packed form of
+SRC (compares the decoded payload with minify(SRC); nothing is executed) and exits 1 if not.
 
 Minification is done by text edits located with the standard library's ast and tokenize, never by
 ast.unparse, and is verified: the minified source must parse to the same AST as SRC with its docstrings and
-signature annotations removed. String literals (f-strings included) are copied byte for byte.
+signature annotations removed and the renaming plan applied, and compile to the same instructions on the
+same globals, attributes and constants as the unrenamed text. String literals (f-strings included) are
+copied byte for byte. The renaming plan is derived from SRC alone (rename_plan), so --check re-derives it.
 """
 from __future__ import annotations
 
@@ -19,35 +22,48 @@ import argparse
 import ast
 import base64
 import contextlib
+import dis
+import importlib
 import io
+import itertools
+import keyword
 import lzma
 import os
 import sys
 import tempfile
 import tokenize
+import types
 from pathlib import Path
 
 # The oldest Python the packed file must run on; the wrapper and the payload are both checked against it.
 MIN_PYTHON = (3, 10)
 
-# Raw LZMA2 (no .xz container: no header, footer or check bytes). The decoder in the wrapper names only
-# the filter id, so it gets liblzma's default dictionary (preset 6: 8 MiB). A match may reach back at
-# most the encoder's dictionary size, so the encoder is held to the same 8 MiB: any input then decodes.
-# pb=0 (no 4-byte position alignment: this is text) was measured best on train_gpt.py among lc/lp/pb,
-# nice_len and match finders (see docs/submitting.md, "Packed code"); the rest is preset 9 extreme.
-DECODER_DICT_SIZE = 1 << 23
-LZMA_FILTER = {
-    "id": lzma.FILTER_LZMA2,
-    "preset": 9 | lzma.PRESET_EXTREME,
-    "dict_size": DECODER_DICT_SIZE,
-    "lc": 3,
-    "lp": 0,
-    "pb": 0,
-}
+# The payload is ZPAQ level 5 (one thread: deterministic) of the minified source: PyPI's zpaq, which
+# COMPRESSOR=pergroup uses too. On train_gpt.py it is 17% smaller than brotli and 19% smaller than raw
+# LZMA2 (`--table`; docs/submitting.md, "Packed code"), and decodes in about half a second. A ZPAQ stream carries its own
+# model, so any ZPAQ decoder reads it.
+ZPAQ_LEVEL = 5
+BROTLI_QUALITY, BROTLI_LGWIN = 11, 24  # for `--table`
 
-# The two lines, around the Base85 payload (its alphabet has no quote or backslash).
-WRAPPER_HEAD = "import lzma as L,base64 as B\nexec(L.decompress(B.b85decode(\""
-WRAPPER_TAIL = "\"),format=L.FORMAT_RAW,filters=[{\"id\":L.FILTER_LZMA2}]))\n"
+# ... written as a bytes literal in base 116: each 6 bytes as 7 characters (116**7 >= 2**48) and a last block
+# of r < 6 bytes as r + 1 characters, little-endian. The 116 digits are the ASCII codes 1..127 except CR,
+# the other line breaks of str.splitlines (VT FF FS GS RS), SO/SI and ESC (they garble a terminal that
+# shows the file) and the quote and backslash, so the literal holds them verbatim (1.167 characters a byte;
+# Base85 takes 1.25). The wrapper maps a code c to its digit c-1-5*(c>15)-4*(c>30)-(c>34)-(c>92).
+EXCLUDED_CODES = frozenset({0, 11, 12, 13, 14, 15, 27, 28, 29, 30, 34, 92})
+ALPHABET = bytes(c for c in range(128) if c not in EXCLUDED_CODES)
+BASE, BLOCK = len(ALPHABET), 6
+WRAPPER_HEAD = ("import zpaq as Z\nexec(Z.decompress((lambda s:b\"\".join(sum((c-1-5*(c>15)-4*(c>30)-(c>34)-(c>92))"
+                "*116**i for i,c in enumerate(s[j:j+7])).to_bytes(len(s[j:j+7])-1,\"little\")for j in"
+                " range(0,len(s),7)))(b\"\"\"")
+WRAPPER_TAIL = "\"\"\")))\n"
+
+# Files written before local renaming and ZPAQ: refused with one line (their payload is not today's minify).
+LEGACY_HEAD = "import lzma as L,base64 as B\nexec(L.decompress(B.b85decode(\""
+
+# Raw LZMA2, the format before ZPAQ, kept for `--table`: preset 9 extreme with pb=0 and an 8 MiB dictionary.
+LZMA_FILTER = {"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "dict_size": 1 << 23, "lc": 3, "lp": 0,
+               "pb": 0}
 
 _FSTRING_START = getattr(tokenize, "FSTRING_START", None)  # Python 3.12+ splits f-strings into tokens
 _FSTRING_END = getattr(tokenize, "FSTRING_END", None)
@@ -198,6 +214,205 @@ def _edits(source: _Source, tree: ast.Module) -> tuple[set[int], dict[int, str]]
     return drop, replace
 
 
+# ---------------------------------------------------------------------------
+# Rename function-local names
+
+# A function that calls one of these may read its locals by name: none of its names are renamed.
+_DYNAMIC = frozenset({"locals", "vars", "eval", "exec", "dir"})
+_NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_RESERVED = frozenset(keyword.kwlist) | {"_", "case", "match", "type"}  # never new names (soft keywords: any Python)
+
+
+def _own_identifiers(n: ast.AST) -> set[str]:
+    """The identifiers ``n`` itself (not its children) can name a variable with: a name, an argument, an
+    import, a def/class name, global/nonlocal declarations, except-as and match captures."""
+    if isinstance(n, ast.Name):
+        return {n.id}
+    if isinstance(n, ast.arg):
+        return {n.arg}
+    if isinstance(n, ast.alias):
+        return {(n.asname or n.name).split(".")[0]}
+    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {n.name}
+    if isinstance(n, (ast.Global, ast.Nonlocal)):
+        return set(n.names)
+    if isinstance(n, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and n.name:
+        return {n.name}
+    if isinstance(n, ast.MatchMapping) and n.rest:
+        return {n.rest}
+    return set()
+
+
+def _short_names():
+    """a, b, ..., z, A, ..., Z, aa, ab, ...: the names given to renamed locals, in this order."""
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    for size in range(1, 4):
+        for combo in itertools.product(letters, repeat=size):
+            yield "".join(combo)
+
+
+def _function_scope(fn: ast.AST, visible) -> tuple[list[ast.AST], set[str]]:
+    """The Name and ExceptHandler nodes of ``fn``'s own scope (comprehensions included: their free names are
+    ``fn``'s), and the names that must keep their spelling: parameters, global/nonlocal, imports, def/class
+    names, match captures, comprehension targets, every name a nested function, lambda or class can see
+    (closures: ``visible(node)``) and every name inside an f-string (its text is copied verbatim)."""
+    nodes: list[ast.AST] = []
+    keep = {a.arg for a in _signature_args(fn)}
+    stack = list(reversed(fn.body))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (*_NESTED, ast.JoinedStr)):
+            keep |= visible(node)  # a nested def's decorators and defaults, evaluated here, are kept too
+            continue
+        if isinstance(node, _COMPREHENSIONS):
+            for gen in node.generators:
+                keep |= visible(gen.target)
+        if isinstance(node, (ast.Global, ast.Nonlocal, ast.Import, ast.ImportFrom, ast.MatchAs, ast.MatchStar,
+                             ast.MatchMapping)):
+            keep |= visible(node)
+        if isinstance(node, (ast.Name, ast.ExceptHandler)):
+            nodes.append(node)
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+    return nodes, keep
+
+
+def rename_plan(tree: ast.Module) -> dict[tuple[int, int], dict[str, str]]:
+    """For each function (by its (lineno, col_offset)), the renaming of its local variables to short names.
+
+    Only names the function itself binds (assignment, for/with/except targets, walrus, del) and that nothing
+    else can see: not parameters (a caller may pass them by keyword), not names a nested function, lambda or
+    class can see (closures), not global/nonlocal ones, not names used in f-strings, and nothing at all in a
+    function that calls locals/vars/eval/exec/dir. A new name is one that no identifier under the function
+    uses, except the renamed names themselves and the renamed locals of nested functions (invisible here),
+    so it shadows nothing the function can see. Derived from ``tree`` alone: deterministic, and idempotent
+    (minifying minified code renames nothing more)."""
+    plan: dict[tuple[int, int], dict[str, str]] = {}
+    seen: dict[int, set[str]] = {}
+
+    def visible(node: ast.AST) -> set[str]:
+        """Identifiers under ``node`` that a scope around it must treat as used there."""
+        out: set[str] = set()
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out |= function(n)
+                continue
+            out |= _own_identifiers(n)
+            stack.extend(ast.iter_child_nodes(n))
+        return out
+
+    def function(fn: ast.AST) -> set[str]:
+        """Plans ``fn`` (once); what it shows its surroundings: its identifiers less its renamed locals."""
+        if id(fn) in seen:
+            return seen[id(fn)]
+        identifiers = _own_identifiers(fn).union(*map(visible, ast.iter_child_nodes(fn)))
+        mapping: dict[str, str] = {}
+        if not identifiers & _DYNAMIC:
+            nodes, keep = _function_scope(fn, visible)
+            bound: list[str] = []
+            for n in nodes:
+                name = n.name if isinstance(n, ast.ExceptHandler) else None if isinstance(n.ctx, ast.Load) else n.id
+                if name and name not in keep and not name.startswith("__") and name not in bound:
+                    bound.append(name)
+            taken = identifiers - set(bound)  # the renamed names may swap spellings among themselves
+            fresh = (n for n in _short_names() if n not in taken and n not in _RESERVED)
+            mapping = {name: next(fresh) for name in bound}
+        if mapping:
+            plan[(fn.lineno, fn.col_offset)] = mapping
+        seen[id(fn)] = identifiers - set(mapping) - set(mapping.values())
+        return seen[id(fn)]
+
+    for fn in _functions(tree):
+        function(fn)
+    return plan
+
+
+def _rename_targets(tree: ast.Module, plan: dict[tuple[int, int], dict[str, str]]):
+    """(node, new name) for every Name / ExceptHandler the plan renames."""
+    for fn in _functions(tree):
+        mapping = plan.get((fn.lineno, fn.col_offset))
+        if mapping:
+            for n in _function_scope(fn, lambda node: set())[0]:
+                old = n.name if isinstance(n, ast.ExceptHandler) else n.id
+                if old in mapping:
+                    yield n, mapping[old]
+
+
+def apply_rename(tree: ast.Module, plan: dict[tuple[int, int], dict[str, str]]) -> ast.Module:
+    """``tree`` with the plan's renames made on the nodes (the AST minify's renamed output must parse to)."""
+    for node, new in list(_rename_targets(tree, plan)):
+        if isinstance(node, ast.ExceptHandler):
+            node.name = new
+        else:
+            node.id = new
+    return tree
+
+
+def _rename_edits(source: _Source, tree: ast.Module, plan) -> dict[int, str]:
+    """Token index -> new spelling for the plan's renames."""
+    replace: dict[int, str] = {}
+    for node, new in _rename_targets(tree, plan):
+        if isinstance(node, ast.ExceptHandler):  # `except E as name:`: the NAME after `as`
+            i = source.token_at(node.lineno, node.col_offset)
+            while not (source.tokens[i].string == node.name and source.tokens[i - 1].string == "as"):
+                i += 1
+        else:
+            i = source.token_at(node.lineno, node.col_offset)
+        if source.tokens[i].type != tokenize.NAME or source.tokens[i].string != (
+                node.name if isinstance(node, ast.ExceptHandler) else node.id):
+            raise PackError(f"line {node.lineno}: cannot locate the name to rename")
+        replace[i] = new
+    return replace
+
+
+_LOCAL_OPS = ("FAST", "DEREF", "CLOSURE", "CELL")
+
+
+def _same_code_but_local_names(a, b, pairs: set[tuple[str, str]]) -> bool:
+    """Whether code objects ``a`` (not renamed) and ``b`` (renamed) run the same instructions on the same
+    globals, attributes and constants, differing only in local/cell variable names, one to one, by ``pairs``:
+    a rename that turned a local into a global (or back) or merged two variables would change them. Cells
+    and closures are ordered by name, so MAKE_CELL and LOAD_CLOSURE are compared as a set."""
+    if (a.co_names != b.co_names or a.co_argcount != b.co_argcount or a.co_flags != b.co_flags
+            or a.co_kwonlyargcount != b.co_kwonlyargcount or a.co_nlocals != b.co_nlocals
+            or a.co_varnames[:a.co_argcount + a.co_kwonlyargcount] != b.co_varnames[:b.co_argcount
+                                                                                  + b.co_kwonlyargcount]):
+        return False
+    ia, ib = list(dis.get_instructions(a)), list(dis.get_instructions(b))
+    if len(ia) != len(ib):
+        return False
+    forward: dict[str, str] = {}
+    backward: dict[str, str] = {}
+    cells: tuple[set, set] = (set(), set())
+    for x, y in zip(ia, ib):
+        if x.opname != y.opname:
+            return False
+        if isinstance(x.argval, types.CodeType) and isinstance(y.argval, types.CodeType):
+            continue  # compared through co_consts below
+        if x.opname in ("MAKE_CELL", "LOAD_CLOSURE"):
+            cells[0].add(x.argval)
+            cells[1].add(y.argval)
+        elif any(op in x.opname for op in _LOCAL_OPS):
+            olds = x.argval if isinstance(x.argval, tuple) else (x.argval,)
+            news = y.argval if isinstance(y.argval, tuple) else (y.argval,)
+            if len(olds) != len(news):
+                return False
+            for o, n in zip(olds, news):
+                if forward.setdefault(o, n) != n or backward.setdefault(n, o) != o or (o != n and (o, n) not in pairs):
+                    return False
+        elif x.argval != y.argval:
+            return False
+    if {forward.get(c, c) for c in cells[0]} != cells[1]:
+        return False
+    ca = [c for c in a.co_consts if isinstance(c, types.CodeType)]
+    cb = [c for c in b.co_consts if isinstance(c, types.CodeType)]
+    plain = [c for c in a.co_consts if not isinstance(c, types.CodeType)]
+    return (plain == [c for c in b.co_consts if not isinstance(c, types.CodeType)] and len(ca) == len(cb)
+            and all(_same_code_but_local_names(x, y, pairs) for x, y in zip(ca, cb)))
+
+
 def _needs_space(prev: str, prev_type: int, nxt: str, nxt_type: int) -> bool:
     if not prev or not nxt:
         return False
@@ -256,9 +471,9 @@ def _dump(tree: ast.AST) -> str:
     return ast.dump(tree, include_attributes=False)
 
 
-def minify(src: str) -> str:
+def minify(src: str, rename: bool = True) -> str:
     """The same program in fewer bytes (see the module docstring); raises PackError if ``src`` does not parse
-    or the result would not be the same program."""
+    or the result would not be the same program. ``rename=False`` keeps local names (for `--table`)."""
     try:
         tree = ast.parse(src)
     except SyntaxError as exc:
@@ -270,15 +485,22 @@ def minify(src: str) -> str:
     except (tokenize.TokenError, SyntaxError) as exc:
         raise PackError(f"cannot tokenize: {exc}") from None
     drop, replace = _edits(source, tree)
-    result = "".join(_emit_lines(source, drop, replace))
-    expected = _dump(strip_reference(tree))
+    plan = rename_plan(tree) if rename else {}
+    renamed = {**replace, **_rename_edits(source, tree, plan)}
+    stripped = "".join(_emit_lines(source, drop, replace))
+    result = "".join(_emit_lines(source, drop, renamed))
+    expected = _dump(apply_rename(strip_reference(tree), plan))
     try:
         got = _dump(ast.parse(result))
     except SyntaxError as exc:
         raise PackError(f"minified source does not parse: {exc.msg} (line {exc.lineno}); a minify bug") from None
     if got != expected:
         raise PackError("minified source is a different program (AST differs from the source's with docstrings"
-                        " and signature annotations removed); a minify bug")
+                        " and signature annotations removed and its locals renamed); a minify bug")
+    pairs = {pair for mapping in plan.values() for pair in mapping.items()}
+    if not _same_code_but_local_names(compile(stripped, "<minified>", "exec", dont_inherit=True),
+                                      compile(result, "<minified>", "exec", dont_inherit=True), pairs):
+        raise PackError("renaming locals changed the compiled code beyond local names; a minify bug")
     return result
 
 
@@ -286,17 +508,52 @@ def minify(src: str) -> str:
 # Pack / unpack
 
 
-def compress(data: bytes, filter_spec: dict | None = None) -> bytes:
-    return lzma.compress(data, format=lzma.FORMAT_RAW, filters=[filter_spec or LZMA_FILTER])
+def _module(name: str):
+    """zpaq or brotli, imported here: minify and the checks of the wrapper need neither."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise PackError(f"packing needs the {name} package: pip install {name}") from None
+
+
+def compress(data: bytes) -> bytes:
+    return _module("zpaq").compress(data, ZPAQ_LEVEL, threads=1, hints=False)
+
+
+def b116encode(data: bytes) -> str:
+    """``data`` in base 116 (see ALPHABET): 7 characters per 6 bytes, r + 1 for a last block of r bytes."""
+    out = []
+    for j in range(0, len(data), BLOCK):
+        block = data[j:j + BLOCK]
+        n = int.from_bytes(block, "little")
+        for _ in range(len(block) + 1):
+            n, digit = divmod(n, BASE)
+            out.append(ALPHABET[digit])
+    return bytes(out).decode("ascii")
+
+
+def b116decode(text: str) -> bytes:
+    """The inverse of b116encode; PackError for a character outside ALPHABET or a block that overflows."""
+    raw = text.encode("ascii", errors="replace")
+    digits = {c: d for d, c in enumerate(ALPHABET)}
+    if len(raw) % (BLOCK + 1) == 1 or not set(raw) <= digits.keys():
+        raise PackError("payload is not base 116")
+    out = bytearray()
+    for j in range(0, len(raw), BLOCK + 1):
+        chunk = raw[j:j + BLOCK + 1]
+        n = sum(digits[c] * BASE ** i for i, c in enumerate(chunk))
+        if n >= 256 ** (len(chunk) - 1):
+            raise PackError("payload is not base 116: a block overflows")
+        out += n.to_bytes(len(chunk) - 1, "little")
+    return bytes(out)
 
 
 def _decode(payload: str) -> str:
     """What the wrapper's exec receives, decoded as Python does (UTF-8)."""
+    zpaq = _module("zpaq")
     try:
-        raw = lzma.decompress(base64.b85decode(payload), format=lzma.FORMAT_RAW,
-                              filters=[{"id": lzma.FILTER_LZMA2}])
-        return raw.decode("utf-8")
-    except (ValueError, lzma.LZMAError) as exc:  # bad Base85, corrupt stream, not UTF-8
+        return zpaq.decompress(b116decode(payload)).decode("utf-8")
+    except (zpaq.Error, UnicodeDecodeError) as exc:  # corrupt stream, not UTF-8
         raise PackError(f"payload does not decode: {exc}") from None
 
 
@@ -305,13 +562,13 @@ def _wrap(payload: str) -> str:
 
 
 def pack_minified(minified: str) -> str:
-    """The two-line file for an already minified source; checked to decode back to it."""
+    """The packed file for an already minified source; checked to decode back to it."""
     try:
         ast.parse(minified, feature_version=MIN_PYTHON)
     except SyntaxError as exc:
         raise PackError(f"does not parse as Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]}: {exc.msg}"
                         f" (line {exc.lineno})") from None
-    packed = _wrap(base64.b85encode(compress(minified.encode("utf-8"))).decode("ascii"))
+    packed = _wrap(b116encode(compress(minified.encode("utf-8"))))
     ast.parse(packed, feature_version=MIN_PYTHON)
     if unpack(packed) != minified:
         raise PackError("packed file does not decode back to the minified source")
@@ -319,23 +576,22 @@ def pack_minified(minified: str) -> str:
 
 
 def pack(src: str) -> str:
-    """Two lines: import lzma and base64, then exec the minified ``src`` from raw LZMA2 + Base85."""
+    """The self-extracting file: import zpaq, then exec the minified ``src`` from ZPAQ + base 116."""
     if is_packed(src):
         raise PackError("already packed")
     return pack_minified(minify(src))
 
 
 def _payload_literal(text: str) -> str:
-    """The Base85 string of a packed file; PackError unless the file is exactly the wrapper around it."""
-    try:
-        tree = ast.parse(text, feature_version=MIN_PYTHON)
-    except (SyntaxError, ValueError):
-        raise PackError("not a packed file: does not parse") from None
-    consts = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
-    payloads = [c for c in consts if c != "id"]
-    if len(payloads) != 1 or text != _wrap(payloads[0]):
-        raise PackError("not a packed file: not the two-line wrapper pack_code.py writes")
-    return payloads[0]
+    """The base-116 payload of a packed file; PackError unless the file is exactly the wrapper around it."""
+    if text.startswith(LEGACY_HEAD):
+        raise PackError("an older packed format (LZMA2 + Base85, locals not renamed): repack it from the readable"
+                        " source with this scripts/pack_code.py")
+    payload = text[len(WRAPPER_HEAD):len(text) - len(WRAPPER_TAIL)]
+    if (not text.startswith(WRAPPER_HEAD) or not text.endswith(WRAPPER_TAIL)
+            or len(text) < len(WRAPPER_HEAD) + len(WRAPPER_TAIL) or not set(payload.encode("utf-8")) <= set(ALPHABET)):
+        raise PackError("not a packed file: not the wrapper pack_code.py writes")
+    return payload
 
 
 def unpack(packed_text: str) -> str:
@@ -344,14 +600,38 @@ def unpack(packed_text: str) -> str:
 
 
 def is_packed(text: str) -> bool:
-    """True if ``text`` is the two-line wrapper (whether or not its payload decodes)."""
-    if not text.startswith(WRAPPER_HEAD):
-        return False
+    """True if ``text`` is the wrapper (whether or not its payload decodes), or the older LZMA2 + Base85 one."""
+    if text.startswith(LEGACY_HEAD):
+        return True
     try:
         _payload_literal(text)
     except PackError:
         return False
     return True
+
+
+def size_table(src: str) -> list[tuple[str, int, int, int]]:
+    """(step, minified bytes, compressed bytes, packed bytes) for the packing steps one at a time: the older
+    format (local names kept, raw LZMA2, Base85), then brotli, local renaming, base 116 and ZPAQ in turn."""
+    def b85_file(head: str, data: bytes, tail: str) -> int:
+        return len(head) + len(base64.b85encode(data)) + len(tail)
+
+    kept, renamed = (minify(src, rename=r).encode("utf-8") for r in (False, True))
+    lz = lzma.compress(kept, format=lzma.FORMAT_RAW, filters=[LZMA_FILTER])
+    legacy_tail = "\"),format=L.FORMAT_RAW,filters=[{\"id\":L.FILTER_LZMA2}]))\n"
+    head85, tail85 = "import brotli as B,base64 as A\nexec(B.decompress(A.b85decode(\"", "\")))\n"
+    head116 = WRAPPER_HEAD.replace("zpaq as Z", "brotli as B").replace("Z.decompress", "B.decompress")
+    rows = [("locals kept, LZMA2, Base85 (the older format)", kept, lz, b85_file(LEGACY_HEAD, lz, legacy_tail))]
+    brotli = _module("brotli")
+    for text in (kept, renamed):
+        data = brotli.compress(text, quality=BROTLI_QUALITY, lgwin=BROTLI_LGWIN)
+        step = f"locals {'renamed' if text is renamed else 'kept'}, brotli, Base85"
+        rows.append((step, text, data, b85_file(head85, data, tail85)))
+    rows.append(("locals renamed, brotli, base 116", renamed, data, len(head116 + b116encode(data) + WRAPPER_TAIL)))
+    data = compress(renamed)
+    rows.append(("locals renamed, ZPAQ, base 116 (this format)", renamed, data,
+                 len(_wrap(b116encode(data)).encode("utf-8"))))
+    return [(step, len(text), len(data), packed) for step, text, data, packed in rows]
 
 
 # ---------------------------------------------------------------------------
@@ -387,6 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=Path, help="write the packed file here (atomically)")
     p.add_argument("--check", type=Path, metavar="PACKED",
                    help="verify that PACKED is the packed form of SRC (nothing is executed); exit 1 if not")
+    p.add_argument("--table", action="store_true",
+                   help="print minified, compressed and packed bytes of SRC for each packing step")
     return p
 
 
@@ -405,6 +687,11 @@ def run(args: argparse.Namespace) -> int:
         minified = minify(src)
     except PackError as exc:
         raise PackError(f"{src_path}: {exc}") from None
+    if args.table:
+        print("| step | minified bytes | compressed bytes | packed bytes |\n|---|---:|---:|---:|")
+        for step, *sizes in size_table(src):
+            print(f"| {step} | " + " | ".join(f"{n:,}" for n in sizes) + " |")
+        return 0
     if args.check is not None:
         try:
             payload = unpack(_read_source(args.check))
