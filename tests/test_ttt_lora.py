@@ -341,10 +341,10 @@ def test_full_batches_reuse_reset_adapters_and_others_get_fresh_ones(setup, monk
     h, model, state = setup
     seen, inner = [], tg.lora_ttt_batch
 
-    def spy(rt, model_, val_tokens, luts, batch, lora, opt, sums, per_token=None):
+    def spy(rt, model_, val_tokens, luts, batch, lora, opt, sums, *rest):
         seen.append((len(batch), id(lora), {k: v.clone() for k, v in lora.A.items()},
                      all(not b.any() for b in lora.B.values()), len(opt.state)))
-        inner(rt, model_, val_tokens, luts, batch, lora, opt, sums, per_token)
+        inner(rt, model_, val_tokens, luts, batch, lora, opt, sums, *rest)
         seen[-1] += ({k: v.clone() for k, v in lora.A.items()},)
 
     monkeypatch.setattr(tg, "lora_ttt_batch", spy)
