@@ -4049,34 +4049,38 @@ def lora_forward(rt, model):
     return model.forward_logits, "eager"
 
 
-def warm_lora_ttt(rt, model, forward):
-    """One LoRA TTT step (forward, backward, AdamW) per chunk width the evaluation will see first (each chunk size
-    of TTT_CHUNK_SIZE and TTT_CHUNK_SIZE_BY_DOC_LEN, and the full context) on random tokens with throwaway adapters,
-    before the eval timer, as the 04-27/04-30 records do: compilation is not scored time (SPEC-FRONTIER 18). The
-    model's weights and every generator the evaluation uses stay untouched. Returns the widths."""
+def warm_lora_ttt(rt, model, forward, batch_sizes):
+    """One LoRA TTT step (forward, backward, AdamW) on random tokens with throwaway adapters for each chunk width the
+    evaluation starts with (each chunk size of TTT_CHUNK_SIZE and TTT_CHUNK_SIZE_BY_DOC_LEN, and the full context)
+    at TTT_BATCH_SIZE rows, and at the first width for each other batch size of the queue (a compiled forward
+    meets every shape it will see), before the eval timer, as the 04-27/04-30 records do: compilation is not
+    scored time (SPEC-FRONTIER 18). The model's weights and every generator the evaluation uses stay untouched.
+    Returns [(rows, width)] warmed."""
     h = rt.h
     L = h.ttt_eval_seq_len or h.eval_seq_len
     widths = sorted({min(c, L) for c in [h.ttt_chunk_size] + [c for _, c in h.ttt_chunk_steps]} | {L})
+    shapes = [(h.ttt_batch_size, w) for w in widths]
+    shapes += [(n, widths[0]) for n in sorted(set(batch_sizes) - {h.ttt_batch_size})]
     g = torch.Generator().manual_seed(h.seed)
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
     model.eval()
-    lora = LoRAAdapters(h.ttt_batch_size, model, h, g).to(rt.device)
-    opt = torch.optim.AdamW(lora.parameters(), lr=h.ttt_lora_lr, fused=rt.device.type == "cuda")
     try:
-        for width in widths:
-            ids = torch.randint(0, h.vocab_size, (h.ttt_batch_size, width + 1), generator=g).to(rt.device)
+        for rows, width in shapes:
+            lora = LoRAAdapters(rows, model, h, g).to(rt.device)
+            opt = torch.optim.AdamW(lora.parameters(), lr=h.ttt_lora_lr, fused=rt.device.type == "cuda")
+            # x and y drawn apart: x must not be a view (a graph compiled for a view's input guards on its base)
+            x, y = (torch.randint(0, h.vocab_size, (rows, width), generator=g).to(rt.device) for _ in range(2))
             with rt.autocast():
-                logits = forward(ids[:, :-1], lora=lora)
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)).backward()
+                logits = forward(x, lora=lora)
+            F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
             opt.step()
     finally:
         for p, requires in frozen:
             p.requires_grad_(requires)
     rt.sync()
-    return widths
+    return shapes
 
 
 def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None):
@@ -4247,9 +4251,10 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
         stage("evaluation (warming the LoRA TTT step)")
         lora_fn, how = lora_forward(rt, model)
         t0 = time.perf_counter()
-        widths = warm_lora_ttt(rt, model, lora_fn)
-        rt.log(f"ttt_lora_warmup: forward:{how} widths:{widths} time:{time.perf_counter() - t0:.1f}s "
-               "(random tokens, before the TTT timer)")
+        sizes = [len(b) for _, b in lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)]
+        shapes = warm_lora_ttt(rt, model, lora_fn, sizes)
+        rt.log(f"ttt_lora_warmup: forward:{how} shapes:{' '.join(f'{n}x{w}' for n, w in shapes)} "
+               f"time:{time.perf_counter() - t0:.1f}s (random tokens, before the TTT timer)")
         ttt_s = timed("legal_ttt", lambda: eval_ttt_lora(rt, model, val_tokens, luts, forward=lora_fn))
     elif h.ttt_enabled:
         ttt_s = timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts))

@@ -15,6 +15,7 @@ from conftest import config_error
 from test_model_0427 import NARROW, NEWEST, _randomise, _record_h, _to_record_names, import_record, record_0427  # noqa: F401
 
 CPU = torch.device("cpu")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
 # 04-27 model, narrow; TTT at toy scale: chunks of 16 tokens, windows of 64, batches of 3 documents.
 LORA_ENV = {**NEWEST, **NARROW, "NUM_LAYERS": "5", "LOOP_START": "1", "LOOP_END": "2", "XSA_LAST_N": "5",
             "PARALLEL_RESIDUAL_START": "3", "TTT_MODE": "lora", "TTT_CHUNK_SIZE": "16", "TTT_EVAL_SEQ_LEN": "64",
@@ -447,7 +448,7 @@ def run_ranks(tmp_path, env, fault="", timeout=120):
 def test_two_gloo_ranks_give_the_totals_of_one_process(setup, tmp_path):
     """With phases (PHASE_ENV: segments [0,2), [2,3), [3,4); rank 1 idle in the last two) and A drawn afresh per
     batch (TTT_WARM_START_A=0, so no batch depends on which rank ran the one before): the 2-rank nll sum equals the
-    1-process one to float rounding, the token and byte counts exactly. Fails if a phase came a batch late, a
+    1-process one to float rounding (1e-6), the token and byte counts exactly. Fails if a phase came a batch late, a
     batch ran twice or not at all, or the A draws depended on the rank's history."""
     h, model, state = setup
     env = {**LORA_ENV, **PHASE_ENV, "TTT_WARM_START_A": "0"}
@@ -458,7 +459,7 @@ def test_two_gloo_ranks_give_the_totals_of_one_process(setup, tmp_path):
     tokens = stream()
     one, _ = run_lora(tg.Hyperparameters(env), model, tokens, luts_for(tokens, True))
     assert torch.equal(two[1:], one[1:])
-    assert float(two[0]) == pytest.approx(float(one[0]), rel=1e-9)
+    assert float(two[0]) == pytest.approx(float(one[0]), rel=1e-6)
 
 
 @pytest.mark.parametrize("fault", ["exit", "stall"])
@@ -487,7 +488,8 @@ LORA_RUN = {"TTT_MODE": "lora", "TTT_BATCH_SIZE": "8", "TTT_CHUNK_SIZE": "32", "
 
 def test_eval_only_repeats_the_lora_run_and_logs_the_ttt_loop_and_the_whole_evaluation(sample_data, tmp_path):
     """The run that writes the artifact and EVAL_ONLY of it print the same legal_ttt_exact line. Both log the
-    warmup (eager on CPU; widths 16, 32 and the 128 context) and evaluation_time, whose ttt_loop is the legal_ttt
+    warmup (eager on CPU; 8 rows at widths 16, 32 and the 128 context, the last batch's 5 rows at 16) and
+    evaluation_time, whose ttt_loop is the legal_ttt
     eval_time and whose total is larger; EVAL_ONLY with MAX_WALLCLOCK_SECONDS=0.001 (the limit the warning
     derives from) warns once for each, the run without a limit never."""
     import re
@@ -502,7 +504,7 @@ def test_eval_only_repeats_the_lora_run_and_logs_the_ttt_loop_and_the_whole_eval
         assert proc.returncode == 0, proc.stderr[-3000:]
         logs[name] = read_log(tmp_path / name, name)
     for name, log in logs.items():
-        assert re.search(r"^ttt_lora_warmup: forward:eager widths:\[16, 32, 128\] time:\d+\.\ds \(", log, re.M)
+        assert re.search(r"^ttt_lora_warmup: forward:eager shapes:8x16 8x32 8x128 5x16 time:\d+\.\ds \(", log, re.M)
         assert re.search(r"^ttt_lora_phase:2/2 ", log, re.M)
         ms = int(re.search(r"^legal_ttt val_loss:\S+ val_bpb:\S+ eval_time:(\d+)ms$", log, re.M).group(1))
         loop, total = map(float, re.search(r"^evaluation_time: ttt_loop:(\d+\.\d)s total:(\d+\.\d)s$", log,
