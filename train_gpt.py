@@ -4183,7 +4183,8 @@ def lora_ttt_assignment(n, world_size):
     the run that wrote the artifact. Dealing longest-first batches in turn costs little balance: while a batch's
     cost falls with its queue position, the ranks' totals in a segment differ by at most one batch's cost.
     Nothing is exchanged while scoring; the ranks meet only in the phases' gradient all-reduces and the final
-    all_reduce of the sums, where a dead rank makes the others fail within DIST_TIMEOUT_SECONDS."""
+    all_reduce of the sums, where a dead rank makes the others fail within DIST_TIMEOUT_SECONDS of getting there
+    (each first finishes its own batches of the segment)."""
     return [list(range(r, n, world_size)) for r in range(world_size)]
 
 
