@@ -12,9 +12,10 @@ import torch
 
 import train_gpt as tg
 from conftest import config_error
-from test_model_0427 import NARROW, NEWEST, _randomise, _record_h, _to_record_names, record_0427  # noqa: F401
+from test_model_0427 import NARROW, NEWEST, _randomise, _record_h, _to_record_names, import_record, record_0427  # noqa: F401
 
 CPU = torch.device("cpu")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
 # 04-27 model, narrow; TTT at toy scale: chunks of 16 tokens, windows of 64, batches of 3 documents.
 LORA_ENV = {**NEWEST, **NARROW, "NUM_LAYERS": "5", "LOOP_START": "1", "LOOP_END": "2", "XSA_LAST_N": "5",
             "PARALLEL_RESIDUAL_START": "3", "TTT_MODE": "lora", "TTT_CHUNK_SIZE": "16", "TTT_EVAL_SEQ_LEN": "64",
@@ -63,6 +64,48 @@ def run_lora(h, model, tokens, luts):
 
 # ---------------------------------------------------------------------------------------------- the record's code
 
+def record_totals(record, h, state, tokens, luts, sidecar, **settings):
+    """(val_loss, val_bpb) of the record's own eval_val_ttt_phased on our weights (fp32, CPU), its hyperparameters
+    as imported with `settings` and the toy TTT scale on top; A from the global generator seeded with SEED."""
+    shape = _record_h(record, h)
+    shape.parallel_start_layer = h.parallel_residual_start
+    theirs = record.GPT(shape)
+    theirs.load_state_dict(_to_record_names(state), strict=True)
+    theirs.looping_active = True
+    rh = SimpleNamespace(**{k: getattr(record.Hyperparameters, k) for k in dir(record.Hyperparameters)
+                            if not k.startswith("_")})
+    rh.__dict__.update(phased_ttt_prefix_docs=0, phased_ttt_num_phases=1, ttt_chunk_size=16, ttt_eval_seq_len=64,
+                       ttt_batch_size=3, ttt_lora_rank=4, ttt_lora_lr=0.001, rank=0, world_size=1,
+                       run_id=f"pytest_ttt_lora_{os.getpid()}", ttt_eval_batches="", val_doc_fraction=1.0, **settings)
+    assert record.BatchedLinearLoRA._ALPHA == h.ttt_lora_alpha == 144.0
+    assert record.BatchedLinearLoRA._WARM_START_A and h.ttt_warm_start_a
+    assert (rh.ttt_beta1, rh.ttt_beta2, rh.ttt_weight_decay) == (h.ttt_beta1, h.ttt_beta2, h.ttt_weight_decay)
+    val_data = SimpleNamespace(val_tokens=tokens.long(), caseops_enabled=sidecar, val_bytes=luts.sidecar,
+                               base_bytes_lut=luts.base_bytes, has_leading_space_lut=luts.has_leading_space,
+                               is_boundary_token_lut=luts.is_boundary)
+    torch.manual_seed(h.seed)
+    try:
+        return record.eval_val_ttt_phased(rh, theirs, CPU, val_data,
+                                          lambda x, y, lora: theirs.forward_ttt(x, y, lora=lora))
+    finally:
+        for name in ("counter", "prefix_counter", "pause_flag"):
+            if os.path.exists(f"/tmp/ttt_{name}_{rh.run_id}"):
+                os.remove(f"/tmp/ttt_{name}_{rh.run_id}")
+
+
+def assert_matches_record(want, model, state, tokens, luts, env, changes):
+    """Our totals with `env` equal the record's `want`; each of `changes` (env overrides) moves them away by more
+    than 5x the tolerance."""
+    model.load_state_dict(state)
+    got = tg.eval_ttt_lora(tg.Runtime(tg.Hyperparameters(env), CPU, False, True, None), model, tokens, luts)
+    assert got == pytest.approx(want, rel=2e-6, abs=0), (got, want)
+    for change in changes:
+        model.load_state_dict(state)
+        other = tg.eval_ttt_lora(tg.Runtime(tg.Hyperparameters({**env, **change}), CPU, False, True, None),
+                                 model, tokens, luts)
+        assert abs(other[0] - want[0]) > 1e-5 * want[0], change
+
+
 @pytest.mark.parametrize("sidecar", [False, True])
 def test_totals_equal_the_04_27_records_doc_lora_ttt(record_0427, setup, sidecar):
     """Same weights, same A draws (SEED on the global generator for the record, ours from a generator with SEED),
@@ -70,42 +113,51 @@ def test_totals_equal_the_04_27_records_doc_lora_ttt(record_0427, setup, sidecar
     h, model, state = setup
     tokens = stream()[:-5]  # the record's last document must have a target; it has no tail handling
     luts = luts_for(tokens, sidecar)
-    shape = _record_h(record_0427, h)
-    shape.parallel_start_layer = h.parallel_residual_start
-    theirs = record_0427.GPT(shape)
-    theirs.load_state_dict(_to_record_names(state), strict=True)
-    theirs.looping_active = True
-    rh = SimpleNamespace(**{k: getattr(record_0427.Hyperparameters, k) for k in dir(record_0427.Hyperparameters)
-                            if not k.startswith("_")})
-    rh.__dict__.update(phased_ttt_prefix_docs=0, phased_ttt_num_phases=1, ttt_chunk_size=16, ttt_eval_seq_len=64,
-                       ttt_batch_size=3, ttt_lora_rank=4, ttt_lora_lr=0.001, rank=0, world_size=1,
-                       run_id=f"pytest_ttt_lora_{os.getpid()}", ttt_eval_batches="", val_doc_fraction=1.0)
-    assert record_0427.BatchedLinearLoRA._ALPHA == h.ttt_lora_alpha == 144.0
-    assert record_0427.BatchedLinearLoRA._WARM_START_A and h.ttt_warm_start_a
-    assert (rh.ttt_beta1, rh.ttt_beta2, rh.ttt_weight_decay) == (h.ttt_beta1, h.ttt_beta2, h.ttt_weight_decay)
-    val_data = SimpleNamespace(val_tokens=tokens.long(), caseops_enabled=sidecar, val_bytes=luts.sidecar,
-                               base_bytes_lut=luts.base_bytes, has_leading_space_lut=luts.has_leading_space,
-                               is_boundary_token_lut=luts.is_boundary)
-    torch.manual_seed(h.seed)
-    try:
-        want = record_0427.eval_val_ttt_phased(rh, theirs, CPU, val_data,
-                                               lambda x, y, lora: theirs.forward_ttt(x, y, lora=lora))
-    finally:
-        for name in ("counter", "prefix_counter", "pause_flag"):
-            if os.path.exists(f"/tmp/ttt_{name}_{rh.run_id}"):
-                os.remove(f"/tmp/ttt_{name}_{rh.run_id}")
-    model.load_state_dict(state)
-    rt = tg.Runtime(h, CPU, False, True, None)
-    got = tg.eval_ttt_lora(rt, model, tokens, luts)
-    assert got == pytest.approx(want, rel=2e-6, abs=0), (got, want)
+    want = record_totals(record_0427, h, state, tokens, luts, sidecar)
     # The test can fail: training moves the totals by far more than the tolerance, and so does A redrawn at every
     # reset instead of kept (TTT_WARM_START_A=0). (At lr 0.01 the two codes drift apart by ~4e-4: AdamW with
     # beta1 0 and eps 1e-10 turns rounding-level gradient differences into full-size steps.)
-    for env in ({"TTT_LORA_LR": "1e-12"}, {"TTT_WARM_START_A": "0"}):
-        model.load_state_dict(state)
-        other = tg.eval_ttt_lora(tg.Runtime(tg.Hyperparameters({**LORA_ENV, **env}), CPU, False, True, None),
-                                 model, tokens, luts)
-        assert abs(other[0] - want[0]) > 1e-4 * want[0]
+    assert_matches_record(want, model, state, tokens, luts, LORA_ENV,
+                          ({"TTT_LORA_LR": "1e-12"}, {"TTT_WARM_START_A": "0"}))
+
+
+# The 04-30 record's TTT (#2014) at toy scale: no Q/V adapters, LoRA LR x0.75, chunk 4 for batches whose longest
+# document has <= 20 tokens, 8 for <= 45, else 16 (the batches here: longest 17, 41, 91 tokens).
+ENV_0430 = {**LORA_ENV, "TTT_LORA_TARGETS": "k,o,mlp,head", "TTT_LOCAL_LR_MULT": "0.75",
+            "TTT_CHUNK_SIZE_BY_DOC_LEN": "45:8, 20:4"}
+
+
+@pytest.fixture(scope="module")
+def record_0430():
+    """The 04-30 record's script as shipped, imported with its logged hyperparameters in the environment."""
+    return import_record("record_0430")
+
+
+def test_totals_equal_the_04_30_records_doc_lora_ttt_with_short_doc_chunks(record_0430, setup):
+    """The 04-30 record's eval_val_ttt_phased with its TTT_MASK=no_qv, TTT_LOCAL_LR_MULT and short-document
+    score-first chunks (TTT_SHORT_SCORE_FIRST_STEPS) against ours with TTT_LORA_TARGETS, TTT_LOCAL_LR_MULT and
+    TTT_CHUNK_SIZE_BY_DOC_LEN; sidecar bytes (its CaseOps path). Fails without either new setting."""
+    h, model, state = setup
+    assert (record_0430.Hyperparameters.ttt_q_lora, record_0430.Hyperparameters.ttt_v_lora) == (False, False)
+    assert record_0430.Hyperparameters.ttt_local_lr_mult == 0.75
+    assert [len(b) for _, b in tg.lora_ttt_queue(tg.lora_ttt_documents(stream()[:-5]), 3)] == [3, 3, 3]
+    tokens = stream()[:-5]
+    luts = luts_for(tokens, True)
+    want = record_totals(record_0430, tg.Hyperparameters(ENV_0430), state, tokens, luts, True,
+                         ttt_short_score_first_enabled=True, ttt_short_score_first_steps="20:4,45:8")
+    assert_matches_record(want, model, state, tokens, luts, ENV_0430,
+                          ({"TTT_LOCAL_LR_MULT": "0.1"}, {"TTT_CHUNK_SIZE_BY_DOC_LEN": ""}))
+
+
+def test_chunk_size_by_doc_len_picks_the_first_bound_holding_the_longest_doc():
+    h = tg.Hyperparameters({**LORA_ENV, "TTT_CHUNK_SIZE_BY_DOC_LEN": "2000:24,256:8"})
+    assert h.ttt_chunk_steps == [(256, 8), (2000, 24)]
+    for lens, chunk in (([10, 256], 8), ([257], 24), ([3, 2000], 24), ([2001], 16)):
+        assert tg.lora_ttt_chunk_size(h, [(0, n) for n in lens]) == chunk
+    assert tg.lora_ttt_chunk_size(tg.Hyperparameters(LORA_ENV), [(0, 5)]) == 16
+    for bad in ("256", "256:0", "a:8", "256:8;2000:24", "-1:4"):
+        assert "TTT_CHUNK_SIZE_BY_DOC_LEN" in config_error({"TTT_CHUNK_SIZE_BY_DOC_LEN": bad})
+    assert "TTT_LOCAL_LR_MULT" in config_error({"TTT_LOCAL_LR_MULT": "0"})
 
 
 # ---------------------------------------------------------------------------------------------- legality
@@ -290,10 +342,10 @@ def test_full_batches_reuse_reset_adapters_and_others_get_fresh_ones(setup, monk
     h, model, state = setup
     seen, inner = [], tg.lora_ttt_batch
 
-    def spy(rt, model_, val_tokens, luts, batch, lora, opt, sums, per_token=None):
+    def spy(rt, model_, val_tokens, luts, batch, lora, opt, sums, *rest):
         seen.append((len(batch), id(lora), {k: v.clone() for k, v in lora.A.items()},
                      all(not b.any() for b in lora.B.values()), len(opt.state)))
-        inner(rt, model_, val_tokens, luts, batch, lora, opt, sums, per_token)
+        inner(rt, model_, val_tokens, luts, batch, lora, opt, sums, *rest)
         seen[-1] += ({k: v.clone() for k, v in lora.A.items()},)
 
     monkeypatch.setattr(tg, "lora_ttt_batch", spy)
@@ -316,3 +368,150 @@ def test_lora_settings_are_validated():
                       ({"TTT_LORA_TARGETS": "q,q"}, "TTT_LORA_TARGETS"), ({"TTT_LORA_RANK": "0"}, "TTT_LORA_RANK"),
                       ({"TTT_CHUNK_SIZE": "0"}, "TTT_CHUNK_SIZE")):
         assert name in config_error(env)
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+
+def test_segments_end_at_the_batch_reaching_each_boundary_and_batches_are_dealt_in_turn():
+    sizes = [1, 3, 3, 3]  # the queue of the 10 toy documents
+    assert tg.lora_ttt_segments(sizes, []) == [(0, 4)]
+    assert tg.lora_ttt_segments(sizes, [2, 5]) == [(0, 2), (2, 3), (3, 4)]
+    assert tg.lora_ttt_segments(sizes, [3, 4]) == [(0, 2), (2, 3), (3, 4)]  # one batch starts at most one phase
+    assert tg.lora_ttt_segments(sizes, [10]) == [(0, 4)]  # reached by the last batch: no phase after it
+    assert tg.lora_ttt_segments(sizes, [1, 4, 7, 10]) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert tg.lora_ttt_assignment(5, 2) == [[0, 2, 4], [1, 3]]
+    assert tg.lora_ttt_assignment(1, 3) == [[0], [], []]
+
+
+def rank_main(out, fault):
+    """One rank of the 2-process tests (run in a fresh process, its settings in os.environ): the toy model and
+    stream of this module, lora_ttt_sums through setup_runtime's gloo group, the summed totals saved to `out`.
+    fault "exit" / "stall": after its first batch rank 1 writes the time to `out`.fault, then exits / sleeps."""
+    import time
+    h = tg.Hyperparameters()
+    rt = tg.setup_runtime(h)
+    model = tg.GPT(h)
+    _randomise(model, seed=5)
+    model.looping = True
+    tokens = stream()
+    if fault and h.rank == 1:
+        inner = tg.lora_ttt_batch
+
+        def fail(*args):
+            inner(*args)
+            with open(f"{out}.fault", "w") as f:
+                f.write(repr(time.time()))
+            if fault == "exit":
+                os._exit(3)
+            time.sleep(60)
+        tg.lora_ttt_batch = fail
+    sums = tg.lora_ttt_sums(rt, model, tokens, luts_for(tokens, True))
+    torch.save(rt.all_reduce(sums), out)
+
+
+def run_ranks(tmp_path, env, fault="", timeout=120):
+    """Launches rank_main on 2 gloo ranks; waits for rank 0 (and rank 1 unless it stalls); returns
+    [(returncode, stderr, wall-clock end or None)] per rank."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    from conftest import REPO, clean_environ
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; import test_ttt_lora as t; "
+            f"t.rank_main(sys.argv[1], {fault!r})")
+    procs, t0 = [], time.perf_counter()
+    for rank in range(2):
+        full = {**clean_environ(), **env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DEVICE": "cpu",
+                "AUTOCAST_DTYPE": "fp32", "OMP_NUM_THREADS": "1", "RUN_ID": "ranks"}
+        with open(tmp_path / f"err{rank}.txt", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, "-c", code, str(tmp_path / f"sums{rank}.pt")],
+                                          cwd=tmp_path, env=full, stderr=err))
+    ended = [None, None]
+    try:
+        while (ended[0] is None or ended[1] is None and fault != "stall") and time.perf_counter() - t0 < timeout:
+            for rank, p in enumerate(procs):
+                if ended[rank] is None and p.poll() is not None:
+                    ended[rank] = time.time()
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, (tmp_path / f"err{r}.txt").read_text(), ended[r]) for r, p in enumerate(procs)]
+
+
+def test_two_gloo_ranks_give_the_totals_of_one_process(setup, tmp_path):
+    """With phases (PHASE_ENV: segments [0,2), [2,3), [3,4); rank 1 idle in the last two) and A drawn afresh per
+    batch (TTT_WARM_START_A=0, so no batch depends on which rank ran the one before): the 2-rank nll sum equals the
+    1-process one to float rounding (1e-6), the token and byte counts exactly. Fails if a phase came a batch late, a
+    batch ran twice or not at all, or the A draws depended on the rank's history."""
+    h, model, state = setup
+    env = {**LORA_ENV, **PHASE_ENV, "TTT_WARM_START_A": "0"}
+    results = run_ranks(tmp_path, env)
+    assert all(rc == 0 for rc, _, _ in results), [err[-2000:] for _, err, _ in results]
+    two = torch.load(tmp_path / "sums0.pt")
+    model.load_state_dict(state)
+    tokens = stream()
+    one, _ = run_lora(tg.Hyperparameters(env), model, tokens, luts_for(tokens, True))
+    assert torch.equal(two[1:], one[1:])
+    assert float(two[0]) == pytest.approx(float(one[0]), rel=1e-6)
+
+
+@pytest.mark.parametrize("fault", ["exit", "stall"])
+def test_a_rank_that_dies_or_stalls_mid_ttt_makes_the_other_fail_within_the_timeout(tmp_path, fault):
+    """Rank 1 exits (or hangs) after its first batch; rank 0 then waits in the first phase's gradient all-reduce
+    and must fail, not hang, within DIST_TIMEOUT_SECONDS of that (gloo sees an exit at once; a stall takes the
+    timeout, which setup_runtime hands to the process group)."""
+    import ast
+    timeout = 4
+    results = run_ranks(tmp_path, {**LORA_ENV, **PHASE_ENV, "DIST_TIMEOUT_SECONDS": str(timeout)}, fault)
+    (rc0, err0, end0), (rc1, _, _) = results
+    assert end0 is not None and rc0 != 0 and (rc1 == 3 if fault == "exit" else True), err0[-2000:]
+    assert "global_sgd_phase" in err0 and not (tmp_path / "sums0.pt").exists()
+    faulted = ast.literal_eval((tmp_path / "sums1.pt.fault").read_text())
+    assert end0 - faulted < timeout + 2, (end0, faulted)
+
+
+# ---------------------------------------------------------------------------------------------- the script
+
+# The tiny CPU run of conftest with TTT_MODE=lora on 8192 sample val targets (37 documents, 5 batches), with phases
+# and a short-document chunk size, so that the warmup has three widths.
+LORA_RUN = {"TTT_MODE": "lora", "TTT_BATCH_SIZE": "8", "TTT_CHUNK_SIZE": "32", "TTT_LORA_RANK": "4",
+            "TTT_LORA_LR": "0.001", "EVAL_STRIDE": "0", "PHASED_TTT_PREFIX_DOCS": "12", "PHASED_TTT_NUM_PHASES": "2",
+            "TTT_CHUNK_TOKENS": "512", "TTT_EPOCHS": "1", "TTT_CHUNK_SIZE_BY_DOC_LEN": "100:16", "OMP_NUM_THREADS": "1"}
+
+
+def test_eval_only_repeats_the_lora_run_and_logs_the_ttt_loop_and_the_whole_evaluation(sample_data, tmp_path):
+    """The run that writes the artifact and EVAL_ONLY of it print the same legal_ttt_exact line. Both log the
+    warmup (eager on CPU; 8 rows at widths 16, 32 and the 128 context, the last batch's 5 rows at 16) and
+    evaluation_time, whose ttt_loop is the legal_ttt
+    eval_time and whose total is larger; EVAL_ONLY with MAX_WALLCLOCK_SECONDS=0.001 (the limit the warning
+    derives from) warns once for each, the run without a limit never."""
+    import re
+    from conftest import TINY_ENV, read_log, run_training, short_val_data
+    (tmp_path / "data").mkdir()
+    env = {**TINY_ENV, **short_val_data(sample_data, tmp_path / "data", 8193), **LORA_RUN}
+    logs = {}
+    for name, extra in (("train", {}), ("eval", {"MAX_WALLCLOCK_SECONDS": "0.001",
+                                                 "EVAL_ONLY": str(tmp_path / "train" / "final_model.int6.ptz")})):
+        (tmp_path / name).mkdir()
+        proc = run_training({**env, **extra, "RUN_ID": name}, tmp_path / name)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logs[name] = read_log(tmp_path / name, name)
+    for name, log in logs.items():
+        assert re.search(r"^ttt_lora_warmup: forward:eager shapes:8x16 8x32 8x128 5x16 time:\d+\.\ds \(", log, re.M)
+        assert re.search(r"^ttt_lora_phase:2/2 ", log, re.M)
+        ms = int(re.search(r"^legal_ttt val_loss:\S+ val_bpb:\S+ eval_time:(\d+)ms$", log, re.M).group(1))
+        loop, total = map(float, re.search(r"^evaluation_time: ttt_loop:(\d+\.\d)s total:(\d+\.\d)s$", log,
+                                           re.M).groups())
+        assert abs(loop - ms / 1000) <= 0.051 and total >= loop
+        warnings = re.findall(r"^warning: (the TTT loop|the whole evaluation) took \S+s, over the 0.001s evaluation "
+                              r"limit of this track \(MAX_WALLCLOCK_SECONDS\)$", log, re.M)
+        assert warnings == ([] if name == "train" else ["the TTT loop", "the whole evaluation"])
+    same = [re.search(r"^legal_ttt_exact .*$", log, re.M).group(0) for log in logs.values()]
+    assert same[0] == same[1]
