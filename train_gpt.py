@@ -123,6 +123,20 @@ def file_name_max(folder):
         return 255
 
 
+def parse_chunk_steps(raw):
+    """TTT_CHUNK_SIZE_BY_DOC_LEN "N1:C1,N2:C2,..." -> [(N, C)] sorted by N (SPEC-FRONTIER 19, #2014's
+    TTT_SHORT_SCORE_FIRST_STEPS): a batch whose longest document has <= N tokens uses chunk C (the first N that
+    fits), a longer one TTT_CHUNK_SIZE. "" -> []."""
+    steps = []
+    for item in filter(None, raw.replace(" ", "").split(",")):
+        n, _, c = item.partition(":")
+        if not (n.isdigit() and c.isdigit() and int(n) > 0 and int(c) > 0):
+            raise ConfigError(f"TTT_CHUNK_SIZE_BY_DOC_LEN={raw!r} must look like '256:8,2000:24' (doc length:chunk "
+                              "size, positive integers)")
+        steps.append((int(n), int(c)))
+    return sorted(steps)
+
+
 class Hyperparameters:
     """Every setting of a run. Reads the environment when constructed and validates it, before any work.
 
@@ -305,6 +319,9 @@ class Hyperparameters:
         self.ttt_eval_seq_len = self._env("TTT_EVAL_SEQ_LEN", 0)  # 0: EVAL_SEQ_LEN
         self.phased_ttt_prefix_docs = self._env("PHASED_TTT_PREFIX_DOCS", 0)  # 0: no global SGD phases
         self.phased_ttt_num_phases = self._env("PHASED_TTT_NUM_PHASES", 1)
+        # ---- document LoRA TTT, the 04-30 record's additions (issue 20; SPEC-FRONTIER 19, #2014)
+        self.ttt_local_lr_mult = self._env("TTT_LOCAL_LR_MULT", 1.0, float)
+        self.ttt_chunk_size_by_doc_len = self._env("TTT_CHUNK_SIZE_BY_DOC_LEN", "", str)  # "": TTT_CHUNK_SIZE
         # ---- fused Triton kernels (issue 21, SPEC-FRONTIER 15): training only, eager where they cannot run
         self.fused_mlp = self._env("FUSED_MLP", False, bool)
         self.fused_ce = self._env("FUSED_CE", False, bool)
@@ -536,6 +553,8 @@ class Hyperparameters:
             need(getattr(self, name.lower()) > 0, f"{name}={getattr(self, name.lower())} must be > 0")
         need(self.ttt_eval_seq_len >= 0, f"TTT_EVAL_SEQ_LEN={self.ttt_eval_seq_len} must be >= 0 (0: EVAL_SEQ_LEN)")
         need(0 <= self.ttt_beta1 < 1 and 0 <= self.ttt_beta2 < 1, "TTT_BETA1 and TTT_BETA2 must be in [0, 1)")
+        need(self.ttt_local_lr_mult > 0, f"TTT_LOCAL_LR_MULT={self.ttt_local_lr_mult} must be > 0")
+        self.ttt_chunk_steps = parse_chunk_steps(self.ttt_chunk_size_by_doc_len)
         targets = self.ttt_lora_targets.split(",")
         need(targets != [""] and set(targets) <= set(LORA_TARGETS) and len(set(targets)) == len(targets),
              f"TTT_LORA_TARGETS={self.ttt_lora_targets!r} must be distinct names among {','.join(LORA_TARGETS)}")
@@ -4011,12 +4030,20 @@ def lora_ttt_chunk(batch, ci, chunk, seq_len):
     return starts, lens, offs, counts, width, ci * chunk - max(0, (ci + 1) * chunk - seq_len)
 
 
+def lora_ttt_chunk_size(h, batch):
+    """The chunk size of a document batch: TTT_CHUNK_SIZE, or with TTT_CHUNK_SIZE_BY_DOC_LEN the chunk of the first
+    step whose length bound holds the batch's longest document (its tokens from its BOS through the next BOS, as
+    lora_ttt_documents counts them); the 04-30 record's short-document score-first chunks (#2014, SPEC-FRONTIER 19)."""
+    longest = max(n for _, n in batch)
+    return next((c for bound, c in h.ttt_chunk_steps if longest <= bound), h.ttt_chunk_size)
+
+
 def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token=None):
-    """Score-first doc-LoRA TTT of one document batch (SPEC-FRONTIER 14, 18): for each chunk, one forward of every
-    doc's window through the model with its row's LoRA; the chunk's per-token losses and bytes are added to sums;
-    then, if any doc has chunks left, one optimizer step on the sum over those docs of their chunk's mean loss (a
-    doc's last chunk is never trained on)."""
-    h, dev, C = rt.h, rt.device, rt.h.ttt_chunk_size
+    """Score-first doc-LoRA TTT of one document batch (SPEC-FRONTIER 14, 18): for each chunk (lora_ttt_chunk_size),
+    one forward of every doc's window through the model with its row's LoRA; the chunk's per-token losses and bytes
+    are added to sums; then, if any doc has chunks left, one optimizer step on the sum over those docs of their
+    chunk's mean loss (a doc's last chunk is never trained on)."""
+    h, dev, C = rt.h, rt.device, lora_ttt_chunk_size(rt.h, batch)
     L = h.ttt_eval_seq_len or h.eval_seq_len
     num_chunks = torch.tensor([-(-(n - 1) // C) for _, n in batch])
     for ci in range(int(num_chunks.max())):
@@ -4067,13 +4094,14 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None):
 
     def fresh(bsz):
         lora = LoRAAdapters(bsz, model, h, gen).to(dev)
-        return lora, torch.optim.AdamW(lora.parameters(), lr=h.ttt_lora_lr, betas=(h.ttt_beta1, h.ttt_beta2),
+        return lora, torch.optim.AdamW(lora.parameters(), lr=h.ttt_lora_lr * h.ttt_local_lr_mult, betas=(h.ttt_beta1, h.ttt_beta2),
                                        eps=1e-10, weight_decay=h.ttt_weight_decay, fused=dev.type == "cuda")
 
     rt.log(f"ttt_lora: docs:{sum(len(b) for _, b in queue_)} batches:{len(queue_)} rank:{h.ttt_lora_rank} "
            f"alpha:{h.ttt_lora_alpha} targets:{h.ttt_lora_targets} chunk:{h.ttt_chunk_size} "
            f"context:{h.ttt_eval_seq_len or h.eval_seq_len} warm_start_a:{int(h.ttt_warm_start_a)} forward:eager "
-           f"phase_boundaries:{boundaries}")
+           f"phase_boundaries:{boundaries} lr:{h.ttt_lora_lr * h.ttt_local_lr_mult:g} "
+           f"chunk_by_doc_len:{h.ttt_chunk_size_by_doc_len or '-'}")
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)

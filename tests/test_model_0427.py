@@ -62,19 +62,25 @@ def record_0409(tmp_path_factory):
     return _import_module("record_0409_train_gpt", path, {})
 
 
-@pytest.fixture(scope="module")
-def record_0427():
-    """The 04-27 record's script as shipped, imported with its logged hyperparameters in the environment."""
+def import_record(name):
+    """A record's script as shipped (FRONTIER/name/train_gpt.py), imported with its logged hyperparameters
+    (FRONTIER/name_hparams.txt) in the environment."""
     _needs_frontier()
     pytest.importorskip("triton")
     env = {}
-    for line in (FRONTIER / "record_0427_hparams.txt").read_text(encoding="utf-8").splitlines():
+    for line in (FRONTIER / f"{name}_hparams.txt").read_text(encoding="utf-8").splitlines():
         if line and not line.startswith("#"):
             key, _, value = line.partition(": ")
             env[key.upper()] = {"True": "1", "False": "0"}.get(value, value)
-    module = _import_module("record_0427_train_gpt", FRONTIER / "record_0427" / "train_gpt.py", env)
+    module = _import_module(f"{name}_train_gpt", FRONTIER / name / "train_gpt.py", env)
     module.BOS_ID = 1  # set by its loader, which a test does not run
     return module
+
+
+@pytest.fixture(scope="module")
+def record_0427():
+    """The 04-27 record's script as shipped, imported with its logged hyperparameters in the environment."""
+    return import_record("record_0427")
 
 
 def _randomise(model, seed=0):

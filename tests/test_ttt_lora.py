@@ -12,7 +12,7 @@ import torch
 
 import train_gpt as tg
 from conftest import config_error
-from test_model_0427 import NARROW, NEWEST, _randomise, _record_h, _to_record_names, record_0427  # noqa: F401
+from test_model_0427 import NARROW, NEWEST, _randomise, _record_h, _to_record_names, import_record, record_0427  # noqa: F401
 
 CPU = torch.device("cpu")
 # 04-27 model, narrow; TTT at toy scale: chunks of 16 tokens, windows of 64, batches of 3 documents.
@@ -63,6 +63,48 @@ def run_lora(h, model, tokens, luts):
 
 # ---------------------------------------------------------------------------------------------- the record's code
 
+def record_totals(record, h, state, tokens, luts, sidecar, **settings):
+    """(val_loss, val_bpb) of the record's own eval_val_ttt_phased on our weights (fp32, CPU), its hyperparameters
+    as imported with `settings` and the toy TTT scale on top; A from the global generator seeded with SEED."""
+    shape = _record_h(record, h)
+    shape.parallel_start_layer = h.parallel_residual_start
+    theirs = record.GPT(shape)
+    theirs.load_state_dict(_to_record_names(state), strict=True)
+    theirs.looping_active = True
+    rh = SimpleNamespace(**{k: getattr(record.Hyperparameters, k) for k in dir(record.Hyperparameters)
+                            if not k.startswith("_")})
+    rh.__dict__.update(phased_ttt_prefix_docs=0, phased_ttt_num_phases=1, ttt_chunk_size=16, ttt_eval_seq_len=64,
+                       ttt_batch_size=3, ttt_lora_rank=4, ttt_lora_lr=0.001, rank=0, world_size=1,
+                       run_id=f"pytest_ttt_lora_{os.getpid()}", ttt_eval_batches="", val_doc_fraction=1.0, **settings)
+    assert record.BatchedLinearLoRA._ALPHA == h.ttt_lora_alpha == 144.0
+    assert record.BatchedLinearLoRA._WARM_START_A and h.ttt_warm_start_a
+    assert (rh.ttt_beta1, rh.ttt_beta2, rh.ttt_weight_decay) == (h.ttt_beta1, h.ttt_beta2, h.ttt_weight_decay)
+    val_data = SimpleNamespace(val_tokens=tokens.long(), caseops_enabled=sidecar, val_bytes=luts.sidecar,
+                               base_bytes_lut=luts.base_bytes, has_leading_space_lut=luts.has_leading_space,
+                               is_boundary_token_lut=luts.is_boundary)
+    torch.manual_seed(h.seed)
+    try:
+        return record.eval_val_ttt_phased(rh, theirs, CPU, val_data,
+                                          lambda x, y, lora: theirs.forward_ttt(x, y, lora=lora))
+    finally:
+        for name in ("counter", "prefix_counter", "pause_flag"):
+            if os.path.exists(f"/tmp/ttt_{name}_{rh.run_id}"):
+                os.remove(f"/tmp/ttt_{name}_{rh.run_id}")
+
+
+def assert_matches_record(want, model, state, tokens, luts, env, changes):
+    """Our totals with `env` equal the record's `want`; each of `changes` (env overrides) moves them away by more
+    than 5x the tolerance."""
+    model.load_state_dict(state)
+    got = tg.eval_ttt_lora(tg.Runtime(tg.Hyperparameters(env), CPU, False, True, None), model, tokens, luts)
+    assert got == pytest.approx(want, rel=2e-6, abs=0), (got, want)
+    for change in changes:
+        model.load_state_dict(state)
+        other = tg.eval_ttt_lora(tg.Runtime(tg.Hyperparameters({**env, **change}), CPU, False, True, None),
+                                 model, tokens, luts)
+        assert abs(other[0] - want[0]) > 1e-5 * want[0], change
+
+
 @pytest.mark.parametrize("sidecar", [False, True])
 def test_totals_equal_the_04_27_records_doc_lora_ttt(record_0427, setup, sidecar):
     """Same weights, same A draws (SEED on the global generator for the record, ours from a generator with SEED),
@@ -70,42 +112,51 @@ def test_totals_equal_the_04_27_records_doc_lora_ttt(record_0427, setup, sidecar
     h, model, state = setup
     tokens = stream()[:-5]  # the record's last document must have a target; it has no tail handling
     luts = luts_for(tokens, sidecar)
-    shape = _record_h(record_0427, h)
-    shape.parallel_start_layer = h.parallel_residual_start
-    theirs = record_0427.GPT(shape)
-    theirs.load_state_dict(_to_record_names(state), strict=True)
-    theirs.looping_active = True
-    rh = SimpleNamespace(**{k: getattr(record_0427.Hyperparameters, k) for k in dir(record_0427.Hyperparameters)
-                            if not k.startswith("_")})
-    rh.__dict__.update(phased_ttt_prefix_docs=0, phased_ttt_num_phases=1, ttt_chunk_size=16, ttt_eval_seq_len=64,
-                       ttt_batch_size=3, ttt_lora_rank=4, ttt_lora_lr=0.001, rank=0, world_size=1,
-                       run_id=f"pytest_ttt_lora_{os.getpid()}", ttt_eval_batches="", val_doc_fraction=1.0)
-    assert record_0427.BatchedLinearLoRA._ALPHA == h.ttt_lora_alpha == 144.0
-    assert record_0427.BatchedLinearLoRA._WARM_START_A and h.ttt_warm_start_a
-    assert (rh.ttt_beta1, rh.ttt_beta2, rh.ttt_weight_decay) == (h.ttt_beta1, h.ttt_beta2, h.ttt_weight_decay)
-    val_data = SimpleNamespace(val_tokens=tokens.long(), caseops_enabled=sidecar, val_bytes=luts.sidecar,
-                               base_bytes_lut=luts.base_bytes, has_leading_space_lut=luts.has_leading_space,
-                               is_boundary_token_lut=luts.is_boundary)
-    torch.manual_seed(h.seed)
-    try:
-        want = record_0427.eval_val_ttt_phased(rh, theirs, CPU, val_data,
-                                               lambda x, y, lora: theirs.forward_ttt(x, y, lora=lora))
-    finally:
-        for name in ("counter", "prefix_counter", "pause_flag"):
-            if os.path.exists(f"/tmp/ttt_{name}_{rh.run_id}"):
-                os.remove(f"/tmp/ttt_{name}_{rh.run_id}")
-    model.load_state_dict(state)
-    rt = tg.Runtime(h, CPU, False, True, None)
-    got = tg.eval_ttt_lora(rt, model, tokens, luts)
-    assert got == pytest.approx(want, rel=2e-6, abs=0), (got, want)
+    want = record_totals(record_0427, h, state, tokens, luts, sidecar)
     # The test can fail: training moves the totals by far more than the tolerance, and so does A redrawn at every
     # reset instead of kept (TTT_WARM_START_A=0). (At lr 0.01 the two codes drift apart by ~4e-4: AdamW with
     # beta1 0 and eps 1e-10 turns rounding-level gradient differences into full-size steps.)
-    for env in ({"TTT_LORA_LR": "1e-12"}, {"TTT_WARM_START_A": "0"}):
-        model.load_state_dict(state)
-        other = tg.eval_ttt_lora(tg.Runtime(tg.Hyperparameters({**LORA_ENV, **env}), CPU, False, True, None),
-                                 model, tokens, luts)
-        assert abs(other[0] - want[0]) > 1e-4 * want[0]
+    assert_matches_record(want, model, state, tokens, luts, LORA_ENV,
+                          ({"TTT_LORA_LR": "1e-12"}, {"TTT_WARM_START_A": "0"}))
+
+
+# The 04-30 record's TTT (#2014) at toy scale: no Q/V adapters, LoRA LR x0.75, chunk 4 for batches whose longest
+# document has <= 20 tokens, 8 for <= 45, else 16 (the batches here: longest 17, 41, 91 tokens).
+ENV_0430 = {**LORA_ENV, "TTT_LORA_TARGETS": "k,o,mlp,head", "TTT_LOCAL_LR_MULT": "0.75",
+            "TTT_CHUNK_SIZE_BY_DOC_LEN": "45:8, 20:4"}
+
+
+@pytest.fixture(scope="module")
+def record_0430():
+    """The 04-30 record's script as shipped, imported with its logged hyperparameters in the environment."""
+    return import_record("record_0430")
+
+
+def test_totals_equal_the_04_30_records_doc_lora_ttt_with_short_doc_chunks(record_0430, setup):
+    """The 04-30 record's eval_val_ttt_phased with its TTT_MASK=no_qv, TTT_LOCAL_LR_MULT and short-document
+    score-first chunks (TTT_SHORT_SCORE_FIRST_STEPS) against ours with TTT_LORA_TARGETS, TTT_LOCAL_LR_MULT and
+    TTT_CHUNK_SIZE_BY_DOC_LEN; sidecar bytes (its CaseOps path). Fails without either new setting."""
+    h, model, state = setup
+    assert (record_0430.Hyperparameters.ttt_q_lora, record_0430.Hyperparameters.ttt_v_lora) == (False, False)
+    assert record_0430.Hyperparameters.ttt_local_lr_mult == 0.75
+    assert [len(b) for _, b in tg.lora_ttt_queue(tg.lora_ttt_documents(stream()[:-5]), 3)] == [3, 3, 3]
+    tokens = stream()[:-5]
+    luts = luts_for(tokens, True)
+    want = record_totals(record_0430, tg.Hyperparameters(ENV_0430), state, tokens, luts, True,
+                         ttt_short_score_first_enabled=True, ttt_short_score_first_steps="20:4,45:8")
+    assert_matches_record(want, model, state, tokens, luts, ENV_0430,
+                          ({"TTT_LOCAL_LR_MULT": "0.1"}, {"TTT_CHUNK_SIZE_BY_DOC_LEN": ""}))
+
+
+def test_chunk_size_by_doc_len_picks_the_first_bound_holding_the_longest_doc():
+    h = tg.Hyperparameters({**LORA_ENV, "TTT_CHUNK_SIZE_BY_DOC_LEN": "2000:24,256:8"})
+    assert h.ttt_chunk_steps == [(256, 8), (2000, 24)]
+    for lens, chunk in (([10, 256], 8), ([257], 24), ([3, 2000], 24), ([2001], 16)):
+        assert tg.lora_ttt_chunk_size(h, [(0, n) for n in lens]) == chunk
+    assert tg.lora_ttt_chunk_size(tg.Hyperparameters(LORA_ENV), [(0, 5)]) == 16
+    for bad in ("256", "256:0", "a:8", "256:8;2000:24", "-1:4"):
+        assert "TTT_CHUNK_SIZE_BY_DOC_LEN" in config_error({"TTT_CHUNK_SIZE_BY_DOC_LEN": bad})
+    assert "TTT_LOCAL_LR_MULT" in config_error({"TTT_LOCAL_LR_MULT": "0"})
 
 
 # ---------------------------------------------------------------------------------------------- legality
