@@ -104,7 +104,8 @@ PRESETS["record_0427"] = {
 }
 # The 2026-04-30 row (#2014, 1.05759; SPEC-FRONTIER 19): #1855 plus AWQ-lite, QK gain 5.25, progressive training
 # context 1024 -> 2048 -> 3072 with a 32-step LR re-warmup, context 3072 in evaluation and TTT, the tail scored,
-# K/O/MLP/head LoRA only (TTT_MASK=no_qv), batches of 24 documents, one phase.
+# K/O/MLP/head LoRA only (TTT_MASK=no_qv) at 0.75x the LoRA LR, chunks of 8 / 24 tokens for batches whose longest
+# document has <= 256 / 2000 tokens, batches of 24 documents, one phase.
 PRESETS["record_0430"] = {
     **PRESETS["record_0427"],
     "QK_GAIN_INIT": "5.25", "TRAIN_SEQ_LEN": "3072", "ROPE_TRAIN_SEQ_LEN": "3072",
@@ -112,6 +113,7 @@ PRESETS["record_0430"] = {
     "EVAL_SEQ_LEN": "3072", "EVAL_STRIDE": "1536", "EVAL_INCLUDE_TAIL": "1", "GPTQ_RESERVE_SECONDS": "4",
     "AWQ_LITE": "1", "AWQ_LITE_BITS": "8", "AWQ_LITE_GROUP": "64", "AWQ_LITE_TOP_K": "1",
     "TTT_LORA_TARGETS": "k,o,mlp,head", "TTT_BATCH_SIZE": "24", "PHASED_TTT_NUM_PHASES": "1",
+    "TTT_LOCAL_LR_MULT": "0.75", "TTT_CHUNK_SIZE_BY_DOC_LEN": "256:8,2000:24",
 }
 
 

@@ -5,10 +5,8 @@ list of names we do not map and why; the presets' models and document LoRA TTT a
 EVAL_ONLY reproducing the final scores."""
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,24 +15,13 @@ import torch
 import train_gpt as tg
 from conftest import REPO, read_log, run_training
 from test_documents import caseops_sample  # noqa: F401 (fixture: the vocab-8192 CaseOps sample)
-from test_model_0427 import FRONTIER, _import_module, _needs_frontier, _randomise, _record_h, _rel, _to_record_names
+from test_model_0427 import FRONTIER, _needs_frontier, _randomise, _record_h, _rel, _to_record_names
 from test_model_0427 import record_0427  # noqa: F401 (fixture)
-from test_ttt_lora import luts_for, stream
+from test_ttt_lora import assert_matches_record, luts_for, record_0430, record_totals, stream  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
 CPU = torch.device("cpu")
 DOCS = REPO / "docs" / "presets.md"
-
-
-@pytest.fixture(scope="module")
-def record_0430():
-    """#2014's script as shipped, imported with its logged hyperparameters in the environment (as record_0427)."""
-    _needs_frontier()
-    pytest.importorskip("triton")
-    env = {k.upper(): {"True": "1", "False": "0"}.get(v, v) for k, v in logged("record_0430").items()}
-    module = _import_module("record_0430_train_gpt", FRONTIER / "record_0430" / "train_gpt.py", env)
-    module.BOS_ID = 1  # set by its loader, which a test does not run
-    return module
 
 
 def logged(record):
@@ -80,7 +67,8 @@ SAME = {
     "train_log_every": "TRAIN_LOG_EVERY", "train_seq_len": "TRAIN_SEQ_LEN", "ttt_batch_size": "TTT_BATCH_SIZE",
     "ttt_beta1": "TTT_BETA1", "ttt_beta2": "TTT_BETA2", "ttt_chunk_size": "TTT_CHUNK_SIZE",
     "ttt_enabled": "TTT_ENABLED", "ttt_lora_lr": "TTT_LORA_LR", "ttt_lora_rank": "TTT_LORA_RANK",
-    "ttt_weight_decay": "TTT_WEIGHT_DECAY", "val_batch_tokens": "VAL_BATCH_SIZE", "val_loss_every": "VAL_LOSS_EVERY",
+    "ttt_weight_decay": "TTT_WEIGHT_DECAY", "ttt_local_lr_mult": "TTT_LOCAL_LR_MULT",
+    "ttt_short_score_first_steps": "TTT_CHUNK_SIZE_BY_DOC_LEN", "val_batch_tokens": "VAL_BATCH_SIZE", "val_loss_every": "VAL_LOSS_EVERY",
     "vocab_size": "VOCAB_SIZE", "warmdown_frac": "WARMDOWN_FRAC", "warmup_steps": "WARMUP_STEPS",
     "xsa_last_n": "XSA_LAST_N", "eval_include_tail": "EVAL_INCLUDE_TAIL", "seq_change_warmup_steps":
     "SEQ_LEN_REWARMUP_STEPS", "warmdown_iters": "WARMDOWN_ITERS", "awq_lite_enabled": "AWQ_LITE",
@@ -123,6 +111,7 @@ DERIVED = {
     "compile_shape_warmup": (lambda h: bool(h.seq_len_phases) and h.warmup_steps > 0,
                              "our warmup runs every scheduled cut length in every loop mode (and, compiled, every "
                              "cu_seqlens bucket) before the timer, whenever there is a schedule"),
+    "ttt_short_score_first_enabled": (lambda h: bool(h.ttt_chunk_steps), "TTT_CHUNK_SIZE_BY_DOC_LEN set"),
     "grad_accum_steps": (lambda h: h.grad_accum_steps, "8 // WORLD_SIZE, as the record (checked at WORLD_SIZE=8)"),
     "world_size": (lambda h: h.world_size, "torchrun's WORLD_SIZE (checked at 8)"),
 }
@@ -160,9 +149,6 @@ UNMAPPED = {
     "ttt_warm_start_mean_doc_len": "off feature: ttt_warm_start_mean_enabled False",
     "ttt_warm_start_mean_enabled": "off feature: False",
     "ttt_warm_start_mean_momentum": "off feature: ttt_warm_start_mean_enabled False",
-    "ttt_local_lr_mult": "pending issue 20: TTT_LOCAL_LR_MULT (0.75)",
-    "ttt_short_score_first_enabled": "pending issue 20: TTT_CHUNK_SIZE_BY_DOC_LEN set",
-    "ttt_short_score_first_steps": "pending issue 20: TTT_CHUNK_SIZE_BY_DOC_LEN (256:8,2000:24)",
 }
 
 
@@ -225,8 +211,7 @@ UNMAPPED_BY_RECORD["record_0430"] = UNMAPPED_BY_RECORD["record_0427"] + [
     "midrun_cap_log_updates", "midrun_cap_schedule", "ttt_short_beta2", "ttt_short_lora_enabled",
     "ttt_short_lora_lr", "ttt_short_lora_rank", "ttt_short_weight_decay", "ttt_short_chunk_size",
     "ttt_short_doc_len", "ttt_train_max_doc_len", "ttt_train_min_doc_len", "ttt_warm_start_mean_doc_len",
-    "ttt_warm_start_mean_enabled", "ttt_warm_start_mean_momentum", "ttt_local_lr_mult",
-    "ttt_short_score_first_enabled", "ttt_short_score_first_steps"]
+    "ttt_warm_start_mean_enabled", "ttt_warm_start_mean_momentum"]
 
 
 def test_the_mapping_can_fail():
@@ -319,61 +304,31 @@ def test_record_0430_preset_logits_equal_the_records_at_its_3072_context(record_
 
 # ---------------------------------------------------------------------------------------------- document LoRA TTT
 
-# Both presets' TTT at toy scale: 5 narrow layers looped, chunks of 16, windows of 64, batches of 3 documents, rank 4,
-# LR 0.001 (training then moves the totals far beyond the tolerance); phases off (the records' global SGD runs their
-# CUDA-only fused MLP). Everything else is the preset's on our side and the logged value on the record's.
+# Both presets' TTT at test_ttt_lora's toy scale (record_totals): 5 narrow layers looped, chunks of 16, windows of 64,
+# batches of 3 documents, rank 4, LR 0.001; phases off (the records' global SGD runs their CUDA-only fused MLP). #2014's
+# chunk steps scaled to these documents: 4 tokens for batches whose longest document has <= 20, 8 for <= 45.
+# Everything else is the preset's on our side and the logged value on the record's.
 TTT_SCALE = {"NUM_LAYERS": "5", "LOOP_START": "1", "LOOP_END": "2", "XSA_LAST_N": "5", "PARALLEL_RESIDUAL_START": "3",
              "TTT_CHUNK_SIZE": "16", "TTT_EVAL_SEQ_LEN": "64", "TTT_BATCH_SIZE": "3", "TTT_LORA_RANK": "4",
              "TTT_LORA_LR": "0.001", "PHASED_TTT_PREFIX_DOCS": "0", "SEED": "7"}
-# Values our settings cannot express yet (issue 20 adds TTT_LOCAL_LR_MULT and TTT_CHUNK_SIZE_BY_DOC_LEN): the
-# record runs with its own defaults for them until then.
-RECORD_PENDING = {"record_0427": {}, "record_0430": {"ttt_local_lr_mult": 1.0, "ttt_short_score_first_enabled": False}}
-
-
-def _record_ttt_totals(module, preset, h, state, tokens, luts):
-    """The record's own eval_val_ttt_phased on `tokens` with its logged settings at TTT_SCALE."""
-    shape = _record_h(module, h)
-    shape.parallel_start_layer = h.parallel_residual_start
-    theirs = module.GPT(shape)
-    theirs.load_state_dict(_to_record_names(state), strict=False)
-    theirs.looping_active = True
-    rh = SimpleNamespace(**{k: getattr(module.Hyperparameters, k) for k in dir(module.Hyperparameters)
-                            if not k.startswith("_")})
-    rh.__dict__.update(phased_ttt_prefix_docs=0, ttt_chunk_size=h.ttt_chunk_size, ttt_eval_seq_len=h.ttt_eval_seq_len,
-                       ttt_batch_size=h.ttt_batch_size, ttt_lora_rank=h.ttt_lora_rank, ttt_lora_lr=h.ttt_lora_lr,
-                       rank=0, world_size=1, run_id=f"pytest_presets_{os.getpid()}", **RECORD_PENDING[preset])
-    assert (module.BatchedLinearLoRA._ALPHA, module.BatchedLinearLoRA._WARM_START_A) == (144.0, True)
-    val_data = SimpleNamespace(val_tokens=tokens.long(), caseops_enabled=True, val_bytes=luts.sidecar,
-                               base_bytes_lut=luts.base_bytes, has_leading_space_lut=luts.has_leading_space,
-                               is_boundary_token_lut=luts.is_boundary)
-    torch.manual_seed(h.seed)
-    try:
-        return module.eval_val_ttt_phased(rh, theirs, CPU, val_data,
-                                          lambda x, y, lora: theirs.forward_ttt(x, y, lora=lora))
-    finally:
-        for name in ("counter", "prefix_counter", "pause_flag"):
-            if os.path.exists(f"/tmp/ttt_{name}_{rh.run_id}"):
-                os.remove(f"/tmp/ttt_{name}_{rh.run_id}")
+SHORT_STEPS = {"record_0427": {}, "record_0430": {"TTT_CHUNK_SIZE_BY_DOC_LEN": "20:4,45:8"}}
 
 
 @pytest.mark.parametrize("preset", ["record_0427", "record_0430"])
 def test_preset_ttt_totals_equal_the_records_own_ttt_eval(request, preset):
-    """Same weights, same A draws, fp32, sidecar bytes: the record's document LoRA TTT against ours (for #2014: Q
-    and V adapters off, TTT_MASK=no_qv)."""
+    """Same weights, same A draws, fp32, sidecar bytes: the record's own document LoRA TTT with its logged settings
+    against ours with the preset's (#2014: no Q/V adapters, LoRA LR x0.75, short-document chunks). Fails with the
+    other preset's adapter targets."""
     module = request.getfixturevalue(preset)
-    h = tg.Hyperparameters({"PRESET": preset, **NARROW, **TTT_SCALE})
+    env = {"PRESET": preset, **NARROW, **TTT_SCALE, **SHORT_STEPS[preset]}
+    h = tg.Hyperparameters(env)
     model = tg.GPT(h)
     _randomise(model, seed=5)
     model.looping = True
     state = {k: v.clone() for k, v in model.state_dict().items()}
     tokens = stream()[:-5]  # the records' last document must have a target
     luts = luts_for(tokens, sidecar=True)
-    want = _record_ttt_totals(module, preset, h, state, tokens, luts)
-    got = tg.eval_ttt_lora(tg.Runtime(h, CPU, False, True, None), model, tokens, luts)
-    assert got == pytest.approx(want, rel=2e-6, abs=0), (got, want)
-    # The test can fail: the other preset's adapters (#1855 with q and v, #2014 without) change the totals.
+    steps = {"ttt_short_score_first_steps": SHORT_STEPS[preset]["TTT_CHUNK_SIZE_BY_DOC_LEN"]} if h.ttt_chunk_steps else {}
+    want = record_totals(module, h, state, tokens, luts, True, **steps)
     other = "k,o,mlp,head" if preset == "record_0427" else "q,k,v,o,mlp,head"
-    model.load_state_dict(state)
-    h2 = tg.Hyperparameters({"PRESET": preset, **NARROW, **TTT_SCALE, "TTT_LORA_TARGETS": other})
-    assert abs(tg.eval_ttt_lora(tg.Runtime(h2, CPU, False, True, None), model, tokens, luts)[0] - want[0]) \
-        > 1e-5 * want[0]
+    assert_matches_record(want, model, state, tokens, luts, env, ({"TTT_LORA_TARGETS": other},))
