@@ -332,3 +332,62 @@ def test_preset_ttt_totals_equal_the_records_own_ttt_eval(request, preset):
     want = record_totals(module, h, state, tokens, luts, True, **steps)
     other = "k,o,mlp,head" if preset == "record_0427" else "q,k,v,o,mlp,head"
     assert_matches_record(want, model, state, tokens, luts, env, ({"TTT_LORA_TARGETS": other},))
+
+
+# ---------------------------------------------------------------------------------------------- tiny runs
+
+# Both presets scaled to the CaseOps sample (vocab 8192, its tokenizer and sidecars) and 2 CPU cores: 5 narrow layers
+# (the 6-layer analogues of loops 3-5, lanes from 8), contexts of 128, 3 steps, 1-batch calibration, TTT batches of 4
+# documents with two phases over the first 4 scored ones; everything else the preset's.
+RUN_SCALE = {
+    "NUM_LAYERS": "5", "MODEL_DIM": "64", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "LOOP_START": "1", "LOOP_END": "2",
+    "PARALLEL_RESIDUAL_START": "3", "XSA_LAST_N": "5", "TRAIN_SEQ_LEN": "128", "EVAL_SEQ_LEN": "128",
+    "TRAIN_BATCH_TOKENS": "512", "GRAD_ACCUM_STEPS": "1", "VAL_BATCH_SIZE": "4096", "ITERATIONS": "3",
+    "WARMUP_STEPS": "1", "MAX_WALLCLOCK_SECONDS": "0", "TRAIN_LOG_EVERY": "1", "GPTQ_CALIBRATION_BATCHES": "1",
+    "GPTQ_CALIBRATION_SEQS": "2", "EVAL_STRIDE": "64", "EVAL_BATCH_SEQS": "16", "TTT_CHUNK_SIZE": "16",
+    "TTT_BATCH_SIZE": "4", "TTT_LORA_RANK": "4", "PHASED_TTT_PREFIX_DOCS": "4", "PHASED_TTT_NUM_PHASES": "2",
+    "TTT_CHUNK_TOKENS": "512",
+}
+RUN_0430 = {"TRAIN_SEQ_LEN_SCHEDULE": "32@0,64@0.3,128@0.6", "SEQ_LEN_REWARMUP_STEPS": "2",
+            "ROPE_TRAIN_SEQ_LEN": "128", "TTT_CHUNK_SIZE_BY_DOC_LEN": "64:4,256:8"}
+EXACT = r"^(final_int6_roundtrip|final_int6_sliding_window|legal_ttt)_exact (.*)$"
+
+
+@pytest.fixture(scope="module")
+def caseops_run_data(caseops_sample, tmp_path_factory):
+    """DATA_PATH and TOKENIZER_PATH: the CaseOps sample's train shards and its first 1,200 val tokens with their
+    sidecar bytes."""
+    from test_documents import write_tokens
+    src = caseops_sample / "datasets" / "sample_sp8192_caseops"
+    out = tmp_path_factory.mktemp("caseops_run")
+    for f in sorted(src.glob("fineweb_train_*.bin")):
+        (out / f.name).symlink_to(f)
+    for name in ("fineweb_val_000000.bin", "fineweb_val_bytes_000000.bin"):
+        write_tokens(out / name, tg.load_shard(src / name)[:1200].astype(np.int64))
+    return {"DATA_PATH": str(out), "TOKENIZER_PATH": str(caseops_sample / "tokenizers" / "sample_8192_bpe_caseops.model")}
+
+
+@pytest.mark.parametrize("preset, nproc", [("record_0427", 1), ("record_0427", 2), ("record_0430", 1),
+                                           ("record_0430", 2)])
+def test_tiny_preset_run_on_the_caseops_sample_and_eval_only_reproduces_it(caseops_run_data, tmp_path, preset,
+                                                                           nproc):
+    run_id = f"{preset}_{nproc}"
+    env = {**caseops_run_data, "PRESET": preset, "RUN_ID": run_id, **RUN_SCALE,
+           **(RUN_0430 if preset == "record_0430" else {})}
+    proc = run_training(env, tmp_path, nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = read_log(tmp_path, run_id)
+    for line in (f"preset:{preset} overridden_by_env:", "setting TTT_MODE=lora [preset]",
+                 "setting COMPRESSOR=pergroup [preset]", "setting TRAIN_LOADER=packed [preset]",
+                 "bpb_bytes:sidecar", "attention_backend_packed:torch_doc_blocks", "ttt_lora_phase:2/2"):
+        assert line in log, line
+    if preset == "record_0430":
+        for line in ("setting AWQ_LITE=1 [preset]", "setting EVAL_INCLUDE_TAIL=1 [preset]", "seq_len:128 step:2",
+                     "chunk_by_doc_len:64:4,256:8", "lr:7.5e-05"):
+            assert line in log, line
+    exact = re.findall(EXACT, log, re.M)
+    assert [k for k, _ in exact] == ["final_int6_roundtrip", "final_int6_sliding_window", "legal_ttt"]
+    artifact = next(tmp_path.glob("final_model.*"))
+    again = run_training({**env, "RUN_ID": f"{run_id}_eval", "EVAL_ONLY": str(artifact)}, tmp_path, nproc=nproc)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert re.findall(EXACT, read_log(tmp_path, f"{run_id}_eval"), re.M) == exact
