@@ -133,12 +133,12 @@ UNMAPPED = {
     "compile_shape_warmup_iters": "fixed: our warmup runs WARMUP_STEPS real steps at every shape (more than 1)",
     "compile_shape_warmup_loop_modes": "fixed: our warmup covers both loop modes at every shape (a superset of "
                                        "'auto')",
-    "lqer_gain_select": "off feature: False, LQER picks by the error norm, as ours",
+    "lqer_gain_select": "off feature: False, LQER picks its tensors by the error norm, as ours",
     "lqer_scope": "fixed: 'all', every quantised tensor is an LQER candidate, as ours",
-    "midrun_cap_log_updates": "off feature: False",
-    "midrun_cap_schedule": "off feature: empty",
+    "midrun_cap_log_updates": "off feature: log lines of the mid-run LR cap, which is off",
+    "midrun_cap_schedule": "off feature: empty, no mid-run LR multiplier by training fraction",
     "ttt_short_beta2": "off feature: the short-document LoRA (ttt_short_lora_enabled False)",
-    "ttt_short_lora_enabled": "off feature: False",
+    "ttt_short_lora_enabled": "off feature: False, no separate LoRA (rank, LR, wd, beta2) for short documents",
     "ttt_short_lora_lr": "off feature: the short-document LoRA (ttt_short_lora_enabled False)",
     "ttt_short_lora_rank": "off feature: the short-document LoRA (ttt_short_lora_enabled False)",
     "ttt_short_weight_decay": "off feature: the short-document LoRA (ttt_short_lora_enabled False)",
@@ -147,7 +147,7 @@ UNMAPPED = {
     "ttt_train_max_doc_len": "no-op: 0, no limit",
     "ttt_train_min_doc_len": "no-op: 0, no limit",
     "ttt_warm_start_mean_doc_len": "off feature: ttt_warm_start_mean_enabled False",
-    "ttt_warm_start_mean_enabled": "off feature: False",
+    "ttt_warm_start_mean_enabled": "off feature: False, no running-mean LoRA template for short documents",
     "ttt_warm_start_mean_momentum": "off feature: ttt_warm_start_mean_enabled False",
 }
 
