@@ -1780,21 +1780,22 @@ class LoRAAdapters(nn.Module):
             count = 1 if name == "head" else slots
             self.A[name] = nn.Parameter(torch.empty(count, bsz, h.ttt_lora_rank, n_in))
             self.B[name] = nn.Parameter(torch.zeros(count, bsz, n_out, h.ttt_lora_rank))
-            self._draw_a(name)
+            self._draw_a(name, generator)
 
     @torch.no_grad()
-    def _draw_a(self, name):
+    def _draw_a(self, name, generator):
         a = self.A[name]
         for s in range(a.size(0)):  # one draw per slot, as the record's one module per slot
-            a[s].uniform_(-1.0 / math.sqrt(a.size(-1)), 1.0 / math.sqrt(a.size(-1)), generator=self.generator)
+            a[s].uniform_(-1.0 / math.sqrt(a.size(-1)), 1.0 / math.sqrt(a.size(-1)), generator=generator)
 
     @torch.no_grad()
-    def reset(self):
-        """Between document batches: B zeroed; A kept (TTT_WARM_START_A=1, 04-23 on) or drawn afresh."""
+    def reset(self, generator=None):
+        """Between document batches: B zeroed; A kept (TTT_WARM_START_A=1, 04-23 on) or drawn afresh from
+        `generator` (default: the one it was built with)."""
         for name in self.B:
             self.B[name].zero_()
             if not self.warm_start_a:
-                self._draw_a(name)
+                self._draw_a(name, generator or self.generator)
 
     def add(self, name, slot, y, x):
         """y plus target `name`'s delta of input x at virtual-layer `slot` (y unchanged if the target is off)."""
@@ -4040,12 +4041,13 @@ def lora_ttt_chunk_size(h, batch):
     return next((c for bound, c in h.ttt_chunk_steps if longest <= bound), h.ttt_chunk_size)
 
 
-def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token=None):
+def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token=None, forward=None):
     """Score-first doc-LoRA TTT of one document batch (SPEC-FRONTIER 14, 18): for each chunk (lora_ttt_chunk_size),
     one forward of every doc's window through the model with its row's LoRA; the chunk's per-token losses and bytes
     are added to sums; then, if any doc has chunks left, one optimizer step on the sum over those docs of their
-    chunk's mean loss (a doc's last chunk is never trained on)."""
+    chunk's mean loss (a doc's last chunk is never trained on). forward: model.forward_logits or its compiled form."""
     h, dev, C = rt.h, rt.device, lora_ttt_chunk_size(rt.h, batch)
+    forward = forward or model.forward_logits
     L = h.ttt_eval_seq_len or h.eval_seq_len
     num_chunks = torch.tensor([-(-(n - 1) // C) for _, n in batch])
     for ci in range(int(num_chunks.max())):
@@ -4056,7 +4058,7 @@ def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_toke
         x, y = torch.where(valid, span[:, :-1], 0), torch.where(valid, span[:, 1:], 0)
         scored = (cols[None, :width] >= offs[:, None]) & (cols[None, :width] < (offs + counts)[:, None])
         with rt.autocast():
-            logits = model.forward_logits(x.to(dev), lora=lora)
+            logits = forward(x.to(dev), lora=lora)
         nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.to(dev).reshape(-1),
                               reduction="none").view(x.shape)
         target_pos = starts[:, None] + 1 + cols[None, :width]
@@ -4074,68 +4076,156 @@ def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_toke
             opt.step()
 
 
-def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None):
+def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None, forward=None):
     """TTT_MODE=lora: (val_loss, val_bpb) of lora_ttt_sums over all ranks."""
-    return finish_loss_bpb(rt, lora_ttt_sums(rt, model, val_tokens, luts, per_token))
+    return finish_loss_bpb(rt, lora_ttt_sums(rt, model, val_tokens, luts, per_token, forward))
 
 
-def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None):
-    """Document-wise score-first LoRA TTT (SPEC-FRONTIER 14, 18; the 04-27 record): this rank's [nll sum, tokens,
-    bytes]. Base weights frozen outside the phases. The length-sorted queue is run in rounds, batch r*W + rank on
-    rank `rank` in round r. A batch of TTT_BATCH_SIZE docs resets the reusable adapters (B and AdamW state zeroed, A
-    kept with TTT_WARM_START_A); any other size gets fresh adapters (new A) and optimizer. A is drawn from one
-    generator seeded with SEED. Phases (PHASED_TTT_PREFIX_DOCS > 0): after the round in which the count of scored
-    docs reaches boundary B_k = P*k/N, every rank runs global_sgd_phase on the first B_k scored docs (lora_ttt_prefix)
-    and the reusable adapters are built afresh; the count is the same on every rank (the queue is), so no rank waits
-    on a message."""
+def lora_forward(rt, model):
+    """TTT_MODE=lora's forward and how it runs: model.forward_logits compiled with dynamic shapes where
+    torch.compile is on (CUDA, or COMPILE=1; the 04-27/04-30 records' torch.compile(dynamic=True)), else eager."""
+    if compile_enabled(rt):
+        return torch.compile(model.forward_logits, dynamic=True), "compiled"
+    return model.forward_logits, "eager"
+
+
+def warm_lora_ttt(rt, model, forward, batch_sizes):
+    """One LoRA TTT step (forward, backward, AdamW) on random tokens with throwaway adapters for each chunk width the
+    evaluation starts with (each chunk size of TTT_CHUNK_SIZE and TTT_CHUNK_SIZE_BY_DOC_LEN, and the full context)
+    at TTT_BATCH_SIZE rows, and at the first width for each other batch size of the queue (a compiled forward
+    meets every shape it will see), before the eval timer, as the 04-27/04-30 records do: compilation is not
+    scored time (SPEC-FRONTIER 18). The model's weights and every generator the evaluation uses stay untouched.
+    Returns [(rows, width)] warmed."""
+    h = rt.h
+    L = h.ttt_eval_seq_len or h.eval_seq_len
+    widths = sorted({min(c, L) for c in [h.ttt_chunk_size] + [c for _, c in h.ttt_chunk_steps]} | {L})
+    shapes = [(h.ttt_batch_size, w) for w in widths]
+    shapes += [(n, widths[0]) for n in sorted(set(batch_sizes) - {h.ttt_batch_size})]
+    g = torch.Generator().manual_seed(h.seed)
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in frozen:
+        p.requires_grad_(False)
+    model.eval()
+    try:
+        for rows, width in shapes:
+            lora = LoRAAdapters(rows, model, h, g).to(rt.device)
+            opt = torch.optim.AdamW(lora.parameters(), lr=h.ttt_lora_lr, fused=rt.device.type == "cuda")
+            # x and y drawn apart: x must not be a view (a graph compiled for a view's input guards on its base)
+            x, y = (torch.randint(0, h.vocab_size, (rows, width), generator=g).to(rt.device) for _ in range(2))
+            with rt.autocast():
+                logits = forward(x, lora=lora)
+            F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
+            opt.step()
+    finally:
+        for p, requires in frozen:
+            p.requires_grad_(requires)
+    rt.sync()
+    return shapes
+
+
+def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None):
+    """Document-wise score-first LoRA TTT (SPEC-FRONTIER 14, 18, 19; the 04-27 and 04-30 records): this rank's [nll
+    sum, tokens, bytes]. Base weights frozen outside the phases. The length-sorted queue (lora_ttt_queue) is cut
+    into segments at the phase boundaries (lora_ttt_segments) and each segment dealt to the ranks
+    (lora_ttt_assignment). A batch of TTT_BATCH_SIZE docs resets the reusable adapters (B and AdamW state zeroed, A
+    kept with TTT_WARM_START_A, else drawn for this batch); any other size gets fresh adapters (A drawn for this
+    batch) and optimizer. Every A draw comes from its own generator (lora_a_generator), keyed by the batch or the
+    phase, never from a stream whose position depends on what a rank ran before. Phases (PHASED_TTT_PREFIX_DOCS > 0):
+    after the segment whose last batch brings the global count of scored docs to boundary B_k = P*k/N, every rank
+    runs global_sgd_phase on the first B_k scored docs (lora_ttt_prefix), and the reusable adapters are built afresh.
+    So the scores do not depend on the number of ranks, except through A trained on one batch and kept for the next
+    batch of the same rank (TTT_WARM_START_A=1, as in the records, whose totals moved with the rank count too)."""
     h, dev = rt.h, rt.device
     queue_ = lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)
     P, N, W = min(h.phased_ttt_prefix_docs, sum(len(b) for _, b in queue_)), h.phased_ttt_num_phases, h.world_size
     boundaries = [P * (k + 1) // N for k in range(N)] if P > 0 else []
-    gen = torch.Generator().manual_seed(h.seed)
+    segments = lora_ttt_segments([len(b) for _, b in queue_], boundaries)
 
-    def fresh(bsz):
-        lora = LoRAAdapters(bsz, model, h, gen).to(dev)
-        return lora, torch.optim.AdamW(lora.parameters(), lr=h.ttt_lora_lr * h.ttt_local_lr_mult, betas=(h.ttt_beta1, h.ttt_beta2),
-                                       eps=1e-10, weight_decay=h.ttt_weight_decay, fused=dev.type == "cuda")
+    def fresh(bsz, key):
+        lora = LoRAAdapters(bsz, model, h, lora_a_generator(h.seed, key)).to(dev)
+        return lora, torch.optim.AdamW(lora.parameters(), lr=h.ttt_lora_lr * h.ttt_local_lr_mult,
+                                       betas=(h.ttt_beta1, h.ttt_beta2), eps=1e-10, weight_decay=h.ttt_weight_decay,
+                                       fused=dev.type == "cuda")
 
     rt.log(f"ttt_lora: docs:{sum(len(b) for _, b in queue_)} batches:{len(queue_)} rank:{h.ttt_lora_rank} "
            f"alpha:{h.ttt_lora_alpha} targets:{h.ttt_lora_targets} chunk:{h.ttt_chunk_size} "
-           f"context:{h.ttt_eval_seq_len or h.eval_seq_len} warm_start_a:{int(h.ttt_warm_start_a)} forward:eager "
+           f"context:{h.ttt_eval_seq_len or h.eval_seq_len} warm_start_a:{int(h.ttt_warm_start_a)} "
            f"phase_boundaries:{boundaries} lr:{h.ttt_lora_lr * h.ttt_local_lr_mult:g} "
            f"chunk_by_doc_len:{h.ttt_chunk_size_by_doc_len or '-'}")
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
     model.eval()
-    reusable = fresh(h.ttt_batch_size)
+    reusable = fresh(h.ttt_batch_size, 0)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
-    t0, phase = time.perf_counter(), 0
+    t0, done = time.perf_counter(), 0
     try:
-        for r in range(-(-len(queue_) // W)):
-            if r * W + h.rank < len(queue_):
-                batch = queue_[r * W + h.rank][1]
+        for phase, (lo, hi) in enumerate(segments):
+            mine = lora_ttt_assignment(hi - lo, W)[h.rank]
+            for i in mine:
+                index, batch = queue_[lo + i]
                 if len(batch) == h.ttt_batch_size:
                     lora, opt = reusable
-                    lora.reset()
+                    lora.reset(lora_a_generator(h.seed, 1 + index))
                     opt.state.clear()
                 else:
-                    lora, opt = fresh(len(batch))
-                lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token)
-                if rt.is_main and (r % 50 == 0 or (r + 1) * W >= len(queue_)):
-                    rt.log(f"ttt_lora_progress round:{r + 1}/{-(-len(queue_) // W)} doc_len:{batch[0][1]}-"
+                    lora, opt = fresh(len(batch), 1 + index)
+                lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token, forward)
+                done += 1
+                if rt.is_main and (done % 50 == 1 or i == mine[-1] and hi == len(queue_)):
+                    rt.log(f"ttt_lora_progress batch:{lo + i + 1}/{len(queue_)} doc_len:{batch[0][1]}-"
                            f"{batch[-1][1]} elapsed:{time.perf_counter() - t0:.1f}s")
-            scored = sum(len(b) for _, b in queue_[:(r + 1) * W])
-            if phase < len(boundaries) and scored >= boundaries[phase]:
-                prefix = lora_ttt_prefix(queue_[:(r + 1) * W], boundaries[phase])
+            if phase < len(segments) - 1:
+                scored = sum(len(b) for _, b in queue_[:hi])
+                prefix = lora_ttt_prefix(queue_[:hi], boundaries[phase])
                 rt.log(f"ttt_lora_phase:{phase + 1}/{N} scored_docs:{scored} trained_docs:{len(prefix)} "
                        f"elapsed:{time.perf_counter() - t0:.1f}s")
                 global_sgd_phase(rt, model, torch.cat([val_tokens[a:a + n] for a, n in prefix]))
-                reusable, phase = fresh(h.ttt_batch_size), phase + 1
+                reusable = fresh(h.ttt_batch_size, len(queue_) + 1 + phase)
     finally:
         for p, requires in frozen:
             p.requires_grad_(requires)
     return sums
+
+
+def lora_a_generator(seed, key):
+    """The generator of one LoRA A draw (SPEC-FRONTIER 18: A ~ U(+-1/sqrt(in))): key 0, the first reusable
+    adapters, is seeded with SEED itself (what the records' global generator gives in one process); key 1 + i the
+    draws for the batch of ascending-length index i; len(queue) + 1 + k the reusable adapters after phase k."""
+    return torch.Generator().manual_seed((seed + (key << 32)) % (1 << 64))
+
+
+def lora_ttt_segments(batch_sizes, boundaries):
+    """Queue positions [lo, hi) of the segments between phases: segment k ends with the first batch that brings
+    the count of scored docs to boundary k, and at least one batch after segment k-1 (the record checks its
+    counter once per batch, so one batch starts at most one phase); the last segment runs to the end. Phase k
+    runs after segment k when that segment is not the last; a boundary never reached runs no phase."""
+    segments, lo, count = [], 0, 0
+    for bound in boundaries:
+        hi = lo
+        while hi < len(batch_sizes) and (hi == lo or count < bound):
+            count += batch_sizes[hi]
+            hi += 1
+        if hi == len(batch_sizes) and count < bound:
+            break
+        segments.append((lo, hi))
+        lo = hi
+    if lo < len(batch_sizes) or not segments:
+        segments.append((lo, len(batch_sizes)))
+    return segments
+
+
+def lora_ttt_assignment(n, world_size):
+    """Which of a segment's n batches (queue order, longest first) each rank runs: batch i on rank i mod W.
+    Deterministic, not the records' dynamic queue (a file-locked counter in /tmp, one node only): with the trained
+    A kept from batch to batch (TTT_WARM_START_A=1) a rank's scores depend on which batches it ran before, so a
+    queue claimed first-come-first-served makes the totals change from run to run, and EVAL_ONLY could not repeat
+    the run that wrote the artifact. Dealing longest-first batches in turn costs little balance: while a batch's
+    cost falls with its queue position, the ranks' totals in a segment differ by at most one batch's cost.
+    Nothing is exchanged while scoring; the ranks meet only in the phases' gradient all-reduces and the final
+    all_reduce of the sums, where a dead rank makes the others fail within DIST_TIMEOUT_SECONDS of getting there
+    (each first finishes its own batches of the segment)."""
+    return [list(range(r, n, world_size)) for r in range(world_size)]
 
 
 def lora_ttt_prefix(scored_batches, count):
@@ -4172,8 +4262,9 @@ def stage(name):
     _STAGE[0] = name
 
 
-def evaluate_artifact(rt, model, val_tokens, luts):
-    """Round-trip, sliding-window and legal-TTT evaluation of a model loaded from the artifact file."""
+def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
+    """Round-trip, sliding-window and legal-TTT evaluation of a model loaded from the artifact file; then
+    evaluation_time, the TTT loop's and the whole evaluation's wall time since t_eval (perf_counter)."""
     h = rt.h
     model = rt.prepare_model(model)
     forward = maybe_compile(model, rt)
@@ -4190,15 +4281,38 @@ def evaluate_artifact(rt, model, val_tokens, luts):
         ms = 1000.0 * (time.perf_counter() - t0)
         rt.log(f"{label} val_loss:{loss:.4f} val_bpb:{bpb:.4f}{extra} eval_time:{ms:.0f}ms")
         rt.log(f"{label}_exact val_loss:{loss:.8f} val_bpb:{bpb:.8f}")
+        return ms / 1000.0
 
     timed("final_int6_roundtrip", lambda: eval_val(rt, forward, val_tokens, luts))
     if h.eval_stride > 0:
         timed("final_int6_sliding_window", lambda: eval_sliding(rt, model, logits_fn, val_tokens, luts),
               f" stride:{h.eval_stride}")
+    ttt_s = None
     if h.ttt_enabled and h.ttt_mode == "lora":
-        timed("legal_ttt", lambda: eval_ttt_lora(rt, model, val_tokens, luts))
+        stage("evaluation (warming the LoRA TTT step)")
+        lora_fn, how = lora_forward(rt, model)
+        t0 = time.perf_counter()
+        sizes = [len(b) for _, b in lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)]
+        shapes = warm_lora_ttt(rt, model, lora_fn, sizes)
+        rt.log(f"ttt_lora_warmup: forward:{how} shapes:{' '.join(f'{n}x{w}' for n, w in shapes)} "
+               f"time:{time.perf_counter() - t0:.1f}s (random tokens, before the TTT timer)")
+        ttt_s = timed("legal_ttt", lambda: eval_ttt_lora(rt, model, val_tokens, luts, forward=lora_fn))
     elif h.ttt_enabled:
-        timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts))
+        ttt_s = timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts))
+    log_evaluation_time(rt, ttt_s, time.perf_counter() - t_eval)
+
+
+def log_evaluation_time(rt, ttt_s, total_s):
+    """The timed TTT loop (what the records report) and the whole evaluation (deserialisation, warmup and
+    diagnostics included; SPEC-FRONTIER pitfall 15), with one warning line for each that passes the track's
+    limit: evaluation gets as long as training, MAX_WALLCLOCK_SECONDS (600 s on the 10-minute track; 0: none)."""
+    limit = rt.h.max_wallclock_seconds
+    loop = "" if ttt_s is None else f"ttt_loop:{ttt_s:.1f}s "
+    rt.log(f"evaluation_time: {loop}total:{total_s:.1f}s")
+    for what, secs in (("the TTT loop", ttt_s), ("the whole evaluation", total_s)):
+        if limit > 0 and secs is not None and secs > limit:
+            rt.log(f"warning: {what} took {secs:.1f}s, over the {limit:g}s evaluation limit of this track "
+                   "(MAX_WALLCLOCK_SECONDS)")
 
 
 def code_bytes():
@@ -4258,9 +4372,10 @@ def run(rt):
 
     if h.eval_only:
         stage("loading the EVAL_ONLY artifact")
+        t_eval = time.perf_counter()
         model = load_artifact(h.eval_only, h)
         rt.log(f"eval_only artifact:{h.eval_only} bytes:{os.path.getsize(h.eval_only)} late_qat:{int(model.qat_on())}")
-        evaluate_artifact(rt, model, val_tokens, luts)
+        evaluate_artifact(rt, model, val_tokens, luts, t_eval)
         return
 
     if h.target_bytes and h.target_bytes <= code_bytes():
@@ -4287,15 +4402,17 @@ def run(rt):
     loss, bpb = eval_val(rt, model, val_tokens, luts)
     if not math.isfinite(loss):
         raise RunError(f"the final weights give val_loss {loss}; no artifact written")
-    rt.log(f"DIAGNOSTIC post_ema val_loss:{loss:.4f} val_bpb:{bpb:.4f} "
-           f"eval_time:{1000.0 * (time.perf_counter() - t0):.0f}ms")
+    diagnostic_s = time.perf_counter() - t0
+    rt.log(f"DIAGNOSTIC post_ema val_loss:{loss:.4f} val_bpb:{bpb:.4f} eval_time:{1000.0 * diagnostic_s:.0f}ms")
     stage("writing the artifact")
     write_outputs(rt, model, qat_on, hessians)
     if rt.distributed:
         dist.barrier()
-    # Evaluate what a user submits: a fresh model read back from the file on disk.
+    # Evaluate what a user submits: a fresh model read back from the file on disk. The evaluation's wall time counts
+    # the diagnostic above and everything from here on; writing the artifact (quantisation) is training's side.
+    t_eval = time.perf_counter() - diagnostic_s
     eval_model = load_artifact("final_model.int6.ptz", h)
-    evaluate_artifact(rt, eval_model, val_tokens, luts)
+    evaluate_artifact(rt, eval_model, val_tokens, luts, t_eval)
 
 
 def fail(rt, message):

@@ -4,7 +4,7 @@ synthetic BOS-delimited stream, and splits the wall time of the loop into the mo
 cross-entropy and the rest (window building, gathers, masks, byte counts: host work). One untimed run first (the
 first AdamW construction has a one-off import cost).
 
-    python3 scripts/bench_ttt_lora.py [--docs 64] [--threads 1]
+    python3 scripts/bench_ttt_lora.py [--docs 64] [--threads 1] [--chunk-by-doc-len 256:8,2000:24]
 """
 import argparse
 import sys
@@ -25,9 +25,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chunk-by-doc-len", default="", help="TTT_CHUNK_SIZE_BY_DOC_LEN (short docs: shorter chunks)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    h = tg.Hyperparameters(ENV)
+    h = tg.Hyperparameters({**ENV, "TTT_CHUNK_SIZE_BY_DOC_LEN": args.chunk_by_doc_len})
     model = tg.GPT(h)
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(2, h.vocab_size, (int(n),), generator=g, dtype=torch.int32)

@@ -15,6 +15,7 @@ from conftest import config_error
 from test_model_0427 import NARROW, NEWEST, _randomise, _record_h, _to_record_names, import_record, record_0427  # noqa: F401
 
 CPU = torch.device("cpu")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
 # 04-27 model, narrow; TTT at toy scale: chunks of 16 tokens, windows of 64, batches of 3 documents.
 LORA_ENV = {**NEWEST, **NARROW, "NUM_LAYERS": "5", "LOOP_START": "1", "LOOP_END": "2", "XSA_LAST_N": "5",
             "PARALLEL_RESIDUAL_START": "3", "TTT_MODE": "lora", "TTT_CHUNK_SIZE": "16", "TTT_EVAL_SEQ_LEN": "64",
@@ -341,10 +342,10 @@ def test_full_batches_reuse_reset_adapters_and_others_get_fresh_ones(setup, monk
     h, model, state = setup
     seen, inner = [], tg.lora_ttt_batch
 
-    def spy(rt, model_, val_tokens, luts, batch, lora, opt, sums, per_token=None):
+    def spy(rt, model_, val_tokens, luts, batch, lora, opt, sums, *rest):
         seen.append((len(batch), id(lora), {k: v.clone() for k, v in lora.A.items()},
                      all(not b.any() for b in lora.B.values()), len(opt.state)))
-        inner(rt, model_, val_tokens, luts, batch, lora, opt, sums, per_token)
+        inner(rt, model_, val_tokens, luts, batch, lora, opt, sums, *rest)
         seen[-1] += ({k: v.clone() for k, v in lora.A.items()},)
 
     monkeypatch.setattr(tg, "lora_ttt_batch", spy)
@@ -367,3 +368,150 @@ def test_lora_settings_are_validated():
                       ({"TTT_LORA_TARGETS": "q,q"}, "TTT_LORA_TARGETS"), ({"TTT_LORA_RANK": "0"}, "TTT_LORA_RANK"),
                       ({"TTT_CHUNK_SIZE": "0"}, "TTT_CHUNK_SIZE")):
         assert name in config_error(env)
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+
+def test_segments_end_at_the_batch_reaching_each_boundary_and_batches_are_dealt_in_turn():
+    sizes = [1, 3, 3, 3]  # the queue of the 10 toy documents
+    assert tg.lora_ttt_segments(sizes, []) == [(0, 4)]
+    assert tg.lora_ttt_segments(sizes, [2, 5]) == [(0, 2), (2, 3), (3, 4)]
+    assert tg.lora_ttt_segments(sizes, [3, 4]) == [(0, 2), (2, 3), (3, 4)]  # one batch starts at most one phase
+    assert tg.lora_ttt_segments(sizes, [10]) == [(0, 4)]  # reached by the last batch: no phase after it
+    assert tg.lora_ttt_segments(sizes, [1, 4, 7, 10]) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert tg.lora_ttt_assignment(5, 2) == [[0, 2, 4], [1, 3]]
+    assert tg.lora_ttt_assignment(1, 3) == [[0], [], []]
+
+
+def rank_main(out, fault):
+    """One rank of the 2-process tests (run in a fresh process, its settings in os.environ): the toy model and
+    stream of this module, lora_ttt_sums through setup_runtime's gloo group, the summed totals saved to `out`.
+    fault "exit" / "stall": after its first batch rank 1 writes the time to `out`.fault, then exits / sleeps."""
+    import time
+    h = tg.Hyperparameters()
+    rt = tg.setup_runtime(h)
+    model = tg.GPT(h)
+    _randomise(model, seed=5)
+    model.looping = True
+    tokens = stream()
+    if fault and h.rank == 1:
+        inner = tg.lora_ttt_batch
+
+        def fail(*args):
+            inner(*args)
+            with open(f"{out}.fault", "w") as f:
+                f.write(repr(time.time()))
+            if fault == "exit":
+                os._exit(3)
+            time.sleep(60)
+        tg.lora_ttt_batch = fail
+    sums = tg.lora_ttt_sums(rt, model, tokens, luts_for(tokens, True))
+    torch.save(rt.all_reduce(sums), out)
+
+
+def run_ranks(tmp_path, env, fault="", timeout=120):
+    """Launches rank_main on 2 gloo ranks; waits for rank 0 (and rank 1 unless it stalls); returns
+    [(returncode, stderr, wall-clock end or None)] per rank."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    from conftest import REPO, clean_environ
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; import test_ttt_lora as t; "
+            f"t.rank_main(sys.argv[1], {fault!r})")
+    procs, t0 = [], time.perf_counter()
+    for rank in range(2):
+        full = {**clean_environ(), **env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DEVICE": "cpu",
+                "AUTOCAST_DTYPE": "fp32", "OMP_NUM_THREADS": "1", "RUN_ID": "ranks"}
+        with open(tmp_path / f"err{rank}.txt", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, "-c", code, str(tmp_path / f"sums{rank}.pt")],
+                                          cwd=tmp_path, env=full, stderr=err))
+    ended = [None, None]
+    try:
+        while (ended[0] is None or ended[1] is None and fault != "stall") and time.perf_counter() - t0 < timeout:
+            for rank, p in enumerate(procs):
+                if ended[rank] is None and p.poll() is not None:
+                    ended[rank] = time.time()
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, (tmp_path / f"err{r}.txt").read_text(), ended[r]) for r, p in enumerate(procs)]
+
+
+def test_two_gloo_ranks_give_the_totals_of_one_process(setup, tmp_path):
+    """With phases (PHASE_ENV: segments [0,2), [2,3), [3,4); rank 1 idle in the last two) and A drawn afresh per
+    batch (TTT_WARM_START_A=0, so no batch depends on which rank ran the one before): the 2-rank nll sum equals the
+    1-process one to float rounding (1e-6), the token and byte counts exactly. Fails if a phase came a batch late, a
+    batch ran twice or not at all, or the A draws depended on the rank's history."""
+    h, model, state = setup
+    env = {**LORA_ENV, **PHASE_ENV, "TTT_WARM_START_A": "0"}
+    results = run_ranks(tmp_path, env)
+    assert all(rc == 0 for rc, _, _ in results), [err[-2000:] for _, err, _ in results]
+    two = torch.load(tmp_path / "sums0.pt")
+    model.load_state_dict(state)
+    tokens = stream()
+    one, _ = run_lora(tg.Hyperparameters(env), model, tokens, luts_for(tokens, True))
+    assert torch.equal(two[1:], one[1:])
+    assert float(two[0]) == pytest.approx(float(one[0]), rel=1e-6)
+
+
+@pytest.mark.parametrize("fault", ["exit", "stall"])
+def test_a_rank_that_dies_or_stalls_mid_ttt_makes_the_other_fail_within_the_timeout(tmp_path, fault):
+    """Rank 1 exits (or hangs) after its first batch; rank 0 then waits in the first phase's gradient all-reduce
+    and must fail, not hang, within DIST_TIMEOUT_SECONDS of that (gloo sees an exit at once; a stall takes the
+    timeout, which setup_runtime hands to the process group)."""
+    import ast
+    timeout = 4
+    results = run_ranks(tmp_path, {**LORA_ENV, **PHASE_ENV, "DIST_TIMEOUT_SECONDS": str(timeout)}, fault)
+    (rc0, err0, end0), (rc1, _, _) = results
+    assert end0 is not None and rc0 != 0 and (rc1 == 3 if fault == "exit" else True), err0[-2000:]
+    assert "global_sgd_phase" in err0 and not (tmp_path / "sums0.pt").exists()
+    faulted = ast.literal_eval((tmp_path / "sums1.pt.fault").read_text())
+    assert end0 - faulted < timeout + 2, (end0, faulted)
+
+
+# ---------------------------------------------------------------------------------------------- the script
+
+# The tiny CPU run of conftest with TTT_MODE=lora on 8192 sample val targets (37 documents, 5 batches), with phases
+# and a short-document chunk size, so that the warmup has three widths.
+LORA_RUN = {"TTT_MODE": "lora", "TTT_BATCH_SIZE": "8", "TTT_CHUNK_SIZE": "32", "TTT_LORA_RANK": "4",
+            "TTT_LORA_LR": "0.001", "EVAL_STRIDE": "0", "PHASED_TTT_PREFIX_DOCS": "12", "PHASED_TTT_NUM_PHASES": "2",
+            "TTT_CHUNK_TOKENS": "512", "TTT_EPOCHS": "1", "TTT_CHUNK_SIZE_BY_DOC_LEN": "100:16", "OMP_NUM_THREADS": "1"}
+
+
+def test_eval_only_repeats_the_lora_run_and_logs_the_ttt_loop_and_the_whole_evaluation(sample_data, tmp_path):
+    """The run that writes the artifact and EVAL_ONLY of it print the same legal_ttt_exact line. Both log the
+    warmup (eager on CPU; 8 rows at widths 16, 32 and the 128 context, the last batch's 5 rows at 16) and
+    evaluation_time, whose ttt_loop is the legal_ttt
+    eval_time and whose total is larger; EVAL_ONLY with MAX_WALLCLOCK_SECONDS=0.001 (the limit the warning
+    derives from) warns once for each, the run without a limit never."""
+    import re
+    from conftest import TINY_ENV, read_log, run_training, short_val_data
+    (tmp_path / "data").mkdir()
+    env = {**TINY_ENV, **short_val_data(sample_data, tmp_path / "data", 8193), **LORA_RUN}
+    logs = {}
+    for name, extra in (("train", {}), ("eval", {"MAX_WALLCLOCK_SECONDS": "0.001",
+                                                 "EVAL_ONLY": str(tmp_path / "train" / "final_model.int6.ptz")})):
+        (tmp_path / name).mkdir()
+        proc = run_training({**env, **extra, "RUN_ID": name}, tmp_path / name)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logs[name] = read_log(tmp_path / name, name)
+    for name, log in logs.items():
+        assert re.search(r"^ttt_lora_warmup: forward:eager shapes:8x16 8x32 8x128 5x16 time:\d+\.\ds \(", log, re.M)
+        assert re.search(r"^ttt_lora_phase:2/2 ", log, re.M)
+        ms = int(re.search(r"^legal_ttt val_loss:\S+ val_bpb:\S+ eval_time:(\d+)ms$", log, re.M).group(1))
+        loop, total = map(float, re.search(r"^evaluation_time: ttt_loop:(\d+\.\d)s total:(\d+\.\d)s$", log,
+                                           re.M).groups())
+        assert abs(loop - ms / 1000) <= 0.051 and total >= loop
+        warnings = re.findall(r"^warning: (the TTT loop|the whole evaluation) took \S+s, over the 0.001s evaluation "
+                              r"limit of this track \(MAX_WALLCLOCK_SECONDS\)$", log, re.M)
+        assert warnings == ([] if name == "train" else ["the TTT loop", "the whole evaluation"])
+    same = [re.search(r"^legal_ttt_exact .*$", log, re.M).group(0) for log in logs.values()]
+    assert same[0] == same[1]
