@@ -2,7 +2,9 @@
 # CPU evidence for the 2026-04-09 record's toggles: the CPU sample configuration (scripts/sample_env.sh, offline
 # sample data, NOT FineWeb) trained for the same wall-clock budget with each toggle alone, with the whole
 # PRESET=record_0409 scaled down to 6 layers (vocab 1024 and the vocab-8192 sample), and with the default (both
-# vocabularies: the 8192 sample's validation text is not the 1024 sample's, so compare bpb within a vocabulary).
+# vocabularies: the 8192 sample's validation text is not the 1024 sample's, so compare bpb within a vocabulary),
+# and PRESET=record_0427 / record_0430 scaled the same way on the CaseOps sample (build_sample_data.py --vocab-size
+# 8192 --caseops: CaseOps sample data, NOT FineWeb, a third validation text) beside the default on that sample.
 # Prints one markdown table; logs go to logs/frontier_<variant>.txt.
 #
 #   bash scripts/compare_frontier.sh                  # every variant, 90 s of training each
@@ -15,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${PYTHON:=python3}" "${SECONDS_PER_RUN:=90}" "${STEPS:=0}"
 ALL="default loops parallel skip_gates no_extras qk525 muon_eq_r polar_express warmdown_frac min_lr embed_wd"
-ALL="$ALL preset_1024 default_8192 preset_8192"
+ALL="$ALL preset_1024 default_8192 preset_8192 default_caseops preset_0427 preset_0430"
 : "${VARIANTS:=$ALL}"
 
 variant_env() {  # the settings of one variant, as KEY=VALUE words
@@ -24,6 +26,11 @@ variant_env() {  # the settings of one variant, as KEY=VALUE words
   local preset="PRESET=record_0409 LOOP_START=2 LOOP_END=3 PARALLEL_RESIDUAL_START=4 XSA_LAST_N=6 WARMDOWN_ITERS=0"
   preset="$preset GPTQ_CALIBRATION_BATCHES=4 GPTQ_RESERVE_SECONDS=$("$PYTHON" -c "print($SECONDS_PER_RUN * 12 / 600)")"
   local sp8192="DATA_PATH=./data/datasets/sample_sp8192 TOKENIZER_PATH=./data/tokenizers/sample_8192_bpe.model"
+  local caseops="DATA_PATH=./data/datasets/sample_sp8192_caseops VOCAB_SIZE=8192"
+  caseops="$caseops TOKENIZER_PATH=./data/tokenizers/sample_8192_bpe_caseops.model"
+  # the 04-27 / 04-30 presets the same way: lanes from layer 4 (8 of 11), the record's calibration windows, their
+  # GPTQ reserve scaled to the budget; #2014's context schedule 1024/2048/3072 as thirds of the sample's 256
+  local newest="LOOP_START=2 LOOP_END=3 PARALLEL_RESIDUAL_START=4 XSA_LAST_N=6 WARMDOWN_ITERS=0 GPTQ_CALIBRATION_BATCHES=4"
   case "$1" in
     default) echo "" ;;
     loops) echo "$loops" ;;
@@ -39,6 +46,9 @@ variant_env() {  # the settings of one variant, as KEY=VALUE words
     preset_1024) echo "$preset VOCAB_SIZE=1024" ;;
     default_8192) echo "VOCAB_SIZE=8192 $sp8192" ;;
     preset_8192) echo "$preset $sp8192" ;;
+    default_caseops) echo "$caseops" ;;
+    preset_0427) echo "PRESET=record_0427 $newest GPTQ_RESERVE_SECONDS=$("$PYTHON" -c "print($SECONDS_PER_RUN * 0.5 / 600)") $caseops" ;;
+    preset_0430) echo "PRESET=record_0430 $newest GPTQ_RESERVE_SECONDS=$("$PYTHON" -c "print($SECONDS_PER_RUN * 4 / 600)") EVAL_STRIDE=64 TRAIN_SEQ_LEN_SCHEDULE=85@0,171@0.1,256@0.7 $caseops" ;;
     *) echo "scripts/compare_frontier.sh: unknown variant '$1' (choose from: $ALL)" >&2; return 1 ;;
   esac
 }
@@ -47,6 +57,9 @@ for v in $VARIANTS; do variant_env "$v" >/dev/null || exit 2; done
 [ -f data/tokenizers/sample_1024_bpe.model ] || "$PYTHON" data/build_sample_data.py >/dev/null
 if [[ " $VARIANTS " == *_8192* ]] && [ ! -f data/tokenizers/sample_8192_bpe.model ]; then
   "$PYTHON" data/build_sample_data.py --vocab-size 8192 >/dev/null
+fi
+if [[ " $VARIANTS " == *caseops* || " $VARIANTS " == *preset_04* ]] && [ ! -f data/tokenizers/sample_8192_bpe_caseops.model ]; then
+  "$PYTHON" data/build_sample_data.py --vocab-size 8192 --caseops >/dev/null
 fi
 
 rows=()
@@ -82,6 +95,7 @@ for row in sys.argv[1:]:
     sw = re.search(r"^final_int6_sliding_window_exact val_loss:\S+ val_bpb:(\S+)", log, re.M).group(1)
     size = re.search(r"^Serialized model int6\+\w+: (\d+) bytes", log, re.M).group(1)
     shown = " ".join(s for s in settings.split() if not s.startswith(("DATA_PATH", "TOKENIZER_PATH")))
+    shown += " (CaseOps sample)" if "caseops" in settings else ""
     print(f"| {name} | {shown or '-'} | {last[0]} | {last[2]} | {float(post):.4f} | {float(rt):.4f} | "
           f"{float(sw):.4f} | {int(size):,} |")
 PY

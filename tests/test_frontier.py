@@ -468,4 +468,5 @@ def test_compare_script_refuses_an_unknown_variant_in_one_line():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == ("scripts/compare_frontier.sh: unknown variant 'bogus' (choose from: default "
                                    "loops parallel skip_gates no_extras qk525 muon_eq_r polar_express warmdown_frac "
-                                   "min_lr embed_wd preset_1024 default_8192 preset_8192)")
+                                   "min_lr embed_wd preset_1024 default_8192 preset_8192 default_caseops preset_0427 "
+                                   "preset_0430)")
