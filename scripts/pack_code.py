@@ -374,7 +374,8 @@ def _same_code_but_local_names(a, b, pairs: set[tuple[str, str]]) -> bool:
     """Whether code objects ``a`` (not renamed) and ``b`` (renamed) run the same instructions on the same
     globals, attributes and constants, differing only in local/cell variable names, one to one, by ``pairs``:
     a rename that turned a local into a global (or back) or merged two variables would change them. Cells
-    and closures are ordered by name, so MAKE_CELL and LOAD_CLOSURE are compared as a set."""
+    and closures are ordered by name, so MAKE_CELL and LOAD_CLOSURE (3.13: LOAD_FAST of a cell) are compared as a
+    set."""
     if (a.co_names != b.co_names or a.co_argcount != b.co_argcount or a.co_flags != b.co_flags
             or a.co_kwonlyargcount != b.co_kwonlyargcount or a.co_nlocals != b.co_nlocals
             or a.co_varnames[:a.co_argcount + a.co_kwonlyargcount] != b.co_varnames[:b.co_argcount
@@ -391,7 +392,9 @@ def _same_code_but_local_names(a, b, pairs: set[tuple[str, str]]) -> bool:
             return False
         if isinstance(x.argval, types.CodeType) and isinstance(y.argval, types.CodeType):
             continue  # compared through co_consts below
-        if x.opname in ("MAKE_CELL", "LOAD_CLOSURE"):
+        if x.opname in ("MAKE_CELL", "LOAD_CLOSURE") or (x.opname == "LOAD_FAST" and x.argval in a.co_cellvars
+                                                         and y.argval in b.co_cellvars):
+            # Python 3.13 compiles LOAD_CLOSURE (building a closure's tuple, in name order) as LOAD_FAST of the cell
             cells[0].add(x.argval)
             cells[1].add(y.argval)
         elif any(op in x.opname for op in _LOCAL_OPS):
