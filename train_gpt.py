@@ -4426,15 +4426,25 @@ def fail(rt, message):
                 print(message, file=f)
 
 
+def help_text(environ):
+    """--help: every setting with its default and its value in one preset: the environment's PRESET (validated as a
+    run would), or record_0409 when PRESET is unset or record_0323. Nothing else in the environment is read."""
+    preset = Hyperparameters({k: v for k, v in environ.items() if k == "PRESET"}).preset
+    shown = "record_0409" if preset == "record_0323" else preset
+    rows = "".join(f"\n  {n:<28}{d:<42}{PRESETS[shown].get(n, '')}".rstrip() for n, d in Hyperparameters({}).settings)
+    return (f"usage: [VAR=VALUE ...] python3 train_gpt.py (or torchrun ... train_gpt.py)\nSettings are environment "
+            f"variables (docs/settings.md; PRESET=NAME --help shows that preset's column). No data? {GET_DATA}\n\n"
+            f"  {'variable':<28}{'default (PRESET=record_0323)':<42}PRESET={shown}{rows}")
+
+
 def main():
     if sys.argv[1:] in (["-h"], ["--help"]):
-        rows = "".join(f"\n  {n:<28}{d:<42}{PRESETS['record_0409'].get(n, '')}".rstrip()
-                       for n, d in Hyperparameters({}).settings)
         try:
-            print(f"usage: [VAR=VALUE ...] python3 train_gpt.py (or torchrun ... train_gpt.py)\nSettings are "
-                  f"environment variables (README.md). No data? {GET_DATA}\n\n"
-                  f"  {'variable':<28}{'default (PRESET=record_0323)':<42}PRESET=record_0409{rows}")
+            print(help_text(os.environ))
             sys.stdout.flush()
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
         except BrokenPipeError:  # `--help | head`
             os._exit(0)
         return

@@ -285,6 +285,27 @@ def test_help_prints_the_settings_and_exits_0(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no run started: no logs/
 
 
+@pytest.mark.parametrize("preset", ["record_0427", "record_0430"])
+def test_help_with_a_preset_shows_that_presets_column(tmp_path, preset):
+    """`PRESET=record_0430 python3 train_gpt.py --help`: the last column is that preset's values."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=tmp_path,
+                          env={**clean_environ(), "PRESET": preset}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert re.search(rf"^  variable +default \(PRESET=record_0323\) +PRESET={preset}$", proc.stdout, re.M)
+    for name, default in tg.Hyperparameters({}).settings:
+        value = tg.PRESETS[preset].get(name)
+        tail = rf" +{re.escape(value)}" if value else ""
+        assert re.search(rf"^  {name} +{re.escape(default)}{tail}$", proc.stdout, re.M), name
+    assert re.search(r"^  TTT_MODE +sgd +lora$", proc.stdout, re.M)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_with_an_unknown_preset_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=tmp_path,
+                          env={**clean_environ(), "PRESET": "record_9999"}, capture_output=True, text=True, timeout=60)
+    assert_one_line_error(proc, 2, "PRESET='record_9999'", "record_0430")
+
+
 def test_help_into_a_closed_pipe_is_quiet(tmp_path):
     """`python3 train_gpt.py --help | head -3`: the reader goes away early; no BrokenPipeError traceback."""
     proc = subprocess.run(f"{sys.executable} {SCRIPT} --help | head -3", shell=True, cwd=tmp_path,
