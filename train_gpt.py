@@ -4089,6 +4089,29 @@ def lora_forward(rt, model):
     return model.forward_logits, "eager"
 
 
+@contextlib.contextmanager
+def frozen_weights(model):
+    """The model in eval mode with every weight's requires_grad off inside the block (LoRA TTT trains only its
+    adapters); each weight's flag is restored on leaving."""
+    saved = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in saved:
+        p.requires_grad_(False)
+    model.eval()
+    try:
+        yield
+    finally:
+        for p, requires in saved:
+            p.requires_grad_(requires)
+
+
+def lora_optimizer(h, lora, device):
+    """AdamW over one set of LoRA adapters (SPEC-FRONTIER 18): TTT_LORA_LR x TTT_LOCAL_LR_MULT, betas TTT_BETA1/2,
+    eps 1e-10, TTT_WEIGHT_DECAY; fused on CUDA. The timed loop and its warmup step use the same one."""
+    return torch.optim.AdamW(lora.parameters(), lr=h.ttt_lora_lr * h.ttt_local_lr_mult,
+                             betas=(h.ttt_beta1, h.ttt_beta2), eps=1e-10, weight_decay=h.ttt_weight_decay,
+                             fused=device.type == "cuda")
+
+
 def warm_lora_ttt(rt, model, forward, batch_sizes):
     """One LoRA TTT step (forward, backward, AdamW) on random tokens with throwaway adapters for each chunk width the
     evaluation starts with (each chunk size of TTT_CHUNK_SIZE and TTT_CHUNK_SIZE_BY_DOC_LEN, and the full context)
@@ -4102,23 +4125,16 @@ def warm_lora_ttt(rt, model, forward, batch_sizes):
     shapes = [(h.ttt_batch_size, w) for w in widths]
     shapes += [(n, widths[0]) for n in sorted(set(batch_sizes) - {h.ttt_batch_size})]
     g = torch.Generator().manual_seed(h.seed)
-    frozen = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in frozen:
-        p.requires_grad_(False)
-    model.eval()
-    try:
+    with frozen_weights(model):
         for rows, width in shapes:
             lora = LoRAAdapters(rows, model, h, g).to(rt.device)
-            opt = torch.optim.AdamW(lora.parameters(), lr=h.ttt_lora_lr, fused=rt.device.type == "cuda")
+            opt = lora_optimizer(h, lora, rt.device)
             # x and y drawn apart: x must not be a view (a graph compiled for a view's input guards on its base)
             x, y = (torch.randint(0, h.vocab_size, (rows, width), generator=g).to(rt.device) for _ in range(2))
             with rt.autocast():
                 logits = forward(x, lora=lora)
             F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
             opt.step()
-    finally:
-        for p, requires in frozen:
-            p.requires_grad_(requires)
     rt.sync()
     return shapes
 
@@ -4143,23 +4159,17 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None):
 
     def fresh(bsz, key):
         lora = LoRAAdapters(bsz, model, h, lora_a_generator(h.seed, key)).to(dev)
-        return lora, torch.optim.AdamW(lora.parameters(), lr=h.ttt_lora_lr * h.ttt_local_lr_mult,
-                                       betas=(h.ttt_beta1, h.ttt_beta2), eps=1e-10, weight_decay=h.ttt_weight_decay,
-                                       fused=dev.type == "cuda")
+        return lora, lora_optimizer(h, lora, dev)
 
     rt.log(f"ttt_lora: docs:{sum(len(b) for _, b in queue_)} batches:{len(queue_)} rank:{h.ttt_lora_rank} "
            f"alpha:{h.ttt_lora_alpha} targets:{h.ttt_lora_targets} chunk:{h.ttt_chunk_size} "
            f"context:{h.ttt_eval_seq_len or h.eval_seq_len} warm_start_a:{int(h.ttt_warm_start_a)} "
            f"phase_boundaries:{boundaries} lr:{h.ttt_lora_lr * h.ttt_local_lr_mult:g} "
            f"chunk_by_doc_len:{h.ttt_chunk_size_by_doc_len or '-'}")
-    frozen = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in frozen:
-        p.requires_grad_(False)
-    model.eval()
     reusable = fresh(h.ttt_batch_size, 0)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
     t0, done = time.perf_counter(), 0
-    try:
+    with frozen_weights(model):
         for phase, (lo, hi) in enumerate(segments):
             mine = lora_ttt_assignment(hi - lo, W)[h.rank]
             for i in mine:
@@ -4182,9 +4192,6 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None):
                        f"elapsed:{time.perf_counter() - t0:.1f}s")
                 global_sgd_phase(rt, model, torch.cat([val_tokens[a:a + n] for a, n in prefix]))
                 reusable = fresh(h.ttt_batch_size, len(queue_) + 1 + phase)
-    finally:
-        for p, requires in frozen:
-            p.requires_grad_(requires)
     return sums
 
 
@@ -4429,9 +4436,9 @@ def fail(rt, message):
 def help_text(environ):
     """--help: every setting with its default and its value in one preset: the environment's PRESET (validated as a
     run would), or record_0409 when PRESET is unset or record_0323. Nothing else in the environment is read."""
-    preset = Hyperparameters({k: v for k, v in environ.items() if k == "PRESET"}).preset
-    shown = "record_0409" if preset == "record_0323" else preset
-    rows = "".join(f"\n  {n:<28}{d:<42}{PRESETS[shown].get(n, '')}".rstrip() for n, d in Hyperparameters({}).settings)
+    h = Hyperparameters({k: v for k, v in environ.items() if k == "PRESET"})  # settings list code defaults
+    shown = "record_0409" if h.preset == "record_0323" else h.preset
+    rows = "".join(f"\n  {n:<28}{d:<42}{PRESETS[shown].get(n, '')}".rstrip() for n, d in h.settings)
     return (f"usage: [VAR=VALUE ...] python3 train_gpt.py (or torchrun ... train_gpt.py)\nSettings are environment "
             f"variables (docs/settings.md; PRESET=NAME --help shows that preset's column). No data? {GET_DATA}\n\n"
             f"  {'variable':<28}{'default (PRESET=record_0323)':<42}PRESET={shown}{rows}")
