@@ -216,6 +216,7 @@ UNMAPPED_BY_RECORD["record_0430"] = UNMAPPED_BY_RECORD["record_0427"] + [
 
 def test_the_mapping_can_fail():
     """A preset value changed by the environment no longer matches its logged value; an unknown name is refused."""
+    _needs_frontier()
     h = tg.Hyperparameters({"PRESET": "record_0430", "WORLD_SIZE": "8", "TTT_BATCH_SIZE": "8",
                             "TRAIN_SEQ_LEN_SCHEDULE": "1024@0,3072@0.5"})
     assert float(_dumped(h)["TTT_BATCH_SIZE"]) != float(logged("record_0430")["ttt_batch_size"])
