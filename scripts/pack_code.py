@@ -5,7 +5,7 @@
 
 SRC (default train_gpt.py) is minified (comments, docstrings, blank lines and function-signature annotations
 removed, one space per indentation level, bracketed continuation lines joined, function-local variables
-renamed to short names), compressed with ZPAQ and written in base 116 as a bytes literal inside a
+renamed to short names), compressed with ZPAQ and written 7 bits a byte as a string literal inside a
 wrapper of two statements: an import of zpaq, then an exec of the decoded source. Without -o only the
 sizes are printed; --table prints them for each packing step. --check PACKED verifies that PACKED is the packed form of
 SRC (compares the decoded payload with minify(SRC); nothing is executed) and exits 1 if not.
@@ -28,7 +28,9 @@ import io
 import itertools
 import keyword
 import lzma
+import math
 import os
+import re
 import sys
 import tempfile
 import tokenize
@@ -38,28 +40,39 @@ from pathlib import Path
 # The oldest Python the packed file must run on; the wrapper and the payload are both checked against it.
 MIN_PYTHON = (3, 10)
 
-# The payload is ZPAQ level 5 (one thread: deterministic) of the minified source: PyPI's zpaq, which
-# COMPRESSOR=pergroup uses too. On train_gpt.py it is 17% smaller than brotli and 19% smaller than raw
-# LZMA2 (`--table`; docs/submitting.md, "Packed code"), and decodes in about half a second. A ZPAQ stream carries its own
-# model, so any ZPAQ decoder reads it.
-ZPAQ_LEVEL = 5
+# The payload is ZPAQ (one thread: deterministic) of the minified source: PyPI's zpaq, which COMPRESSOR=pergroup
+# uses too. ZPAQ_METHOD is level 5's model for text ("5": orders 1-6, 8, 11, 15, a match model, sparse contexts and
+# mixers) with two word models instead of its one: letters folded to upper case, and runs of lower case and "_" (the
+# identifiers); 0.9% smaller than "5" on train_gpt.py (`--table`). A ZPAQ stream carries its own model, so any
+# ZPAQ decoder reads it; the file decodes in about a second.
+ZPAQ_METHOD = ("x6,0w1,65,26,223,20,0i1,1w1,95,32,255,20,0i1c256ci1,1,1,1,1,1,2,3,4ac0,2,0,255i1c0,3,0,0,255i1"
+               "c0,4,0,0,0,255i1mm16ts19t0")
+ZPAQ_LEVEL = 5  # the previous format's, for `--table`
 BROTLI_QUALITY, BROTLI_LGWIN = 11, 24  # for `--table`
 
-# ... written as a bytes literal in base 116: each 6 bytes as 7 characters (116**7 >= 2**48) and a last block
-# of r < 6 bytes as r + 1 characters, little-endian. The 116 digits are the ASCII codes 1..127 except CR,
-# the other line breaks of str.splitlines (VT FF FS GS RS), SO/SI and ESC (they garble a terminal that
-# shows the file) and the quote and backslash, so the literal holds them verbatim (1.167 characters a byte;
-# Base85 takes 1.25). The wrapper maps a code c to its digit c-1-5*(c>15)-4*(c>30)-(c>34)-(c>92).
-EXCLUDED_CODES = frozenset({0, 11, 12, 13, 14, 15, 27, 28, 29, 30, 34, 92})
-ALPHABET = bytes(c for c in range(128) if c not in EXCLUDED_CODES)
-BASE, BLOCK = len(ALPHABET), 6
-WRAPPER_HEAD = ("import zpaq as Z\nexec(Z.decompress((lambda s:b\"\".join(sum((c-1-5*(c>15)-4*(c>30)-(c>34)-(c>92))"
-                "*116**i for i,c in enumerate(s[j:j+7])).to_bytes(len(s[j:j+7])-1,\"little\")for j in"
-                " range(0,len(s),7)))(b\"\"\"")
-WRAPPER_TAIL = "\"\"\")))\n"
+# ... written 7 bits a byte in a string literal (a valid UTF-8 file, as the counted size requires: SPEC-FRONTIER
+# 13). The compressed bytes, as one big-endian bit string with PAD zero bits appended (PAD = -8N mod 7), are cut
+# into 7-bit chunks; a chunk is written as the ASCII character with that code unless the code is one of ESCAPED
+# (NUL, CR, SO, SI, ESC, quote, backslash: Python's literal cannot hold the first and the last two verbatim, the
+# others garble a terminal that shows the file); such a chunk and the one after it (0 past the end) are written
+# as the two-byte character U+00A0 + 128 * (its index in ESCAPED) + (next chunk), which lies in U+00A0..U+041F
+# (Latin, IPA, Greek, Cyrillic: no control or bidirectional character). So every byte of the literal carries
+# 7 bits (1.143 characters a byte; base 116 took 1.167, Base85 1.25). The wrapper turns each character back
+# into 7 or 14 bits, drops the SHIFT trailing bits (PAD, plus 7 when the last chunk was escaped) and takes the
+# N bytes. VT FF FS GS RS may appear: line breaks for str.splitlines only, not for Python or `wc -l`.
+ESCAPED = b"\0\r\16\17\33\"\\"
+TWO_BYTE_START = 0xA0
+WRAPPER_HEAD = ("import zpaq as Z\nexec(Z.decompress((int(\"\".join(format(c,\"07b\")if c<128 else format(b\"\\0\\r\\16"
+                "\\17\\33\\\"\\\\\"[c-160>>7]*128+(c-160&127),\"014b\")for c in map(ord,\"\"\"")
+WRAPPER_TAIL = "\"\"\")),2)>>{shift}).to_bytes({n},\"big\")))\n"
+_TAIL_PATTERN = re.compile(r'"""\)\),2\)>>([0-9]+)\)\.to_bytes\(([1-9][0-9]*),"big"\)\)\)\n\Z')
 
-# Files written before local renaming and ZPAQ: refused with one line (their payload is not today's minify).
-LEGACY_HEAD = "import lzma as L,base64 as B\nexec(L.decompress(B.b85decode(\""
+# Files in an older format are refused with one line: LZMA2 + Base85 (before local renaming and ZPAQ), and
+# ZPAQ level 5 in base 116 (before ZPAQ_METHOD and the 7-bit literal).
+LEGACY_HEADS = {
+    "import lzma as L,base64 as B\nexec(L.decompress(B.b85decode(\"": "LZMA2 + Base85, locals not renamed",
+    "import zpaq as Z\nexec(Z.decompress((lambda s:b\"\".join(": "ZPAQ level 5 in base 116",
+}
 
 # Raw LZMA2, the format before ZPAQ, kept for `--table`: preset 9 extreme with pb=0 and an 8 MiB dictionary.
 LZMA_FILTER = {"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME, "dict_size": 1 << 23, "lc": 3, "lp": 0,
@@ -520,48 +533,63 @@ def _module(name: str):
 
 
 def compress(data: bytes) -> bytes:
-    return _module("zpaq").compress(data, ZPAQ_LEVEL, threads=1, hints=False)
+    return _module("zpaq").compress(data, threads=1, method=ZPAQ_METHOD)
 
 
-def b116encode(data: bytes) -> str:
-    """``data`` in base 116 (see ALPHABET): 7 characters per 6 bytes, r + 1 for a last block of r bytes."""
-    out = []
-    for j in range(0, len(data), BLOCK):
-        block = data[j:j + BLOCK]
-        n = int.from_bytes(block, "little")
-        for _ in range(len(block) + 1):
-            n, digit = divmod(n, BASE)
-            out.append(ALPHABET[digit])
-    return bytes(out).decode("ascii")
+def b7encode(data: bytes) -> tuple[str, int]:
+    """(text, shift): ``data`` 7 bits a character (see ESCAPED); b7decode(text, len(data), shift) gives it back."""
+    if not data:
+        return "", 0
+    pad = -8 * len(data) % 7
+    bits = bin(int.from_bytes(data, "big"))[2:].zfill(8 * len(data)) + "0" * pad
+    chunks = [int(bits[j:j + 7], 2) for j in range(0, len(bits), 7)]
+    out, i, shift = [], 0, pad
+    while i < len(chunks):
+        if chunks[i] in ESCAPED:
+            if i + 1 == len(chunks):
+                chunks.append(0)
+                shift += 7
+            out.append(chr(TWO_BYTE_START + 128 * ESCAPED.index(chunks[i]) + chunks[i + 1]))
+            i += 2
+        else:
+            out.append(chr(chunks[i]))
+            i += 1
+    return "".join(out), shift
 
 
-def b116decode(text: str) -> bytes:
-    """The inverse of b116encode; PackError for a character outside ALPHABET or a block that overflows."""
-    raw = text.encode("ascii", errors="replace")
-    digits = {c: d for d, c in enumerate(ALPHABET)}
-    if len(raw) % (BLOCK + 1) == 1 or not set(raw) <= digits.keys():
-        raise PackError("payload is not base 116")
-    out = bytearray()
-    for j in range(0, len(raw), BLOCK + 1):
-        chunk = raw[j:j + BLOCK + 1]
-        n = sum(digits[c] * BASE ** i for i, c in enumerate(chunk))
-        if n >= 256 ** (len(chunk) - 1):
-            raise PackError("payload is not base 116: a block overflows")
-        out += n.to_bytes(len(chunk) - 1, "little")
-    return bytes(out)
+def b7decode(text: str, n: int, shift: int) -> bytes:
+    """The inverse of b7encode, as the wrapper computes it; PackError for a character b7encode never writes or
+    a length that does not match ``n`` and ``shift``."""
+    bits = []
+    for ch in text:
+        c = ord(ch)
+        if c < 128 and c not in ESCAPED:
+            bits.append(format(c, "07b"))
+        elif 0 <= c - TWO_BYTE_START < 128 * len(ESCAPED):
+            k = c - TWO_BYTE_START
+            bits.append(format(ESCAPED[k >> 7] * 128 + (k & 127), "014b"))
+        else:
+            raise PackError(f"payload does not decode: it holds U+{c:04X}, which the 7-bit code never writes")
+    if not 0 <= shift < 14 or sum(map(len, bits)) != 8 * n + shift:
+        raise PackError(f"payload does not decode: it carries {sum(map(len, bits))} bits, not {n} bytes and"
+                        f" {shift} padding bits")
+    return (int("".join(bits) or "0", 2) >> shift).to_bytes(n, "big")
 
 
-def _decode(payload: str) -> str:
+def _decode(payload: str, n: int, shift: int) -> str:
     """What the wrapper's exec receives, decoded as Python does (UTF-8)."""
     zpaq = _module("zpaq")
     try:
-        return zpaq.decompress(b116decode(payload)).decode("utf-8")
+        return zpaq.decompress(b7decode(payload, n, shift)).decode("utf-8")
     except (zpaq.Error, UnicodeDecodeError) as exc:  # corrupt stream, not UTF-8
         raise PackError(f"payload does not decode: {exc}") from None
 
 
-def _wrap(payload: str) -> str:
-    return WRAPPER_HEAD + payload + WRAPPER_TAIL
+def _wrap(data: bytes, module: str = "zpaq") -> str:
+    """The packed file around the compressed ``data`` (``module``: the decompressor the wrapper imports)."""
+    payload, shift = b7encode(data)
+    return (WRAPPER_HEAD.replace("zpaq", module, 1) + payload
+            + WRAPPER_TAIL.format(shift=shift, n=len(data)))
 
 
 def pack_minified(minified: str) -> str:
@@ -571,7 +599,7 @@ def pack_minified(minified: str) -> str:
     except SyntaxError as exc:
         raise PackError(f"does not parse as Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]}: {exc.msg}"
                         f" (line {exc.lineno})") from None
-    packed = _wrap(b116encode(compress(minified.encode("utf-8"))))
+    packed = _wrap(compress(minified.encode("utf-8")))
     ast.parse(packed, feature_version=MIN_PYTHON)
     if unpack(packed) != minified:
         raise PackError("packed file does not decode back to the minified source")
@@ -579,32 +607,35 @@ def pack_minified(minified: str) -> str:
 
 
 def pack(src: str) -> str:
-    """The self-extracting file: import zpaq, then exec the minified ``src`` from ZPAQ + base 116."""
+    """The self-extracting file: import zpaq, then exec the minified ``src`` from ZPAQ in a 7-bit literal."""
     if is_packed(src):
         raise PackError("already packed")
     return pack_minified(minify(src))
 
 
-def _payload_literal(text: str) -> str:
-    """The base-116 payload of a packed file; PackError unless the file is exactly the wrapper around it."""
-    if text.startswith(LEGACY_HEAD):
-        raise PackError("an older packed format (LZMA2 + Base85, locals not renamed): repack it from the readable"
-                        " source with this scripts/pack_code.py")
-    payload = text[len(WRAPPER_HEAD):len(text) - len(WRAPPER_TAIL)]
-    if (not text.startswith(WRAPPER_HEAD) or not text.endswith(WRAPPER_TAIL)
-            or len(text) < len(WRAPPER_HEAD) + len(WRAPPER_TAIL) or not set(payload.encode("utf-8")) <= set(ALPHABET)):
+def _payload_literal(text: str) -> tuple[str, int, int]:
+    """(payload, n, shift) of a packed file; PackError unless the file is exactly the wrapper around them."""
+    for head, what in LEGACY_HEADS.items():
+        if text.startswith(head):
+            raise PackError(f"an older packed format ({what}): repack it from the readable source with this"
+                            " scripts/pack_code.py")
+    tail = _TAIL_PATTERN.search(text)
+    if not text.startswith(WRAPPER_HEAD) or tail is None or tail.start() < len(WRAPPER_HEAD):
         raise PackError("not a packed file: not the wrapper pack_code.py writes")
-    return payload
+    payload, shift, n = text[len(WRAPPER_HEAD):tail.start()], int(tail[1]), int(tail[2])
+    if text != WRAPPER_HEAD + payload + WRAPPER_TAIL.format(shift=shift, n=n) or '"' in payload or "\\" in payload:
+        raise PackError("not a packed file: not the wrapper pack_code.py writes")
+    return payload, n, shift
 
 
 def unpack(packed_text: str) -> str:
     """The source a packed file executes, recovered without executing anything."""
-    return _decode(_payload_literal(packed_text))
+    return _decode(*_payload_literal(packed_text))
 
 
 def is_packed(text: str) -> bool:
-    """True if ``text`` is the wrapper (whether or not its payload decodes), or the older LZMA2 + Base85 one."""
-    if text.startswith(LEGACY_HEAD):
+    """True if ``text`` is the wrapper (whether or not its payload decodes), or one of the older formats."""
+    if text.startswith(tuple(LEGACY_HEADS)):
         return True
     try:
         _payload_literal(text)
@@ -613,27 +644,46 @@ def is_packed(text: str) -> bool:
     return True
 
 
+# Any valid UTF-8 text without NUL, CR, quote and backslash (which a literal cannot hold verbatim) carries at most
+# log2(x) bits a byte, x the root of 124/x + 1920/x**2 + 61440/x**3 + 1048576/x**4 = 1 (the numbers of such
+# characters of 1, 2, 3 and 4 bytes): 7.140. So a compressed payload of C bytes needs at least 8C/7.140 bytes.
+def _utf8_bits_per_byte() -> float:
+    counts = (124, 1920, 61440, 1048576)
+    lo, hi = 128.0, 256.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(c / mid ** (k + 1) for k, c in enumerate(counts)) > 1 else (lo, mid)
+    return math.log2(lo)
+
+
+def utf8_floor(compressed: int) -> int:
+    """Fewest bytes any UTF-8 Python literal can hold ``compressed`` bytes in (wrapper not counted)."""
+    return math.ceil(8 * compressed / _utf8_bits_per_byte())
+
+
 def size_table(src: str) -> list[tuple[str, int, int, int]]:
-    """(step, minified bytes, compressed bytes, packed bytes) for the packing steps one at a time: the older
-    format (local names kept, raw LZMA2, Base85), then brotli, local renaming, base 116 and ZPAQ in turn."""
+    """(step, minified bytes, compressed bytes, packed bytes) for the packing steps one at a time: the oldest
+    format (local names kept, raw LZMA2, Base85), then brotli, local renaming, the 7-bit literal, ZPAQ level 5
+    and ZPAQ_METHOD in turn."""
     def b85_file(head: str, data: bytes, tail: str) -> int:
         return len(head) + len(base64.b85encode(data)) + len(tail)
 
     kept, renamed = (minify(src, rename=r).encode("utf-8") for r in (False, True))
     lz = lzma.compress(kept, format=lzma.FORMAT_RAW, filters=[LZMA_FILTER])
-    legacy_tail = "\"),format=L.FORMAT_RAW,filters=[{\"id\":L.FILTER_LZMA2}]))\n"
+    legacy_head, legacy_tail = next(iter(LEGACY_HEADS)), "\"),format=L.FORMAT_RAW,filters=[{\"id\":L.FILTER_LZMA2}]))\n"
     head85, tail85 = "import brotli as B,base64 as A\nexec(B.decompress(A.b85decode(\"", "\")))\n"
-    head116 = WRAPPER_HEAD.replace("zpaq as Z", "brotli as B").replace("Z.decompress", "B.decompress")
-    rows = [("locals kept, LZMA2, Base85 (the older format)", kept, lz, b85_file(LEGACY_HEAD, lz, legacy_tail))]
-    brotli = _module("brotli")
+    rows = [("locals kept, LZMA2, Base85 (the oldest format)", kept, lz, b85_file(legacy_head, lz, legacy_tail))]
+    brotli, zpaq = _module("brotli"), _module("zpaq")
     for text in (kept, renamed):
         data = brotli.compress(text, quality=BROTLI_QUALITY, lgwin=BROTLI_LGWIN)
         step = f"locals {'renamed' if text is renamed else 'kept'}, brotli, Base85"
         rows.append((step, text, data, b85_file(head85, data, tail85)))
-    rows.append(("locals renamed, brotli, base 116", renamed, data, len(head116 + b116encode(data) + WRAPPER_TAIL)))
-    data = compress(renamed)
-    rows.append(("locals renamed, ZPAQ, base 116 (this format)", renamed, data,
-                 len(_wrap(b116encode(data)).encode("utf-8"))))
+    for step, data, module in (
+            ("locals renamed, brotli, 7-bit literal", data, "brotli"),
+            ("locals renamed, ZPAQ level 5, 7-bit literal", zpaq.compress(renamed, ZPAQ_LEVEL, threads=1,
+                                                                          hints=False), "zpaq"),
+            ("locals renamed, ZPAQ_METHOD, 7-bit literal (this format)", compress(renamed), "zpaq")):
+        rows.append((step, renamed, data, len(_wrap(data, module).encode("utf-8"))))
     return [(step, len(text), len(data), packed) for step, text, data, packed in rows]
 
 
@@ -692,8 +742,11 @@ def run(args: argparse.Namespace) -> int:
         raise PackError(f"{src_path}: {exc}") from None
     if args.table:
         print("| step | minified bytes | compressed bytes | packed bytes |\n|---|---:|---:|---:|")
-        for step, *sizes in size_table(src):
+        rows = size_table(src)
+        for step, *sizes in rows:
             print(f"| {step} | " + " | ".join(f"{n:,}" for n in sizes) + " |")
+        print(f"\nno UTF-8 literal holds the last row's {rows[-1][2]:,} compressed bytes in fewer than"
+              f" {utf8_floor(rows[-1][2]):,} bytes ({_utf8_bits_per_byte():.3f} bits a byte at best; this format: 7)")
         return 0
     if args.check is not None:
         try:

@@ -9,7 +9,7 @@
 # FOLDER once, before the first run, so the folder holds the code that ran.
 #
 # With PACK_CODE=1, FOLDER/train_gpt.py is instead the packed (self-extracting,
-# minified, locals renamed, brotli + base 116) form written by scripts/pack_code.py, the readable
+# minified, locals renamed, ZPAQ in a 7-bit literal) form written by scripts/pack_code.py, the readable
 # source goes to FOLDER/train_gpt_readable.py, and the runs execute the packed
 # file (from the repo root, so data paths resolve as usual): every log's
 # "Code size" is then the packed file's size, the bytes that count.
