@@ -284,8 +284,11 @@ def plan_rows(cfg, help_text, presets, backends):
             continue
         layers = {k: v for k, v in cfg["preset_layers"].items() if k in presets[preset] or k == "XSA_LAST_N"}
         base = {"PRESET": preset, **layers}
-        if importlib.util.find_spec("brotli") is None and presets[preset].get("COMPRESSOR") == "brotli":
-            base["COMPRESSOR"] = "lzma"  # only the training steps are measured; brotli may be missing offline
+        compressor = presets[preset].get("COMPRESSOR", "lzma")
+        modules = {"brotli": ("brotli",), "pergroup": tuple(sys.modules["train_gpt"].PERGROUP_MODULES)}.get(
+            compressor, ())
+        if any(importlib.util.find_spec(m) is None for m in modules):
+            base["COMPRESSOR"] = "lzma"  # only the training steps are measured; brotli/zpaq may be missing offline
         if int(presets[preset].get("NUM_LOOPS", "0")) > 0:
             rows.append({"name": f"PRESET={preset} loop off", "kind": "ours", "env": {**base, "NUM_LOOPS": "0"}})
             rows.append({"name": f"PRESET={preset} loop on", "kind": "ours", "looping": True,

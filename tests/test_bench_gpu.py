@@ -166,3 +166,18 @@ def test_attention_backend_setting(monkeypatch):
     assert tg._ATTENTION["fn"] == "flash_attn.cute"
     assert tg.select_attention_backend(cuda) == "flash_attn_3"  # auto never picks FA4 (not measured yet)
     tg.select_attention_backend(cpu)
+
+
+@pytest.mark.parametrize("missing", [(), ("zpaq",), ("brotli",)])
+def test_preset_rows_train_with_lzma_where_their_compressor_is_missing(monkeypatch, missing):
+    """The GPU image has neither brotli nor zpaq: a preset row whose COMPRESSOR needs a missing package trains with
+    COMPRESSOR=lzma (only its training steps are measured) instead of stopping at start; otherwise no override."""
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else find_spec(name, *a))
+    rows = {r["name"]: r for r in bench_gpu.plan_rows(bench_gpu.bench_config({"BENCH_TINY": "1"}), "", tg.PRESETS,
+                                                        bench_gpu.backend_plan(True))}
+    assert tg.PRESETS["record_0427"]["COMPRESSOR"] == "pergroup" and tg.PRESETS["record_0409"]["COMPRESSOR"] == "brotli"
+    for name in ("PRESET=record_0427 loop on", "PRESET=record_0430 loop off"):
+        assert rows[name]["env"].get("COMPRESSOR") == ("lzma" if missing else None), name
+    assert rows["PRESET=record_0409 loop on"]["env"].get("COMPRESSOR") == ("lzma" if "brotli" in missing else None)
