@@ -474,7 +474,7 @@ def test_a_rank_that_dies_or_stalls_mid_ttt_makes_the_other_fail_within_the_time
     assert end0 is not None and rc0 != 0 and (rc1 == 3 if fault == "exit" else True), err0[-2000:]
     assert "global_sgd_phase" in err0 and not (tmp_path / "sums0.pt").exists()
     faulted = ast.literal_eval((tmp_path / "sums1.pt.fault").read_text())
-    assert end0 - faulted < timeout + 2, (end0, faulted)
+    assert end0 - faulted < timeout + 8, (end0, faulted)  # + exit and teardown on a loaded machine; the stall is 60 s
 
 
 # ---------------------------------------------------------------------------------------------- the script
