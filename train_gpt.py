@@ -481,11 +481,8 @@ class Hyperparameters:
         need(self.train_loader != "packed" or (self.bigram_vocab_size == 0 and self.smear_gate != 1),
              "TRAIN_LOADER=packed needs BIGRAM_VOCAB_SIZE=0 and SMEAR_GATE=0 or 2 (the bigram hash and SmearGate "
              "v1 mix each token with the previous one across document boundaries; v2 is masked at BOS)")
-        need(self.compressor != "brotli" or importlib.util.find_spec("brotli") is not None,
-             "COMPRESSOR=brotli needs the brotli package: pip install brotli")
-        for module in PERGROUP_MODULES:
-            need(self.compressor != "pergroup" or importlib.util.find_spec(module) is not None,
-                 f"COMPRESSOR=pergroup needs the {module} package: pip install {PERGROUP_MODULES[module]}")
+        for module, package in missing_modules(self.compressor):
+            need(False, f"COMPRESSOR={self.compressor} needs the {module} package: pip install {package}")
         need(not self.awq_lite or self.quant == "gptq", "AWQ_LITE=1 needs QUANT=gptq (its saliency reads the "
                                                        "calibration activations)")
         need(self.gptq_calibration_seqs == 0 or self.quant == "gptq",
@@ -3036,12 +3033,18 @@ INT6_CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999)  # plus the row max
 INT8_CLIP_QUANTILE = 0.9999984
 PASSTHROUGH_MAX_NUMEL = 65_536
 PERGROUP_MODULES = {"brotli": "brotli", "zpaq": "zpaq"}  # COMPRESSOR=pergroup's modules -> their PyPI packages
+COMPRESSOR_MODULES = {"lzma": {}, "brotli": {"brotli": "brotli"}, "pergroup": PERGROUP_MODULES}
 BANK_SLOTS = {  # bank -> per-layer names of its [0, n) and [n, 2n) halves (SPEC 6)
     "qo_bank": (".attn.c_q.weight", ".attn.proj.weight"),
     "kv_bank": (".attn.c_k.weight", ".attn.c_v.weight"),
     "mlp_up_bank": (".mlp.fc.weight", None),
     "mlp_down_bank": (".mlp.proj.weight", None),
 }
+
+
+def missing_modules(compressor):
+    """The (module, PyPI package) pairs COMPRESSOR=`compressor` needs that this Python cannot import."""
+    return [(m, p) for m, p in COMPRESSOR_MODULES.get(compressor, {}).items() if importlib.util.find_spec(m) is None]
 
 
 def unbank_state_dict(sd, n):
@@ -3631,9 +3634,8 @@ def pergroup_serialize(obj):
 
 def pergroup_deserialize(data, path):
     """Inverse of pergroup_serialize: the artifact's dict ({"w", "m", "late_qat"}); any damage is one line."""
-    for module, package in PERGROUP_MODULES.items():
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"{path}: per-group artifacts need the {module} module: pip install {package}")
+    for module, package in missing_modules("pergroup"):
+        raise ConfigError(f"{path}: per-group artifacts need the {module} module: pip install {package}")
     import brotli
     streams = unpack_streams(data, path)
     try:

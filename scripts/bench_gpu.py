@@ -256,6 +256,7 @@ def plan_rows(cfg, help_text, presets, backends):
     """The rows of this run in the order they run (the comparison with the record first, so that a run cut short by
     BENCH_BUDGET still has it): dicts with name, env, kind (ours | record | eval | skip) and note. Optional rows
     run only when train_gpt.py --help lists their setting (presets: train_gpt.PRESETS); else 'skipped' says why."""
+    import train_gpt as tg
     loader = {f"ours p{p}c{c}": {"TRAIN_PREFETCH": p, "TRAIN_COPY_STREAM": c} for p in "01" for c in "01"}
     rows = [{"name": "ours p1c1 (default)", "kind": "ours", "env": loader.pop("ours p1c1"),
              "vs_record": backends["ours"] == backends["record"]}]
@@ -284,10 +285,7 @@ def plan_rows(cfg, help_text, presets, backends):
             continue
         layers = {k: v for k, v in cfg["preset_layers"].items() if k in presets[preset] or k == "XSA_LAST_N"}
         base = {"PRESET": preset, **layers}
-        compressor = presets[preset].get("COMPRESSOR", "lzma")
-        modules = {"brotli": ("brotli",), "pergroup": tuple(sys.modules["train_gpt"].PERGROUP_MODULES)}.get(
-            compressor, ())
-        if any(importlib.util.find_spec(m) is None for m in modules):
+        if tg.missing_modules(presets[preset].get("COMPRESSOR", "lzma")):
             base["COMPRESSOR"] = "lzma"  # only the training steps are measured; brotli/zpaq may be missing offline
         if int(presets[preset].get("NUM_LOOPS", "0")) > 0:
             rows.append({"name": f"PRESET={preset} loop off", "kind": "ours", "env": {**base, "NUM_LOOPS": "0"}})

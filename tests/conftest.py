@@ -56,6 +56,14 @@ def short_val_data(sample_data: dict[str, str], out: Path, val_tokens: int) -> d
     return {"DATA_PATH": str(out), "TOKENIZER_PATH": sample_data["TOKENIZER_PATH"]}
 
 
+def hide_modules(monkeypatch, *names: str) -> None:
+    """importlib.util.find_spec answers None for `names` (as on a machine without those packages) for one test."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in names else find_spec(name, *a))
+
+
 def config_error(environ: dict[str, str]) -> str:
     """The message of the ConfigError that Hyperparameters(environ) raises, checked to be one line."""
     import train_gpt as tg

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import TINY_ENV, config_error, read_log, run_training, short_val_data
+from conftest import TINY_ENV, config_error, hide_modules, read_log, run_training, short_val_data
 
 RECORD_0427 = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "frontier" / "record_0427" / "train_gpt.py"
 
@@ -450,3 +450,22 @@ def test_two_processes_write_the_one_process_pergroup_artifact(run_data, tmp_pat
         assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = (tmp_path / "n0" / "final_model.int6.ptz").read_bytes(), (tmp_path / "n2" / "final_model.int6.ptz")
     assert one[:4] == b"PGRP" and one == two.read_bytes()
+
+
+@pytest.mark.parametrize("compressor, missing, message", [
+    ("brotli", "brotli", "COMPRESSOR=brotli needs the brotli package: pip install brotli"),
+    ("pergroup", "brotli", "COMPRESSOR=pergroup needs the brotli package: pip install brotli"),
+    ("pergroup", "zpaq", "COMPRESSOR=pergroup needs the zpaq package: pip install zpaq"),
+    ("lzma", "zpaq", None)])
+def test_a_compressor_whose_package_is_missing_is_refused_at_start(monkeypatch, compressor, missing, message):
+    """One line naming the package, from the settings (before any work) and from reading a per-group artifact."""
+    hide_modules(monkeypatch, missing)
+    assert tg.missing_modules(compressor) == ([] if message is None else [(missing, missing)])
+    if message is None:
+        tg.Hyperparameters({"COMPRESSOR": compressor})
+    else:
+        assert config_error({"COMPRESSOR": compressor}) == message
+    if compressor == "pergroup":
+        with pytest.raises(tg.ConfigError, match=rf"^x\.ptz: per-group artifacts need the {missing} module: "
+                                                 rf"pip install {missing}$"):
+            tg.pergroup_deserialize(b"", "x.ptz")

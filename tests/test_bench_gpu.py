@@ -12,7 +12,7 @@ import time
 import pytest
 
 import train_gpt as tg
-from conftest import REPO, clean_environ, config_error
+from conftest import REPO, clean_environ, config_error, hide_modules
 
 sys.path.insert(0, str(REPO / "scripts"))
 import bench_gpu  # noqa: E402  (needs the path above)
@@ -172,9 +172,7 @@ def test_attention_backend_setting(monkeypatch):
 def test_preset_rows_train_with_lzma_where_their_compressor_is_missing(monkeypatch, missing):
     """The GPU image has neither brotli nor zpaq: a preset row whose COMPRESSOR needs a missing package trains with
     COMPRESSOR=lzma (only its training steps are measured) instead of stopping at start; otherwise no override."""
-    import importlib.util
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else find_spec(name, *a))
+    hide_modules(monkeypatch, *missing)
     rows = {r["name"]: r for r in bench_gpu.plan_rows(bench_gpu.bench_config({"BENCH_TINY": "1"}), "", tg.PRESETS,
                                                         bench_gpu.backend_plan(True))}
     assert tg.PRESETS["record_0427"]["COMPRESSOR"] == "pergroup" and tg.PRESETS["record_0409"]["COMPRESSOR"] == "brotli"
