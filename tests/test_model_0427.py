@@ -62,16 +62,23 @@ def record_0409(tmp_path_factory):
     return _import_module("record_0409_train_gpt", path, {})
 
 
+def logged(record):
+    """The record's logged hyperparameters (FRONTIER/record_hparams.txt), name -> text."""
+    out = {}
+    for line in (FRONTIER / f"{record}_hparams.txt").read_text(encoding="utf-8").splitlines():
+        if line and not line.startswith("#"):
+            key, sep, value = line.partition(": ")
+            assert sep, line
+            out[key] = value
+    return out
+
+
 def import_record(name):
     """A record's script as shipped (FRONTIER/name/train_gpt.py), imported with its logged hyperparameters
     (FRONTIER/name_hparams.txt) in the environment."""
     _needs_frontier()
     pytest.importorskip("triton")
-    env = {}
-    for line in (FRONTIER / f"{name}_hparams.txt").read_text(encoding="utf-8").splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.partition(": ")
-            env[key.upper()] = {"True": "1", "False": "0"}.get(value, value)
+    env = {key.upper(): {"True": "1", "False": "0"}.get(value, value) for key, value in logged(name).items()}
     module = _import_module(f"{name}_train_gpt", FRONTIER / name / "train_gpt.py", env)
     module.BOS_ID = 1  # set by its loader, which a test does not run
     return module

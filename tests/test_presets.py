@@ -15,24 +15,13 @@ import torch
 import train_gpt as tg
 from conftest import REPO, read_log, run_training
 from test_documents import caseops_sample  # noqa: F401 (fixture: the vocab-8192 CaseOps sample)
-from test_model_0427 import FRONTIER, _needs_frontier, _randomise, _record_h, _rel, _to_record_names
+from test_model_0427 import _needs_frontier, _randomise, _record_h, _rel, _to_record_names, logged
 from test_model_0427 import record_0427  # noqa: F401 (fixture)
 from test_ttt_lora import assert_matches_record, luts_for, record_0430, record_totals, stream  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
 CPU = torch.device("cpu")
 DOCS = REPO / "docs" / "presets.md"
-
-
-def logged(record):
-    """The record's logged hyperparameters, name -> text (record_0427 or record_0430)."""
-    out = {}
-    for line in (FRONTIER / f"{record}_hparams.txt").read_text(encoding="utf-8").splitlines():
-        if line and not line.startswith("#"):
-            key, sep, value = line.partition(": ")
-            assert sep, line
-            out[key] = value
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- the mapping
