@@ -4278,6 +4278,24 @@ def _run_starts(sorted_vals, idx):
     return is_start, torch.where(is_start, idx, 0).cummax(0).values
 
 
+def ngram_tilt_keys(targets, order):
+    """SPEC-FRONTIER 20(a): the record's C keys for every target i >= order-2 (the ones with a full context), as
+    int64 (its uint64 values: keys < 2^38, pair keys < 2^58): (context key, pair key, token as int32). The stream is
+    S = [T[0]] + T (the C's ring seeded with T[0]), target i's context S[i+2-order .. i] read oldest first, its key
+    XOR_j S[i+2-order+j]*C[j] and its pair key key*1000003 ^ T[i]*C[(order-1) % 32]."""
+    L = order - 1
+    m = targets.numel() - L + 1
+    s = torch.cat([targets[:1], targets]).to(torch.int64)
+    if int(s.min()) < 0 or int(s.max()) > 0xFFFF:
+        raise ValueError("ngram_tilt_hints: token ids must lie in 0..65535 (the C keeps them as uint16)")
+    key = s[:m] * NGRAM_COEFFS[0]
+    pair = torch.empty_like(key)
+    for j in range(1, L):
+        key.bitwise_xor_(torch.mul(s[j:j + m], NGRAM_COEFFS[j], out=pair))
+    torch.mul(s[L:], NGRAM_COEFFS[L % len(NGRAM_COEFFS)], out=pair).bitwise_xor_(key * NGRAM_PAIR_MIX)
+    return key, pair, s[L:].to(torch.int32)
+
+
 def ngram_tilt_hints(targets, order):
     """SPEC-FRONTIER 20(a): #2135's token n-gram hint for every target, equal to its C's token channel (tokens
     exactly, probabilities bit for bit), without a loop over positions. targets: 1-D integer tensor of every val
@@ -4307,18 +4325,9 @@ def ngram_tilt_hints(targets, order):
     m = n - L + 1  # targets with a full context: i = L-1 .. n-1
     if n == 0 or m <= 0:
         return top_tok, top_prob
-    s = torch.cat([targets[:1], targets]).to(torch.int64)
-    if int(s.min()) < 0 or int(s.max()) > 0xFFFF:
-        raise ValueError("ngram_tilt_hints: token ids must lie in 0..65535 (the C keeps them as uint16)")
-    key = s[:m] * NGRAM_COEFFS[0]
-    tmp = torch.empty_like(key)
-    for j in range(1, L):
-        key.bitwise_xor_(torch.mul(s[j:j + m], NGRAM_COEFFS[j], out=tmp))
-    torch.mul(s[L:], NGRAM_COEFFS[L % len(NGRAM_COEFFS)], out=tmp).bitwise_xor_(key * NGRAM_PAIR_MIX)  # pair keys
-    tok = s[L:].to(torch.int32)
-    del s
-    pvals, pperm = torch.sort(tmp, stable=True)
-    del tmp
+    key, pair, tok = ngram_tilt_keys(targets, order)
+    pvals, pperm = torch.sort(pair, stable=True)
+    del pair
     idx = torch.arange(m, device=dev)
     _, start = _run_starts(pvals, idx)
     del pvals
@@ -4344,6 +4353,7 @@ def ngram_tilt_hints(targets, order):
     top_tok[L - 1:].scatter_(0, kperm, out_tok.to(torch.int64))
     top_prob[L - 1:].scatter_(0, kperm, out_prob)
     return top_tok, top_prob
+
 
 # ==================================================
 # MAIN
