@@ -4276,6 +4276,25 @@ def _mark_run_starts(sorted_vals, is_start):
     return torch.ne(sorted_vals[1:], sorted_vals[:-1], out=is_start[1:])
 
 
+def _running_max(x, out, spare, width=1024):
+    """Inclusive running max of the 1-D int64 tensor x, written into out (spare: a buffer of x's size that receives
+    cummax's unused indices). Scanned as rows of `width` and then across row ends: CUDA's cummax gives each row one
+    thread block, so one long row would run on a single block."""
+    n = x.numel()
+    rows = n // width
+    k = rows * width
+    if rows:
+        torch.cummax(x[:k].view(rows, width), 1, out=(out[:k].view(rows, width), spare[:k].view(rows, width)))
+    if k < n:
+        torch.cummax(x[k:], 0, out=(out[k:], spare[k:]))
+    if rows:
+        ends = out[width - 1:k:width].cummax(0).values  # running max at each row's end
+        body = out[width:k].view(rows - 1, width)
+        torch.maximum(body, ends[:-1, None], out=body)
+        torch.maximum(out[k:], ends[-1], out=out[k:])
+    return out
+
+
 def ngram_tilt_keys(targets, order):
     """SPEC-FRONTIER 20(a): the record's C keys for every target i >= order-2 (the ones with a full context), as
     int64 (its uint64 values: keys < 2^38, pair keys < 2^58): (context key, pair key, token as int32). The stream is
@@ -4332,17 +4351,17 @@ def ngram_tilt_hints(targets, order):
     is_start = torch.empty(m, dtype=torch.bool, device=dev)
     vals, perm = torch.sort(pair, stable=True)
     _mark_run_starts(vals, is_start)
-    torch.cummax(torch.mul(idx, is_start, out=pair), 0, out=(run_start, vals))
+    _running_max(torch.mul(idx, is_start, out=pair), run_start, vals)
     count = pair.scatter_(0, perm, torch.sub(idx, run_start, out=run_start).add_(1))  # pair count, stream order
     torch.sort(key, stable=True, out=(vals, perm))  # perm: targets by key, each key's in stream order
     _mark_run_starts(vals, is_start)
-    torch.cummax(torch.mul(idx, is_start, out=key), 0, out=(run_start, vals))
+    _running_max(torch.mul(idx, is_start, out=key), run_start, vals)
     base = torch.mul(run_start, m + 1, out=spare)
-    torch.cummax(torch.gather(count, 0, perm, out=key).add_(base), 0, out=(vals, pair))
+    _running_max(torch.gather(count, 0, perm, out=key).add_(base), vals, pair)  # (count is consumed here)
     top_count = vals.sub_(base)  # running max of the pair counts within each key's run
     rises = is_start.clone()
     rises[1:] |= top_count[1:] > top_count[:-1]
-    torch.cummax(torch.mul(idx, rises, out=key), 0, out=(pair, spare))  # where top_count last rose
+    _running_max(torch.mul(idx, rises, out=key), pair, spare)  # where top_count last rose
     del rises
     best = tok.gather(0, torch.gather(perm, 0, pair, out=key))
     del tok
