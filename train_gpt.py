@@ -116,6 +116,19 @@ PRESETS["record_0430"] = {
     "TTT_LOCAL_LR_MULT": "0.75", "TTT_CHUNK_SIZE_BY_DOC_LEN": "256:8,2000:24",
 }
 
+# The 2026-05-01 row (#2135, 1.05651, the top audited row; SPEC-FRONTIER 20): #1855 with MATRIX_LR 0.028, LQER groups of
+# 32, 32 calibration batches, one phase, context 2560 in evaluation and TTT (never NTK-stretched: the record's RoPE
+# does not stretch, ours does beyond ROPE_TRAIN_SEQ_LEN, so it is set to the longest context; its logged 2048 is
+# read by nothing there), LoRA LR 8e-5 and wd 2.0 without the K adapters, no quant gate (attn_gate_w stored fp16),
+# SmearGate v2 without its BOS mask as the run trained it, and the token n-gram tilt of its final score.
+PRESETS["record_0501"] = {
+    **PRESETS["record_0427"],
+    "MATRIX_LR": "0.028", "LQER_GROUP": "32", "GPTQ_CALIBRATION_BATCHES": "32", "PHASED_TTT_NUM_PHASES": "1",
+    "EVAL_SEQ_LEN": "2560", "ROPE_TRAIN_SEQ_LEN": "2560", "TTT_LORA_LR": "0.00008", "TTT_WEIGHT_DECAY": "2.0",
+    "TTT_LORA_TARGETS": "q,v,o,mlp,head", "QUANT_GATE": "0", "VAL_LOSS_EVERY": "4000", "SMEAR_GATE_BOS_FIX": "0",
+    "NGRAM_TILT": "1", "NGRAM_TILT_ORDER": "16", "NGRAM_TILT_THRESHOLD": "0.8", "NGRAM_TILT_BOOST": "2.625",
+}
+
 
 def file_name_max(folder):
     """The longest file name, in bytes, that `folder`'s filesystem allows (255 where it does not say)."""
@@ -205,6 +218,7 @@ class Hyperparameters:
         self.ve_dim = self._env("VE_DIM", 128)
         self.ve_layers = self._env_int_list("VE_LAYERS", "9,10")
         self.smear_gate = self._env("SMEAR_GATE", 1)  # 0 off, 1 the 03-23 record's, 2 v2 with the BOS mask
+        self.smear_gate_bos_fix = self._env("SMEAR_GATE_BOS_FIX", True, bool)  # 0: v2 without its BOS mask (#2135)
         self.skip_gates = self._env("SKIP_GATES", False, bool)
         self.parallel_residual_start = self._env("PARALLEL_RESIDUAL_START", -1)
         self.num_loops = self._env("NUM_LOOPS", 0)
@@ -324,6 +338,11 @@ class Hyperparameters:
         # ---- document LoRA TTT, the 04-30 record's additions (issue 20; SPEC-FRONTIER 19, #2014)
         self.ttt_local_lr_mult = self._env("TTT_LOCAL_LR_MULT", 1.0, float)
         self.ttt_chunk_size_by_doc_len = self._env("TTT_CHUNK_SIZE_BY_DOC_LEN", "", str)  # "": TTT_CHUNK_SIZE
+        # ---- the token n-gram tilt of the final score (issue 29; SPEC-FRONTIER 20, #2135's token channel)
+        self.ngram_tilt = self._env("NGRAM_TILT", False, bool)
+        self.ngram_tilt_order = self._env("NGRAM_TILT_ORDER", 16)  # context of order - 1 earlier targets
+        self.ngram_tilt_threshold = self._env("NGRAM_TILT_THRESHOLD", 0.8, float)  # gate: hint prob >= it
+        self.ngram_tilt_boost = self._env("NGRAM_TILT_BOOST", 2.625, float)
         # ---- fused Triton kernels (issue 21, SPEC-FRONTIER 15): training only, eager where they cannot run
         self.fused_mlp = self._env("FUSED_MLP", False, bool)
         self.fused_ce = self._env("FUSED_CE", False, bool)
@@ -553,6 +572,12 @@ class Hyperparameters:
         need(self.ttt_eval_seq_len >= 0, f"TTT_EVAL_SEQ_LEN={self.ttt_eval_seq_len} must be >= 0 (0: EVAL_SEQ_LEN)")
         need(0 <= self.ttt_beta1 < 1 and 0 <= self.ttt_beta2 < 1, "TTT_BETA1 and TTT_BETA2 must be in [0, 1)")
         need(self.ttt_local_lr_mult > 0, f"TTT_LOCAL_LR_MULT={self.ttt_local_lr_mult} must be > 0")
+        need(0 < self.ngram_tilt_threshold <= 1,
+             f"NGRAM_TILT_THRESHOLD={self.ngram_tilt_threshold} must be in (0, 1] (the gate: hint probability >= it)")
+        need(self.ngram_tilt_boost >= 0, f"NGRAM_TILT_BOOST={self.ngram_tilt_boost} must be >= 0")
+        need(not self.ngram_tilt or self.ttt_enabled or self.eval_stride > 0,
+             "NGRAM_TILT=1 tilts the final score, which is the legal TTT score (TTT_ENABLED=1) or the sliding "
+             "window (EVAL_STRIDE > 0); with neither it would tilt nothing")
         self.ttt_chunk_steps = parse_chunk_steps(self.ttt_chunk_size_by_doc_len)
         targets = self.ttt_lora_targets.split(",")
         need(targets != [""] and set(targets) <= set(LORA_TARGETS) and len(set(targets)) == len(targets),
@@ -1967,16 +1992,19 @@ class SmearGateBOS(nn.Module):
     """SmearGate v2 (SPEC-FRONTIER 8, 18; the 04-16 gate with the 04-27 BOS fix; SMEAR_GATE=2), on the raw input
     embeddings e before the first RMSNorm: e'_0 = e_0, e'_t = e_t + lam * sigmoid(w . e_t[0:GATE_WINDOW]) * e_{t-1}
     * [ids_t != BOS_ID]. w (1 x window) and lam start at zero: the identity at init. The mask keeps the last token
-    of one document out of the next document's BOS position in a packed row."""
+    of one document out of the next document's BOS position in a packed row. bos_mask=False (SMEAR_GATE_BOS_FIX=0,
+    #2135's run, SPEC-FRONTIER 20(e)1) drops the mask: e'_t = e_t + lam * sigmoid(...) * e_{t-1} at every t >= 1."""
 
-    def __init__(self, window, bos_id):
+    def __init__(self, window, bos_id, bos_mask=True):
         super().__init__()
-        self.window, self.bos_id = window, bos_id
+        self.window, self.bos_id, self.bos_mask = window, bos_id, bos_mask
         self.gate = nn.Parameter(torch.zeros(1, window, dtype=torch.float32))
         self.lam = nn.Parameter(torch.zeros(1, dtype=torch.float32))
 
     def forward(self, e, ids):
         g = self.lam.to(e.dtype) * torch.sigmoid(F.linear(e[:, 1:, :self.window], self.gate.to(e.dtype)))
+        if not self.bos_mask:
+            return torch.cat((e[:, :1], e[:, 1:] + g * e[:, :-1]), dim=1)
         keep = (ids[:, 1:] != self.bos_id).to(e.dtype).unsqueeze(-1)
         return torch.cat((e[:, :1], e[:, 1:] + g * e[:, :-1] * keep), dim=1)
 
@@ -2012,7 +2040,7 @@ class GPT(nn.Module):
         self.tok_emb = CastedEmbedding(h.vocab_size, d)
         self.bigram = BigramHash(h.bigram_vocab_size, h.bigram_dim, d) if h.bigram_vocab_size > 0 else None
         self.smear = SmearGate(d) if h.smear_gate == 1 else None
-        self.smear_bos = SmearGateBOS(h.gate_window, BOS_ID) if h.smear_gate == 2 else None
+        self.smear_bos = SmearGateBOS(h.gate_window, BOS_ID, h.smear_gate_bos_fix) if h.smear_gate == 2 else None
         num_skips = min(len(half) for half in self.orders[h.num_loops > 0])
         self.skip_weights = nn.Parameter(torch.ones(num_skips, d))
         self.skip_gates = nn.Parameter(torch.zeros(num_skips, d)) if h.skip_gates else None
@@ -3784,6 +3812,63 @@ def finish_loss_bpb(rt, sums):
     return val_loss, val_loss / math.log(2.0) * tokens / nbytes
 
 
+class NgramTilt(NamedTuple):
+    """NGRAM_TILT=1's hints for the whole val stream (build_ngram_tilt): hint[p] (int32, CPU) is the hinted token of
+    target val_tokens[p + 1] where the gate holds (its n-gram probability >= NGRAM_TILT_THRESHOLD), else -1."""
+    hint: Tensor
+    boost: float  # NGRAM_TILT_BOOST
+
+
+def ngram_tilt_loss(nll, log_q, y, hint, gate, boost):
+    """The token n-gram tilt of per-token losses (SPEC-FRONTIER 20(c); #2135's apply_tilt_to_ptl_torch_fast), fp32:
+    where `gate`, nll - boost*[y == hint] + log1p(q*expm1(boost)) with q = exp(min(log_q, 0)), log_q the model's log
+    probability of the hint from the same log_softmax as nll; elsewhere nll unchanged. It is -log p'(y) for the
+    tilted distribution p'(v) = p(v) * e^(boost*[v == hint]) / (1 + q*(e^boost - 1)), which still sums to 1."""
+    b = torch.tensor(boost, dtype=torch.float32, device=nll.device)
+    nll = nll.float()
+    q = log_q.float().clamp(max=0.0).exp()
+    tilted = nll - b * (y == hint).float() + torch.log1p(q * torch.expm1(b))
+    return torch.where(gate, tilted, nll)
+
+
+def token_scores(logits, y, tilt=None, hint_pos=None, valid=None):
+    """(nll, score) of logits (..., V) for targets y: nll the fp32 cross entropy per token (autograd kept: what TTT
+    trains on), score what the evaluation sums: nll detached, or with tilt (NgramTilt) ngram_tilt_loss, log q from
+    the same fp32 log_softmax, for the targets whose input tokens sit at global positions hint_pos (CPU, y's shape)
+    and gated only where `valid` (CPU bool)."""
+    if tilt is None:
+        nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+        nll = nll.view(y.shape)
+        return nll, nll.detach()
+    logp = F.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    hint = tilt.hint[hint_pos.clamp(0, tilt.hint.numel() - 1)]
+    gate = ((hint >= 0) & valid).to(y.device)
+    hint = hint.clamp(min=0).to(y.device, torch.int64)
+    log_q = logp.detach().gather(-1, hint.unsqueeze(-1)).squeeze(-1)
+    return nll, ngram_tilt_loss(nll.detach(), log_q, y, hint, gate, tilt.boost)
+
+
+def build_ngram_tilt(rt, val_tokens, label):
+    """NGRAM_TILT=1: the gated hints of every val target (ngram_tilt_hints over val_tokens[1:] at NGRAM_TILT_ORDER,
+    gate: probability >= float32(NGRAM_TILT_THRESHOLD)), built on this process's device. Every process builds its
+    own, as #2135 did (SPEC-FRONTIER 20(d)), and the caller does it inside the timer of the score it tilts
+    (`label`); a log line gives the gated count and the seconds. None with NGRAM_TILT=0."""
+    h = rt.h
+    if not h.ngram_tilt:
+        return None
+    rt.sync()
+    t0 = time.perf_counter()
+    top, prob = ngram_tilt_hints(val_tokens[1:].to(rt.device), h.ngram_tilt_order)
+    gate = prob >= torch.tensor(h.ngram_tilt_threshold, dtype=torch.float32, device=prob.device)
+    hint = torch.where(gate, top, -1).to(torch.int32).cpu()
+    secs = time.perf_counter() - t0
+    rt.log(f"ngram_tilt: tilting {label} order:{h.ngram_tilt_order} threshold:{h.ngram_tilt_threshold:g} "
+           f"boost:{h.ngram_tilt_boost:g} gated:{int((hint >= 0).sum())}/{hint.numel()} build:{secs:.2f}s "
+           f"device:{rt.device.type} (each process builds its own, inside the {label} timer)")
+    return NgramTilt(hint, h.ngram_tilt_boost)
+
+
 def eval_val(rt, forward, val_tokens, luts):
     """SPEC 7 standard eval: contiguous EVAL_SEQ_LEN sequences split across ranks, through the prefetcher."""
     h, dev, L = rt.h, rt.device, rt.h.eval_seq_len
@@ -3865,8 +3950,9 @@ def sliding_windows(num_targets, seq_len, stride):
     return windows
 
 
-def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_token=None):
-    """Sum of [nll, tokens, bytes] over the scored positions (batches padded to one shape); per_token[pos] = nll."""
+def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_token=None, tilt=None):
+    """Sum of [nll, tokens, bytes] over the scored positions (batches padded to one shape); per_token[pos] = nll;
+    with tilt (NgramTilt) every nll is the tilted one (token_scores)."""
     dev, L = rt.device, rt.h.eval_seq_len
     host_bytes = rt.h.val_bytecount_device == "cpu" or luts.sidecar is not None
     luts_d = None if host_bytes else luts.to(dev)
@@ -3885,11 +3971,11 @@ def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_toke
         docs = eval_doc_bounds(rt, spans[:, :-1])
         with rt.autocast():
             logits = logits_fn(x) if docs is None else logits_fn(x, docs)
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
-        scored = nll.view(x.shape).double()[mask_d]
+        target_pos = rows[:, :1] + positions[None, :] + 1
+        _, nll = token_scores(logits, y, tilt, target_pos - 1, mask)
+        scored = nll.double()[mask_d]
         sums[0] += scored.sum()
         sums[1] += int(mask.sum())
-        target_pos = rows[:, :1] + positions[None, :] + 1
         if host_bytes:
             sums[2] += float(luts.target_bytes(spans[:, :-1][mask], spans[:, 1:][mask], target_pos[mask]).sum())
         else:
@@ -3909,12 +3995,12 @@ def rank_slice(items, h):
     return items[n * h.rank // h.world_size: n * (h.rank + 1) // h.world_size]
 
 
-def eval_sliding(rt, model, logits_fn, val_tokens, luts, per_token=None):
+def eval_sliding(rt, model, logits_fn, val_tokens, luts, per_token=None, tilt=None):
     h = rt.h
     mine = rank_slice(sliding_windows(val_tokens.numel() - 1, h.eval_seq_len, h.eval_stride), h)
     model.eval()
     with torch.inference_mode():
-        sums = score_windows(rt, logits_fn, val_tokens, mine, luts, eval_batch_rows(h, [len(mine)]), per_token)
+        sums = score_windows(rt, logits_fn, val_tokens, mine, luts, eval_batch_rows(h, [len(mine)]), per_token, tilt)
     return finish_loss_bpb(rt, sums)
 
 
@@ -3925,8 +4011,9 @@ def frozen_bank_rows(h):
     return {"qo_bank": both, "kv_bank": both, "mlp_up_bank": first, "mlp_down_bank": first}
 
 
-def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None):
-    """Legal score-first TTT (SPEC 7): score each chunk under inference_mode, then train on it (not the last)."""
+def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None, tilt=None):
+    """Legal score-first TTT (SPEC 7): score each chunk under inference_mode (tilted with NGRAM_TILT), then train on
+    it (not the last; the training loss is never tilted)."""
     h = rt.h
     L, C = h.eval_seq_len, h.ttt_chunk_tokens
     num_targets = val_tokens.numel() - 1
@@ -3951,7 +4038,7 @@ def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None):
         model.eval()
         with torch.inference_mode():
             sums += score_windows(rt, logits_fn, val_tokens, rank_slice(chunk_windows[ci], h), luts, batch_rows,
-                                  per_token)
+                                  per_token, tilt)
         if ci == num_chunks - 1 or h.ttt_epochs == 0:
             continue
         lr = ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ci, num_chunks)
@@ -4043,11 +4130,12 @@ def lora_ttt_chunk_size(h, batch):
     return next((c for bound, c in h.ttt_chunk_steps if longest <= bound), h.ttt_chunk_size)
 
 
-def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token=None, forward=None):
+def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token=None, forward=None, tilt=None):
     """Score-first doc-LoRA TTT of one document batch (SPEC-FRONTIER 14, 18): for each chunk (lora_ttt_chunk_size),
-    one forward of every doc's window through the model with its row's LoRA; the chunk's per-token losses and bytes
-    are added to sums; then, if any doc has chunks left, one optimizer step on the sum over those docs of their
-    chunk's mean loss (a doc's last chunk is never trained on). forward: model.forward_logits or its compiled form."""
+    one forward of every doc's window through the model with its row's LoRA; the chunk's per-token losses (tilted
+    with tilt, NgramTilt: SPEC-FRONTIER 20(c)) and bytes are added to sums; then, if any doc has chunks left, one
+    optimizer step on the sum over those docs of their chunk's mean untilted loss (a doc's last chunk is never
+    trained on). forward: model.forward_logits or its compiled form."""
     h, dev, C = rt.h, rt.device, lora_ttt_chunk_size(rt.h, batch)
     forward = forward or model.forward_logits
     L = h.ttt_eval_seq_len or h.eval_seq_len
@@ -4061,16 +4149,15 @@ def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_toke
         scored = (cols[None, :width] >= offs[:, None]) & (cols[None, :width] < (offs + counts)[:, None])
         with rt.autocast():
             logits = forward(x.to(dev), lora=lora)
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.to(dev).reshape(-1),
-                              reduction="none").view(x.shape)
         target_pos = starts[:, None] + 1 + cols[None, :width]
+        nll, score = token_scores(logits, y.to(dev), tilt, target_pos - 1, valid)
         with torch.no_grad():
             scored_d = scored.to(dev)
-            sums[0] += nll.detach().double()[scored_d].sum()
+            sums[0] += score.double()[scored_d].sum()
             sums[1] += int(scored.sum())
             sums[2] += float(luts.target_bytes(x[scored], y[scored], target_pos[scored]).sum())
             if per_token is not None:
-                per_token[target_pos[scored]] = nll.detach()[scored_d].double().cpu()
+                per_token[target_pos[scored]] = score[scored_d].double().cpu()
         train = (num_chunks - 1 > ci).to(dev, torch.float32)
         if bool(train.any()):
             opt.zero_grad(set_to_none=True)
@@ -4078,9 +4165,9 @@ def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_toke
             opt.step()
 
 
-def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None, forward=None):
+def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None, forward=None, tilt=None):
     """TTT_MODE=lora: (val_loss, val_bpb) of lora_ttt_sums over all ranks."""
-    return finish_loss_bpb(rt, lora_ttt_sums(rt, model, val_tokens, luts, per_token, forward))
+    return finish_loss_bpb(rt, lora_ttt_sums(rt, model, val_tokens, luts, per_token, forward, tilt))
 
 
 def lora_forward(rt, model):
@@ -4141,7 +4228,7 @@ def warm_lora_ttt(rt, model, forward, batch_sizes):
     return shapes
 
 
-def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None):
+def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, tilt=None):
     """Document-wise score-first LoRA TTT (SPEC-FRONTIER 14, 18, 19; the 04-27 and 04-30 records): this rank's [nll
     sum, tokens, bytes]. Base weights frozen outside the phases. The length-sorted queue (lora_ttt_queue) is cut
     into segments at the phase boundaries (lora_ttt_segments) and each segment dealt to the ranks
@@ -4152,7 +4239,8 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None):
     after the segment whose last batch brings the global count of scored docs to boundary B_k = P*k/N, every rank
     runs global_sgd_phase on the first B_k scored docs (lora_ttt_prefix), and the reusable adapters are built afresh.
     So the scores do not depend on the number of ranks, except through A trained on one batch and kept for the next
-    batch of the same rank (TTT_WARM_START_A=1, as in the records, whose totals moved with the rank count too)."""
+    batch of the same rank (TTT_WARM_START_A=1, as in the records, whose totals moved with the rank count too).
+    tilt (NgramTilt, NGRAM_TILT=1): the scores are tilted (lora_ttt_batch)."""
     h, dev = rt.h, rt.device
     queue_ = lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)
     P, N, W = min(h.phased_ttt_prefix_docs, sum(len(b) for _, b in queue_)), h.phased_ttt_num_phases, h.world_size
@@ -4182,7 +4270,7 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None):
                     opt.state.clear()
                 else:
                     lora, opt = fresh(len(batch), 1 + index)
-                lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token, forward)
+                lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token, forward, tilt)
                 done += 1
                 if rt.is_main and (done % 50 == 1 or i == mine[-1] and hi == len(queue_)):
                     rt.log(f"ttt_lora_progress batch:{lo + i + 1}/{len(queue_)} doc_len:{batch[0][1]}-"
@@ -4293,9 +4381,11 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
         return ms / 1000.0
 
     timed("final_int6_roundtrip", lambda: eval_val(rt, forward, val_tokens, luts))
+    # NGRAM_TILT=1 tilts the final score only: legal TTT's, else the sliding window's (SPEC-FRONTIER 20(c))
     if h.eval_stride > 0:
-        timed("final_int6_sliding_window", lambda: eval_sliding(rt, model, logits_fn, val_tokens, luts),
-              f" stride:{h.eval_stride}")
+        label = "final_int6_sliding_window"
+        timed(label, lambda: eval_sliding(rt, model, logits_fn, val_tokens, luts, tilt=None if h.ttt_enabled else
+                                          build_ngram_tilt(rt, val_tokens, label)), f" stride:{h.eval_stride}")
     ttt_s = None
     if h.ttt_enabled and h.ttt_mode == "lora":
         stage("evaluation (warming the LoRA TTT step)")
@@ -4305,9 +4395,11 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
         shapes = warm_lora_ttt(rt, model, lora_fn, sizes)
         rt.log(f"ttt_lora_warmup: forward:{how} shapes:{' '.join(f'{n}x{w}' for n, w in shapes)} "
                f"time:{time.perf_counter() - t0:.1f}s (random tokens, before the TTT timer)")
-        ttt_s = timed("legal_ttt", lambda: eval_ttt_lora(rt, model, val_tokens, luts, forward=lora_fn))
+        ttt_s = timed("legal_ttt", lambda: eval_ttt_lora(rt, model, val_tokens, luts, forward=lora_fn,
+                                                         tilt=build_ngram_tilt(rt, val_tokens, "legal_ttt")))
     elif h.ttt_enabled:
-        ttt_s = timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts))
+        ttt_s = timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts,
+                                                    tilt=build_ngram_tilt(rt, val_tokens, "legal_ttt")))
     log_evaluation_time(rt, ttt_s, time.perf_counter() - t_eval)
 
 
@@ -4356,6 +4448,9 @@ def run(rt):
            f"attention_backend:{backend} compile:{int(compile_enabled(rt))}")
     if h.train_loader == "packed":
         rt.log(f"attention_backend_packed:{varlen_backend_name()} (document-packed rows, SPEC-FRONTIER 3)")
+    if h.smear_gate == 2 and not h.smear_gate_bos_fix:
+        rt.log("smear_gate: v2 without its BOS mask (SMEAR_GATE_BOS_FIX=0, as #2135 ran): each BOS position mixes in "
+               "the token before it, across documents in packed rows")
     rt.log(f"precision: {rt.precision_note}")
     for line in select_fused_kernels(h, rt.device, rt.autocast_dtype or torch.float32):
         rt.log(line)
