@@ -4348,6 +4348,91 @@ def global_sgd_phase(rt, model, tokens):
     model.eval()
 
 
+# ---- n-gram tilt hints (SPEC-FRONTIER 20) ----
+# #2135's token channel (online_ngram_state.c, driven by online_ngram_tilt.py) as whole-array tensor operations.
+
+NGRAM_COEFFS = (36313, 27191, 51647, 81929, 131071, 196613, 262147, 393241, 524309, 655373, 786433, 917521, 1048583,
+                1179653, 1310729, 1441801, 1572869, 1703941, 1835017, 1966087, 2097169, 2228243, 2359319, 2490389,
+                2621471, 2752549, 2883617, 3014687, 3145757, 3276833, 3407903, 3538973)  # the C's ROLLING_COEFFS
+NGRAM_PAIR_MIX = 1000003
+NGRAM_ORDERS = range(2, len(NGRAM_COEFFS) + 2)  # the C reads ROLLING_COEFFS[j] for j < order-1 <= 32
+
+
+def _segment_starts(sorted_vals):
+    """For a sorted 1-D tensor: (is_start, start) with is_start[k] True where a run of equal values begins and
+    start[k] the index where k's run begins."""
+    is_start = torch.ones_like(sorted_vals, dtype=torch.bool)
+    torch.ne(sorted_vals[1:], sorted_vals[:-1], out=is_start[1:])
+    idx = torch.arange(sorted_vals.numel(), device=sorted_vals.device)
+    start = torch.where(is_start, idx, 0).cummax(0).values
+    return is_start, start, idx
+
+
+def ngram_tilt_hints(targets, order):
+    """SPEC-FRONTIER 20(a): #2135's token n-gram hint for every target, as its C computes it, without a loop over
+    positions. targets: 1-D integer tensor of every val target in order (val_tokens[1:], ids < 65536). Returns
+    (top_token int64, top_prob float32), same length and device: the most frequent next token after the same
+    order-1 earlier targets and its share, taken from earlier positions only (position i sees targets < i).
+
+    The C's pass, restated: the stream S = [T[0]] + T (the ring is seeded with T[0]); position i >= order-2 has the
+    context S[i+2-order .. i] and key XOR_j S[..+j]*C[j] (< 2^38, so different contexts can share a key and then share
+    counts); it emits the state of its key left by earlier positions (0, 0.0 if none; prob = float32(top_count) /
+    float32(total)), then counts pair key key*1000003 ^ tok*C[(order-1) % 32] (c = that pair key's count so far,
+    itself included; different (key, tok) can share it too) and sets top to (c, tok) when c > top_count, strictly.
+    Earlier positions emit (0, 0.0). Here: one stable sort by pair key gives every c (rank in its run); one stable
+    sort by context key puts each key's positions in order, where top_count is a segmented running max of c (cummax
+    of start*(m+1)+c) and top_tok the token at its first maximum (cummax of the indices where it rises).
+
+    Memory: about 10 int64 arrays of the stream's length at peak (CPU, 47,851,520 targets: see docs/evaluation.md).
+    All operations are device-generic: on CUDA it runs on the GPU."""
+    if targets.dim() != 1:
+        raise ValueError(f"ngram_tilt_hints: targets must be 1-D, got shape {tuple(targets.shape)}")
+    if order not in NGRAM_ORDERS:
+        raise ValueError(f"ngram_tilt_hints: order {order} outside {NGRAM_ORDERS.start}..{NGRAM_ORDERS.stop - 1}")
+    n, dev, L = targets.numel(), targets.device, order - 1
+    top_tok = torch.zeros(n, dtype=torch.int64, device=dev)
+    top_prob = torch.zeros(n, dtype=torch.float32, device=dev)
+    m = n - L + 1  # positions with a full context: i = L-1 .. n-1
+    if n == 0 or m <= 0:
+        return top_tok, top_prob
+    s = torch.cat([targets[:1], targets]).to(torch.int64)
+    if int(s.min()) < 0 or int(s.max()) > 0xFFFF:
+        raise ValueError("ngram_tilt_hints: token ids must lie in 0..65535 (the C keeps them as uint16)")
+    key = torch.zeros(m, dtype=torch.int64, device=dev)
+    tmp = torch.empty_like(key)
+    for j in range(L):
+        key.bitwise_xor_(torch.mul(s[j:j + m], NGRAM_COEFFS[j], out=tmp))
+    tok = s[L:]
+    del s
+    # pair counts: c[e] = how many positions <= e share e's pair key
+    torch.mul(key, NGRAM_PAIR_MIX, out=tmp).bitwise_xor_(tok * NGRAM_COEFFS[L % len(NGRAM_COEFFS)])
+    pvals, pperm = torch.sort(tmp, stable=True)
+    del tmp
+    _, start, idx = _segment_starts(pvals)
+    del pvals
+    c = torch.empty_like(key)
+    c.scatter_(0, pperm, idx - start + 1)
+    del pperm, start
+    # contexts in key order, each key's positions in stream order
+    kvals, kperm = torch.sort(key, stable=True)
+    del key
+    is_start, start, _ = _segment_starts(kvals)
+    del kvals
+    c = c.gather(0, kperm)
+    run_max = (start * (m + 1) + c).cummax(0).values - start * (m + 1)
+    rises = is_start.clone()
+    rises[1:] |= run_max[1:] > run_max[:-1]
+    first_max = torch.where(rises, idx, 0).cummax(0).values
+    best_tok = tok.gather(0, kperm).gather(0, first_max)
+    del first_max, rises, c
+    # position k of a run emits the state its run had after k-1; a run's first position emits (0, 0.0)
+    seen = ~is_start[1:]
+    dest = kperm[1:][seen] + (L - 1)
+    top_tok[dest] = best_tok[:-1][seen]
+    top_prob[dest] = run_max[:-1][seen].to(torch.float32) / (idx - start)[1:][seen].to(torch.float32)
+    return top_tok, top_prob
+
+
 # ==================================================
 # MAIN
 # ==================================================
