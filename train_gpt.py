@@ -572,6 +572,9 @@ class Hyperparameters:
         need(self.ttt_eval_seq_len >= 0, f"TTT_EVAL_SEQ_LEN={self.ttt_eval_seq_len} must be >= 0 (0: EVAL_SEQ_LEN)")
         need(0 <= self.ttt_beta1 < 1 and 0 <= self.ttt_beta2 < 1, "TTT_BETA1 and TTT_BETA2 must be in [0, 1)")
         need(self.ttt_local_lr_mult > 0, f"TTT_LOCAL_LR_MULT={self.ttt_local_lr_mult} must be > 0")
+        need(self.ngram_tilt_order in NGRAM_ORDERS, f"NGRAM_TILT_ORDER={self.ngram_tilt_order} must be in "
+             f"{NGRAM_ORDERS.start}..{NGRAM_ORDERS.stop - 1} (a context of order-1 earlier targets, one hash "
+             "coefficient each)")
         need(0 < self.ngram_tilt_threshold <= 1,
              f"NGRAM_TILT_THRESHOLD={self.ngram_tilt_threshold} must be in (0, 1] (the gate: hint probability >= it)")
         need(self.ngram_tilt_boost >= 0, f"NGRAM_TILT_BOOST={self.ngram_tilt_boost} must be >= 0")
@@ -3812,63 +3815,6 @@ def finish_loss_bpb(rt, sums):
     return val_loss, val_loss / math.log(2.0) * tokens / nbytes
 
 
-class NgramTilt(NamedTuple):
-    """NGRAM_TILT=1's hints for the whole val stream (build_ngram_tilt): hint[p] (int32, CPU) is the hinted token of
-    target val_tokens[p + 1] where the gate holds (its n-gram probability >= NGRAM_TILT_THRESHOLD), else -1."""
-    hint: Tensor
-    boost: float  # NGRAM_TILT_BOOST
-
-
-def ngram_tilt_loss(nll, log_q, y, hint, gate, boost):
-    """The token n-gram tilt of per-token losses (SPEC-FRONTIER 20(c); #2135's apply_tilt_to_ptl_torch_fast), fp32:
-    where `gate`, nll - boost*[y == hint] + log1p(q*expm1(boost)) with q = exp(min(log_q, 0)), log_q the model's log
-    probability of the hint from the same log_softmax as nll; elsewhere nll unchanged. It is -log p'(y) for the
-    tilted distribution p'(v) = p(v) * e^(boost*[v == hint]) / (1 + q*(e^boost - 1)), which still sums to 1."""
-    b = torch.tensor(boost, dtype=torch.float32, device=nll.device)
-    nll = nll.float()
-    q = log_q.float().clamp(max=0.0).exp()
-    tilted = nll - b * (y == hint).float() + torch.log1p(q * torch.expm1(b))
-    return torch.where(gate, tilted, nll)
-
-
-def token_scores(logits, y, tilt=None, hint_pos=None, valid=None):
-    """(nll, score) of logits (..., V) for targets y: nll the fp32 cross entropy per token (autograd kept: what TTT
-    trains on), score what the evaluation sums: nll detached, or with tilt (NgramTilt) ngram_tilt_loss, log q from
-    the same fp32 log_softmax, for the targets whose input tokens sit at global positions hint_pos (CPU, y's shape)
-    and gated only where `valid` (CPU bool)."""
-    if tilt is None:
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
-        nll = nll.view(y.shape)
-        return nll, nll.detach()
-    logp = F.log_softmax(logits.float(), dim=-1)
-    nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    hint = tilt.hint[hint_pos.clamp(0, tilt.hint.numel() - 1)]
-    gate = ((hint >= 0) & valid).to(y.device)
-    hint = hint.clamp(min=0).to(y.device, torch.int64)
-    log_q = logp.detach().gather(-1, hint.unsqueeze(-1)).squeeze(-1)
-    return nll, ngram_tilt_loss(nll.detach(), log_q, y, hint, gate, tilt.boost)
-
-
-def build_ngram_tilt(rt, val_tokens, label):
-    """NGRAM_TILT=1: the gated hints of every val target (ngram_tilt_hints over val_tokens[1:] at NGRAM_TILT_ORDER,
-    gate: probability >= float32(NGRAM_TILT_THRESHOLD)), built on this process's device. Every process builds its
-    own, as #2135 did (SPEC-FRONTIER 20(d)), and the caller does it inside the timer of the score it tilts
-    (`label`); a log line gives the gated count and the seconds. None with NGRAM_TILT=0."""
-    h = rt.h
-    if not h.ngram_tilt:
-        return None
-    rt.sync()
-    t0 = time.perf_counter()
-    top, prob = ngram_tilt_hints(val_tokens[1:].to(rt.device), h.ngram_tilt_order)
-    gate = prob >= torch.tensor(h.ngram_tilt_threshold, dtype=torch.float32, device=prob.device)
-    hint = torch.where(gate, top, -1).to(torch.int32).cpu()
-    secs = time.perf_counter() - t0
-    rt.log(f"ngram_tilt: tilting {label} order:{h.ngram_tilt_order} threshold:{h.ngram_tilt_threshold:g} "
-           f"boost:{h.ngram_tilt_boost:g} gated:{int((hint >= 0).sum())}/{hint.numel()} build:{secs:.2f}s "
-           f"device:{rt.device.type} (each process builds its own, inside the {label} timer)")
-    return NgramTilt(hint, h.ngram_tilt_boost)
-
-
 def eval_val(rt, forward, val_tokens, luts):
     """SPEC 7 standard eval: contiguous EVAL_SEQ_LEN sequences split across ranks, through the prefetcher."""
     h, dev, L = rt.h, rt.device, rt.h.eval_seq_len
@@ -4431,6 +4377,65 @@ def ngram_tilt_hints(targets, order):
     top_tok[dest] = best_tok[:-1][seen]
     top_prob[dest] = run_max[:-1][seen].to(torch.float32) / (idx - start)[1:][seen].to(torch.float32)
     return top_tok, top_prob
+
+
+# ---- the tilt of the final score (issue 29; SPEC-FRONTIER 20(b)-(d)): NGRAM_TILT=1
+
+class NgramTilt(NamedTuple):
+    """NGRAM_TILT=1's hints for the whole val stream (build_ngram_tilt): hint[p] (int32, CPU) is the hinted token of
+    target val_tokens[p + 1] where the gate holds (its n-gram probability >= NGRAM_TILT_THRESHOLD), else -1."""
+    hint: Tensor
+    boost: float  # NGRAM_TILT_BOOST
+
+
+def ngram_tilt_loss(nll, log_q, y, hint, gate, boost):
+    """The token n-gram tilt of per-token losses (SPEC-FRONTIER 20(c); #2135's apply_tilt_to_ptl_torch_fast), fp32:
+    where `gate`, nll - boost*[y == hint] + log1p(q*expm1(boost)) with q = exp(min(log_q, 0)), log_q the model's log
+    probability of the hint from the same log_softmax as nll; elsewhere nll unchanged. It is -log p'(y) for the
+    tilted distribution p'(v) = p(v) * e^(boost*[v == hint]) / (1 + q*(e^boost - 1)), which still sums to 1."""
+    b = torch.tensor(boost, dtype=torch.float32, device=nll.device)
+    nll = nll.float()
+    q = log_q.float().clamp(max=0.0).exp()
+    tilted = nll - b * (y == hint).float() + torch.log1p(q * torch.expm1(b))
+    return torch.where(gate, tilted, nll)
+
+
+def token_scores(logits, y, tilt=None, hint_pos=None, valid=None):
+    """(nll, score) of logits (..., V) for targets y: nll the fp32 cross entropy per token (autograd kept: what TTT
+    trains on), score what the evaluation sums: nll detached, or with tilt (NgramTilt) ngram_tilt_loss, log q from
+    the same fp32 log_softmax, for the targets whose input tokens sit at global positions hint_pos (CPU, y's shape)
+    and gated only where `valid` (CPU bool)."""
+    if tilt is None:
+        nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+        nll = nll.view(y.shape)
+        return nll, nll.detach()
+    logp = F.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    hint = tilt.hint[hint_pos.clamp(0, tilt.hint.numel() - 1)]
+    gate = ((hint >= 0) & valid).to(y.device)
+    hint = hint.clamp(min=0).to(y.device, torch.int64)
+    log_q = logp.detach().gather(-1, hint.unsqueeze(-1)).squeeze(-1)
+    return nll, ngram_tilt_loss(nll.detach(), log_q, y, hint, gate, tilt.boost)
+
+
+def build_ngram_tilt(rt, val_tokens, label):
+    """NGRAM_TILT=1: the gated hints of every val target (ngram_tilt_hints over val_tokens[1:] at NGRAM_TILT_ORDER,
+    gate: probability >= float32(NGRAM_TILT_THRESHOLD)), built on this process's device. Every process builds its
+    own, as #2135 did (SPEC-FRONTIER 20(d)), and the caller does it inside the timer of the score it tilts
+    (`label`); a log line gives the gated count and the seconds. None with NGRAM_TILT=0."""
+    h = rt.h
+    if not h.ngram_tilt:
+        return None
+    rt.sync()
+    t0 = time.perf_counter()
+    top, prob = ngram_tilt_hints(val_tokens[1:].to(rt.device), h.ngram_tilt_order)
+    gate = prob >= torch.tensor(h.ngram_tilt_threshold, dtype=torch.float32, device=prob.device)
+    hint = torch.where(gate, top, -1).to(torch.int32).cpu()
+    secs = time.perf_counter() - t0
+    rt.log(f"ngram_tilt: tilting {label} order:{h.ngram_tilt_order} threshold:{h.ngram_tilt_threshold:g} "
+           f"boost:{h.ngram_tilt_boost:g} gated:{int((hint >= 0).sum())}/{hint.numel()} build:{secs:.2f}s "
+           f"device:{rt.device.type} (each process builds its own, inside the {label} timer)")
+    return NgramTilt(hint, h.ngram_tilt_boost)
 
 
 # ==================================================
