@@ -374,27 +374,30 @@ def test_record_0430_preset_logits_equal_the_records_at_its_3072_context(record_
         assert _rel(ours.forward_logits(ids), want) > 1e-4
 
 
-def test_record_0501_preset_logits_equal_the_records_without_the_bos_mask_at_2560(record_0501, monkeypatch):
-    """One packed 2560-token row of four documents, the first 2200 tokens long, looped: #2135's forward_logits with
-    its run's SMEAR_GATE_BOS_FIX=0 (SmearGate mixes the previous token into every BOS position) against the preset.
-    The preset with the BOS mask back on (SMEAR_GATE_BOS_FIX=1) differs, and so does ROPE_TRAIN_SEQ_LEN=2048, which
-    would NTK-stretch the 2200-token document where the record does not stretch."""
+def test_record_0501_preset_logits_equal_the_records_without_the_bos_mask_and_at_2560(record_0501, monkeypatch):
+    """Looped, #2135's forward_logits against the preset's: one packed 512-token row of four documents with the
+    run's SMEAR_GATE_BOS_FIX=0 (SmearGate mixes the previous token into every BOS position), and one 2560-token
+    document (its eval context, never NTK-stretched). The BOS mask back on (SMEAR_GATE_BOS_FIX=1) differs on the
+    row; ROPE_TRAIN_SEQ_LEN=2048 (its logged value, read by nothing in the record) would stretch the document."""
     monkeypatch.delenv("SMEAR_GATE_BOS_FIX", raising=False)  # the record reads it at each forward; unset = 0
     h, ours, theirs = _pair(record_0501, "record_0501", 8)
     assert (h.smear_gate, h.smear_gate_bos_fix, h.eval_seq_len, h.quant_gate) == (2, False, 2560, False)
     ours.looping = theirs.looping_active = True
-    T, starts = 2560, [0, 2200, 2201, 2400]
-    ids = torch.randint(2, h.vocab_size, (1, T), generator=torch.Generator().manual_seed(9))
-    ids[0, starts] = 1
-    cu = torch.tensor(starts + [T], dtype=torch.int32)
-    docs = tg.DocBounds(torch.from_numpy(tg.packed_cu_seqlens(ids[0].numpy(), T)), T)
+    ids = torch.randint(2, h.vocab_size, (1, 2560), generator=torch.Generator().manual_seed(9))
+    ids[0, 0] = 1
+    row, starts = ids[:, :512].clone(), [0, 100, 101, 300]
+    row[0, starts] = 1
+    docs = tg.DocBounds(torch.from_numpy(tg.packed_cu_seqlens(row[0].numpy(), 512)), 512)
     with torch.no_grad():
-        want = theirs.forward_logits(ids, cu_seqlens=cu, max_seqlen=2200)
-        assert _rel(ours.forward_logits(ids, docs), want) < 1e-6
+        want = theirs.forward_logits(row, cu_seqlens=torch.tensor(starts + [512], dtype=torch.int32), max_seqlen=200)
+        assert _rel(ours.forward_logits(row, docs), want) < 1e-6
         ours.smear_bos.bos_mask = True
-        assert _rel(ours.forward_logits(ids, docs), want) > 1e-4
-        ours.smear_bos.bos_mask, ours.rope_train_len = False, 2048
-        assert _rel(ours.forward_logits(ids, docs), want) > 1e-4
+        assert _rel(ours.forward_logits(row, docs), want) > 1e-4
+        ours.smear_bos.bos_mask = False
+        want = theirs.forward_logits(ids, cu_seqlens=torch.tensor([0, 2560], dtype=torch.int32), max_seqlen=2560)
+        assert _rel(ours.forward_logits(ids), want) < 1e-6
+        ours.rope_train_len = 2048
+        assert _rel(ours.forward_logits(ids), want) > 1e-4
 
 
 # ---------------------------------------------------------------------------------------------- document LoRA TTT
