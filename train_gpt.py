@@ -4420,21 +4420,32 @@ def token_scores(logits, y, tilt=None, hint_pos=None, valid=None):
 
 def build_ngram_tilt(rt, val_tokens, label):
     """NGRAM_TILT=1: the gated hints of every val target (ngram_tilt_hints over val_tokens[1:] at NGRAM_TILT_ORDER,
-    gate: probability >= float32(NGRAM_TILT_THRESHOLD)), built on this process's device. Every process builds its
-    own, as #2135 did (SPEC-FRONTIER 20(d)), and the caller does it inside the timer of the score it tilts
-    (`label`); a log line gives the gated count and the seconds. None with NGRAM_TILT=0."""
+    gate: probability >= float32(NGRAM_TILT_THRESHOLD)), built once by rank 0 on its device and broadcast (#2135 had
+    every rank build its own, SPEC-FRONTIER 20(d): the same hints; measured on CPU, where ranks share cores, the
+    broadcast costs little and the concurrent builds slowed each other ~2x; docs/evaluation.md). The caller does it
+    inside the timer of the score it tilts (`label`); a log line gives the gated count and the seconds. None with
+    NGRAM_TILT=0."""
     h = rt.h
     if not h.ngram_tilt:
         return None
     rt.sync()
     t0 = time.perf_counter()
-    top, prob = ngram_tilt_hints(val_tokens[1:].to(rt.device), h.ngram_tilt_order)
-    gate = prob >= torch.tensor(h.ngram_tilt_threshold, dtype=torch.float32, device=prob.device)
-    hint = torch.where(gate, top, -1).to(torch.int32).cpu()
-    secs = time.perf_counter() - t0
+    if rt.is_main:
+        top, prob = ngram_tilt_hints(val_tokens[1:].to(rt.device), h.ngram_tilt_order)
+        gate = prob >= torch.tensor(h.ngram_tilt_threshold, dtype=torch.float32, device=prob.device)
+        hint = torch.where(gate, top, -1).to(torch.int32)
+        del top, prob, gate
+    else:
+        hint = torch.empty(val_tokens.numel() - 1, dtype=torch.int32, device=rt.device)
+    rt.sync()
+    t1 = time.perf_counter()
+    if rt.distributed:
+        dist.broadcast(hint, 0)
+    hint = hint.cpu()
+    t2 = time.perf_counter()
     rt.log(f"ngram_tilt: tilting {label} order:{h.ngram_tilt_order} threshold:{h.ngram_tilt_threshold:g} "
-           f"boost:{h.ngram_tilt_boost:g} gated:{int((hint >= 0).sum())}/{hint.numel()} build:{secs:.2f}s "
-           f"device:{rt.device.type} (each process builds its own, inside the {label} timer)")
+           f"boost:{h.ngram_tilt_boost:g} gated:{int((hint >= 0).sum())}/{hint.numel()} build:{t1 - t0:.2f}s "
+           f"broadcast:{t2 - t1:.2f}s device:{rt.device.type} (rank 0 builds, inside the {label} timer)")
     return NgramTilt(hint, h.ngram_tilt_boost)
 
 
