@@ -1,8 +1,8 @@
 """Parameter Golf: 11-layer GPT, LeakyReLU^2 MLP, Parallel Muon, int6+lzma artifact, legal score-first TTT.
 
 Run: torchrun --standalone --nproc_per_node=8 train_gpt.py   (settings: environment variables, see --help)
-Defaults reproduce the 2026-03-23 record; improvements sit behind toggles, and PRESET=record_0409, record_0427
-and record_0430 set those records' logged values (docs/presets.md). Sections in pipeline order.
+Defaults reproduce the 2026-03-23 record; improvements sit behind toggles, and PRESET=record_0409, record_0427,
+record_0430 and record_0501 set those records' logged values (docs/presets.md). Sections in pipeline order.
 """
 
 from __future__ import annotations
