@@ -4304,33 +4304,51 @@ NGRAM_PAIR_MIX = 1000003
 NGRAM_ORDERS = range(2, len(NGRAM_COEFFS) + 2)  # the C reads ROLLING_COEFFS[j] for j < order-1 <= 32
 
 
-def _segment_starts(sorted_vals):
-    """For a sorted 1-D tensor: (is_start, start) with is_start[k] True where a run of equal values begins and
-    start[k] the index where k's run begins."""
-    is_start = torch.ones_like(sorted_vals, dtype=torch.bool)
+def _run_starts(sorted_vals, idx):
+    """For a sorted 1-D tensor: is_start (True where a run of equal values begins) and start (the index where each
+    element's run begins), as whole-array ops; idx = arange(len)."""
+    is_start = torch.ones(sorted_vals.shape, dtype=torch.bool, device=sorted_vals.device)
     torch.ne(sorted_vals[1:], sorted_vals[:-1], out=is_start[1:])
-    idx = torch.arange(sorted_vals.numel(), device=sorted_vals.device)
-    start = torch.where(is_start, idx, 0).cummax(0).values
-    return is_start, start, idx
+    return is_start, torch.where(is_start, idx, 0).cummax(0).values
+
+
+def ngram_tilt_keys(targets, order):
+    """SPEC-FRONTIER 20(a): the record's C keys for every target i >= order-2 (the ones with a full context), as
+    int64 (its uint64 values: keys < 2^38, pair keys < 2^58): (context key, pair key, token as int32). The stream is
+    S = [T[0]] + T (the C's ring seeded with T[0]), target i's context S[i+2-order .. i] read oldest first, its key
+    XOR_j S[i+2-order+j]*C[j] and its pair key key*1000003 ^ T[i]*C[(order-1) % 32]."""
+    L = order - 1
+    m = targets.numel() - L + 1
+    s = torch.cat([targets[:1], targets]).to(torch.int64)
+    if int(s.min()) < 0 or int(s.max()) > 0xFFFF:
+        raise ValueError("ngram_tilt_hints: token ids must lie in 0..65535 (the C keeps them as uint16)")
+    key = s[:m] * NGRAM_COEFFS[0]
+    pair = torch.empty_like(key)
+    for j in range(1, L):
+        key.bitwise_xor_(torch.mul(s[j:j + m], NGRAM_COEFFS[j], out=pair))
+    torch.mul(s[L:], NGRAM_COEFFS[L % len(NGRAM_COEFFS)], out=pair).bitwise_xor_(key * NGRAM_PAIR_MIX)
+    return key, pair, s[L:].to(torch.int32)
 
 
 def ngram_tilt_hints(targets, order):
-    """SPEC-FRONTIER 20(a): #2135's token n-gram hint for every target, as its C computes it, without a loop over
-    positions. targets: 1-D integer tensor of every val target in order (val_tokens[1:], ids < 65536). Returns
-    (top_token int64, top_prob float32), same length and device: the most frequent next token after the same
-    order-1 earlier targets and its share, taken from earlier positions only (position i sees targets < i).
+    """SPEC-FRONTIER 20(a): #2135's token n-gram hint for every target, equal to its C's token channel (tokens
+    exactly, probabilities bit for bit), without a loop over positions. targets: 1-D integer tensor of every val
+    target in order (val_tokens[1:], ids < 65536). Returns (top_token int64, top_prob float32), same length and
+    device: for target i, the most frequent next token after the same order-1 earlier targets and its share,
+    counted over earlier positions only (hint i depends on targets < i).
 
-    The C's pass, restated: the stream S = [T[0]] + T (the ring is seeded with T[0]); position i >= order-2 has the
-    context S[i+2-order .. i] and key XOR_j S[..+j]*C[j] (< 2^38, so different contexts can share a key and then share
-    counts); it emits the state of its key left by earlier positions (0, 0.0 if none; prob = float32(top_count) /
-    float32(total)), then counts pair key key*1000003 ^ tok*C[(order-1) % 32] (c = that pair key's count so far,
-    itself included; different (key, tok) can share it too) and sets top to (c, tok) when c > top_count, strictly.
-    Earlier positions emit (0, 0.0). Here: one stable sort by pair key gives every c (rank in its run); one stable
-    sort by context key puts each key's positions in order, where top_count is a segmented running max of c (cummax
-    of start*(m+1)+c) and top_tok the token at its first maximum (cummax of the indices where it rises).
+    The C's pass, restated: the stream is S = [T[0]] + T (its ring is seeded with T[0]); target i >= order-2 has the
+    context S[i+2-order .. i] and the key XOR_j S[i+2-order+j]*C[j] (< 2^38: different contexts can share a key and
+    then share counts). It emits the state its key was left in by earlier targets, (top_tok, float32(top_count) /
+    float32(total)), or (0, 0.0) for a new key; then c = the count of the pair key key*1000003 ^ tok*C[(order-1) % 32]
+    so far, itself included (different (key, tok) can share a pair key and its count too), and top becomes (c, tok)
+    when c > top_count, strictly. Targets before order-2 emit (0, 0.0). Here: a stable sort by pair key makes c each
+    target's rank in its run; a stable sort by key puts each key's targets in stream order, where top_count is a
+    segmented running max of c (cummax of run_start*(m+1) + c) and top_tok the token where it last rose (cummax of
+    the indices where it rises). Keys stay below 2^38 and pair keys below 2^58, so int64 holds the C's uint64 values.
 
-    Memory: about 10 int64 arrays of the stream's length at peak (CPU, 47,851,520 targets: see docs/evaluation.md).
-    All operations are device-generic: on CUDA it runs on the GPU."""
+    Memory: peak about 11 int64 arrays of the stream's length (the sorts); measured on CPU for 47,851,520 targets in
+    docs/evaluation.md. Sorts, scans, gathers and scatters only: on a CUDA tensor it all runs on the GPU."""
     if targets.dim() != 1:
         raise ValueError(f"ngram_tilt_hints: targets must be 1-D, got shape {tuple(targets.shape)}")
     if order not in NGRAM_ORDERS:
@@ -4338,44 +4356,36 @@ def ngram_tilt_hints(targets, order):
     n, dev, L = targets.numel(), targets.device, order - 1
     top_tok = torch.zeros(n, dtype=torch.int64, device=dev)
     top_prob = torch.zeros(n, dtype=torch.float32, device=dev)
-    m = n - L + 1  # positions with a full context: i = L-1 .. n-1
+    m = n - L + 1  # targets with a full context: i = L-1 .. n-1
     if n == 0 or m <= 0:
         return top_tok, top_prob
-    s = torch.cat([targets[:1], targets]).to(torch.int64)
-    if int(s.min()) < 0 or int(s.max()) > 0xFFFF:
-        raise ValueError("ngram_tilt_hints: token ids must lie in 0..65535 (the C keeps them as uint16)")
-    key = torch.zeros(m, dtype=torch.int64, device=dev)
-    tmp = torch.empty_like(key)
-    for j in range(L):
-        key.bitwise_xor_(torch.mul(s[j:j + m], NGRAM_COEFFS[j], out=tmp))
-    tok = s[L:]
-    del s
-    # pair counts: c[e] = how many positions <= e share e's pair key
-    torch.mul(key, NGRAM_PAIR_MIX, out=tmp).bitwise_xor_(tok * NGRAM_COEFFS[L % len(NGRAM_COEFFS)])
-    pvals, pperm = torch.sort(tmp, stable=True)
-    del tmp
-    _, start, idx = _segment_starts(pvals)
+    key, pair, tok = ngram_tilt_keys(targets, order)
+    pvals, pperm = torch.sort(pair, stable=True)
+    del pair
+    idx = torch.arange(m, device=dev)
+    _, start = _run_starts(pvals, idx)
     del pvals
-    c = torch.empty_like(key)
-    c.scatter_(0, pperm, idx - start + 1)
+    c = torch.empty_like(key).scatter_(0, pperm, idx - start + 1)  # pair count after each target, stream order
     del pperm, start
-    # contexts in key order, each key's positions in stream order
     kvals, kperm = torch.sort(key, stable=True)
     del key
-    is_start, start, _ = _segment_starts(kvals)
+    is_start, start = _run_starts(kvals, idx)
     del kvals
-    c = c.gather(0, kperm)
-    run_max = (start * (m + 1) + c).cummax(0).values - start * (m + 1)
+    base = start * (m + 1)
+    top_count = c.gather(0, kperm).add_(base).cummax(0).values.sub_(base)
+    del c, base
     rises = is_start.clone()
-    rises[1:] |= run_max[1:] > run_max[:-1]
-    first_max = torch.where(rises, idx, 0).cummax(0).values
-    best_tok = tok.gather(0, kperm).gather(0, first_max)
-    del first_max, rises, c
-    # position k of a run emits the state its run had after k-1; a run's first position emits (0, 0.0)
+    rises[1:] |= top_count[1:] > top_count[:-1]
+    best = tok.gather(0, kperm.gather(0, torch.where(rises, idx, 0).cummax(0).values))
+    del rises, tok
+    # a key's k-th target (k >= 1) emits the state left by its (k-1)-th; its first emits (0, 0.0)
     seen = ~is_start[1:]
-    dest = kperm[1:][seen] + (L - 1)
-    top_tok[dest] = best_tok[:-1][seen]
-    top_prob[dest] = run_max[:-1][seen].to(torch.float32) / (idx - start)[1:][seen].to(torch.float32)
+    out_tok = torch.zeros_like(best)
+    out_tok[1:] = torch.where(seen, best[:-1], 0)
+    out_prob = torch.zeros(m, dtype=torch.float32, device=dev)
+    out_prob[1:] = torch.where(seen, top_count[:-1].to(torch.float32) / (idx - start)[1:].to(torch.float32), 0.0)
+    top_tok[L - 1:].scatter_(0, kperm, out_tok.to(torch.int64))
+    top_prob[L - 1:].scatter_(0, kperm, out_prob)
     return top_tok, top_prob
 
 

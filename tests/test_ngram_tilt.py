@@ -1,158 +1,159 @@
-"""NGRAM_TILT (issue 29; SPEC-FRONTIER 20(b)-(d)): the token n-gram tilt of the final score against #2135's own
-apply_tilt_to_ptl_torch_fast (../shared/anchors/frontier/record_0501, imported from a temporary copy, never copied
-into the project); the tilted distribution's normalisation; which target a hint belongs to in the sliding-window
-score; and the settings' one-line errors. The preset's tilted LoRA TTT against the record's is in test_presets.py."""
+"""ngram_tilt_hints (SPEC-FRONTIER 20(a)): #2135's token n-gram hints as tensor ops, equal element for element
+(tokens exactly, probabilities bit for bit) to the record's own C (../shared/anchors/frontier/record_0501), compiled
+in a temporary folder and driven through its own Python wrapper, on streams built to break an implementation."""
 from __future__ import annotations
 
 import shutil
+import sys
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import train_gpt as tg
-from conftest import config_error
-from test_model_0427 import FRONTIER, _import_module, _needs_frontier
+from conftest import REPO
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
-CPU = torch.device("cpu")
-BOOST = 2.625
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_ngram  # noqa: E402  (needs the path above)
+
+HAVE_RECORD = (bench_ngram.record_dir() / "online_ngram_state.c").is_file()
 
 
 @pytest.fixture(scope="module")
-def record_ngram(tmp_path_factory):
-    """#2135's online_ngram_tilt.py with its C beside it, imported from a temporary copy: the module compiles its C
-    with gcc into its own folder, which is read-only in CI."""
-    _needs_frontier()
-    pytest.importorskip("sentencepiece")  # the module imports it
-    folder = tmp_path_factory.mktemp("record_0501_ngram")
-    for name in ("online_ngram_tilt.py", "online_ngram_state.c"):
-        shutil.copy(FRONTIER / "record_0501" / name, folder / name)
-    return _import_module("record_0501_online_ngram_tilt", folder / "online_ngram_tilt.py", {})
+def record(tmp_path_factory):
+    """The record's online_ngram_tilt.py, imported from a temporary copy with its C compiled there (cc -O2)."""
+    if not HAVE_RECORD:
+        pytest.skip("../shared/anchors/frontier/record_0501 (the record's files) is not here")
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) to build the record's online_ngram_state.c")
+    return bench_ngram.record_helpers(tmp_path_factory.mktemp("record_0501"))
 
 
-def record_hints(module, targets, order, threshold=0.8, boost=BOOST, vocab=8192):
-    """(hint_ids, gate_mask, boost) as #2135's build_hints_for_targets returns them with its word and within-word
-    channels off (their thresholds 99, as the run): the token channel of its own C (compiled with gcc here), gated
-    at probability >= float32(threshold), hint 0 and boost 0 where ungated (SPEC-FRONTIER 20(b))."""
-    if shutil.which("gcc") is None:
-        pytest.skip("no gcc for the record's C helper")
-    t = targets.numpy().astype(np.uint16)
-    lib = module.ensure_online_ngram_lib(log0=lambda *_: None)
-    state = module.OnlineNgramState(lib=lib, token_ctx_len=order - 1,
-                                    token_table_bits=module.suggest_table_bits(t.size, 0.55), within_table_bits=12,
-                                    starts_new_word_lut=np.zeros(vocab, np.uint8),
-                                    boundary_lut=np.zeros(vocab, np.uint8), seed_prefix_token=int(t[0]))
-    tok, prob = state.process_chunk(t)[:2]
-    state.close()
-    gate = torch.from_numpy(prob >= np.float32(threshold))
-    hint = torch.where(gate, torch.from_numpy(tok.astype(np.int64)), 0)
-    return hint, gate, torch.where(gate, torch.tensor(boost, dtype=torch.float32), 0.0)
+def ours(stream, order):
+    tok, prob = tg.ngram_tilt_hints(torch.tensor(np.asarray(stream, dtype=np.int64)), order)
+    assert tok.dtype == torch.int64 and prob.dtype == torch.float32 and tok.numel() == len(stream)
+    return tok.numpy(), prob.numpy()
 
 
-def _inputs(seed=0, rows=3, width=40, vocab=64):
-    """Logits of mixed sharpness, targets, and hints that hit about half the targets and are the argmax at some."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(rows, width, vocab, generator=g) * torch.linspace(0.1, 12.0, width)[None, :, None]
-    y = torch.randint(0, vocab, (rows, width), generator=g)
-    hint = torch.where(torch.rand(rows, width, generator=g) < 0.5, y, torch.randint(0, vocab, (rows, width),
-                                                                                        generator=g))
-    logits.scatter_(-1, hint[..., None], 15.0 * (torch.rand(rows, width, 1, generator=g) < 0.2))
-    gate = torch.rand(rows, width, generator=g) < 0.7
-    return logits, y, hint, gate
+def assert_same_as_record(record, stream, order):
+    """Ours equal to the record's C: tokens exactly, probabilities bit for bit. Returns ours."""
+    tok, prob = ours(stream, order)
+    ref_tok, ref_prob = bench_ngram.record_token_hints(record, np.asarray(stream), order)
+    np.testing.assert_array_equal(tok, ref_tok)
+    np.testing.assert_array_equal(prob.view(np.int32), ref_prob.view(np.int32))
+    return tok, prob
 
 
-def test_the_tilted_loss_equals_the_records_apply_tilt(record_ngram):
-    """ngram_tilt_loss on the same nll, log q, targets, hints and gate as #2135's apply_tilt_to_ptl_torch_fast (with
-    its per-position boost: BOOST where gated, 0 elsewhere): bit for bit; and token_scores, which takes nll and log q
-    from one fp32 log_softmax and the hints from an NgramTilt, gives the same. Another boost does not."""
-    logits, y, hint, gate = _inputs()
-    logp = F.log_softmax(logits.float(), dim=-1)
-    nll = -logp.gather(-1, y[..., None]).squeeze(-1)
-    log_q = logp.gather(-1, hint[..., None]).squeeze(-1)
-    log_q[0, :3] = torch.tensor([1e-7, 0.0, -1e-9])  # rounding can leave log q just above 0: both clamp it
-    want = record_ngram.apply_tilt_to_ptl_torch_fast(ptl=nll, log_q_hint=log_q, target_ids=y, hint_ids=hint,
-                                                     gate_mask=gate, boost=torch.where(gate, BOOST, 0.0))
-    got = tg.ngram_tilt_loss(nll, log_q, y, hint, gate, BOOST)
-    assert got.dtype == torch.float32 and torch.equal(got, want)
-    assert torch.equal(got[~gate], nll[~gate]) and not torch.equal(got[gate], nll[gate])
-    assert not torch.equal(tg.ngram_tilt_loss(nll, log_q, y, hint, gate, 3.0), want)
-    # the same through token_scores: positions 0..N-1 of a flat stream, ungated hints stored as -1
-    flat = torch.where(gate, hint, -1).reshape(-1).to(torch.int32)
-    pos = torch.arange(y.numel()).view(y.shape)
-    log_q = logp.gather(-1, hint[..., None]).squeeze(-1)
-    want = record_ngram.apply_tilt_to_ptl_torch_fast(ptl=nll, log_q_hint=log_q, target_ids=y, hint_ids=hint,
-                                                     gate_mask=gate, boost=torch.where(gate, BOOST, 0.0))
-    untilted, score = tg.token_scores(logits, y, tg.NgramTilt(flat, BOOST), pos, torch.ones_like(gate))
-    assert torch.equal(score, want) and torch.equal(untilted, F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1),
-                                                                              reduction="none").view(y.shape))
-    _, off = tg.token_scores(logits, y, tg.NgramTilt(flat, BOOST), pos, torch.zeros_like(gate))
-    assert torch.equal(off, untilted)  # gated only where valid
+def keys(context, order, tok=0):
+    """Our (context key, pair key) for one context of order-1 tokens followed by `tok`."""
+    stream = torch.tensor([context[0], *context, tok][1:])  # the seed is stream[0] itself
+    key, pair, _ = tg.ngram_tilt_keys(stream, order)
+    return int(key[-1]), int(pair[-1])
 
 
-def test_the_tilted_distribution_sums_to_one_at_every_position():
-    """exp(-ngram_tilt_loss) over every possible target v of a position is the tilted distribution p'(v); it sums to
-    1 at every position, gated or not, and equals softmax(logits + boost*onehot(hint)) (the boost moves the hint's
-    logit). Without the log1p normaliser it would not sum to 1."""
-    logits, _, hint, gate = _inputs(seed=1)
-    V = logits.size(-1)
-    logp = F.log_softmax(logits, dim=-1)
-    every = torch.arange(V).expand(*hint.shape, V)  # target v in the last dim
-    log_q = logp.gather(-1, hint[..., None]).expand_as(every)
-    loss = tg.ngram_tilt_loss(-logp, log_q, every, hint[..., None].expand_as(every),
-                              gate[..., None].expand_as(every), BOOST)
-    total = (-loss.double()).exp().sum(-1)
-    assert torch.allclose(total, torch.ones_like(total), rtol=0, atol=2e-6), (total - 1).abs().max()
-    boosted = logits + BOOST * F.one_hot(hint, V) * gate[..., None]
-    assert torch.allclose(loss, -F.log_softmax(boosted, dim=-1), rtol=0, atol=2e-5)
-    unnormalised = (-(loss - torch.log1p(log_q.exp() * np.expm1(BOOST)) * gate[..., None])).exp().sum(-1)
-    q = log_q[..., 0].exp()
-    assert bool(((unnormalised - 1)[gate & (q > 0.01)] > 0.1).all())
+# Two order-4 contexts with one key (found by search over tokens < 256), and two (context, token) pairs with one
+# pair key (contexts whose keys are close, then tokens < 8192 solving key1*M ^ t1*C3 == key2*M ^ t2*C3).
+SAME_KEY = ((108, 56, 57), (139, 16, 96))
+SAME_PAIR = (((184, 73, 157), 3712), ((255, 62, 189), 4046))
 
 
-def test_a_hint_at_input_position_p_tilts_the_target_at_p_plus_1_in_the_sliding_window():
-    """EVAL_STRIDE sliding-window scoring with an NgramTilt whose only gated entries are hits (hint[p] =
-    val_tokens[p + 1]): the per-token scores (per_token[t] for target t) fall exactly at t = p + 1 and stay
-    bit-identical elsewhere; the totals are the mean of the per-token scores."""
-    h = tg.Hyperparameters({"MODEL_DIM": "32", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "NUM_LAYERS": "2",
-                            "VOCAB_SIZE": "64", "BIGRAM_VOCAB_SIZE": "0", "VE_ENABLED": "0", "XSA_LAST_N": "0",
-                            "EVAL_SEQ_LEN": "32", "EVAL_STRIDE": "8", "TRAIN_SEQ_LEN": "32", "EVAL_BATCH_SEQS": "4",
-                            "VAL_BATCH_SIZE": "256", "TTT_ENABLED": "0", "NGRAM_TILT": "1"})
-    torch.manual_seed(0)
-    model = tg.GPT(h)
-    tokens = torch.randint(0, 64, (121,), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
-    luts = tg.ByteLuts(torch.ones(64, dtype=torch.int16), torch.zeros(64, dtype=torch.bool),
-                       torch.zeros(64, dtype=torch.bool))
-    rt = tg.Runtime(h, CPU, False, True, None)
-    gated = torch.tensor([0, 5, 31, 32, 77, 119])  # input positions; 119 is the last one
-    hint = torch.full((tokens.numel() - 1,), -1, dtype=torch.int32)
-    hint[gated] = tokens[gated + 1]
-    runs = []
-    for tilt in (None, tg.NgramTilt(hint, BOOST)):
-        per_token = torch.full((tokens.numel(),), float("nan"), dtype=torch.float64)
-        loss, _ = tg.eval_sliding(rt, model, model.forward_logits, tokens, luts, per_token, tilt=tilt)
-        assert loss == pytest.approx(per_token[1:].mean().item(), rel=1e-12)
-        runs.append(per_token)
-    plain, tilted = runs
-    moved = torch.nonzero(tilted[1:] != plain[1:]).flatten() + 1  # per_token[0]: no target
-    assert moved.tolist() == (gated + 1).tolist() and bool((tilted[moved] < plain[moved]).all())
+def test_keys_match_spec_check_values_and_the_collisions_are_real():
+    ctx = tuple(range(1, 16))
+    assert keys(ctx, 16, 16) == (19_987_444, 19_987_527_030_860)  # SPEC-FRONTIER 20(a)'s values from the C
+    assert keys(tuple(range(2, 17)), 16)[0] == 12_303_571
+    assert tg.NGRAM_ORDERS == range(2, 34)  # ROLLING_COEFFS has 32 entries: contexts of up to 32 tokens
+    assert keys(SAME_KEY[0], 4)[0] == keys(SAME_KEY[1], 4)[0] and SAME_KEY[0] != SAME_KEY[1]
+    (c1, t1), (c2, t2) = SAME_PAIR
+    assert keys(c1, 4, t1)[1] == keys(c2, 4, t2)[1] and keys(c1, 4)[0] != keys(c2, 4)[0]
 
 
-@pytest.mark.parametrize("env, name", [
-    ({"NGRAM_TILT_ORDER": "1"}, "NGRAM_TILT_ORDER=1"), ({"NGRAM_TILT_ORDER": "34"}, "NGRAM_TILT_ORDER=34"),
-    ({"NGRAM_TILT_THRESHOLD": "0"}, "NGRAM_TILT_THRESHOLD=0"), ({"NGRAM_TILT_THRESHOLD": "1.01"},
-                                                                 "NGRAM_TILT_THRESHOLD=1.01"),
-    ({"NGRAM_TILT_BOOST": "-0.5"}, "NGRAM_TILT_BOOST=-0.5"), ({"NGRAM_TILT": "2"}, "NGRAM_TILT='2'"),
-    ({"NGRAM_TILT": "1", "TTT_ENABLED": "0", "EVAL_STRIDE": "0"}, "NGRAM_TILT=1"),
-    ({"SMEAR_GATE_BOS_FIX": "no"}, "SMEAR_GATE_BOS_FIX='no'")])
-def test_bad_tilt_settings_are_one_line_errors_naming_the_variable(env, name):
-    assert name in config_error(env)
+def test_spec_worked_example():
+    tok, prob = ours([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 8], 4)
+    assert tok.tolist() == [0] * 7 + [8, 5, 6, 7, 8, 0, 0, 0, 8]
+    assert prob[7:12].tolist() == [1.0] * 5 and prob[15] == np.float32(2) / np.float32(3)
+    assert not prob[:7].any() and not prob[12:15].any()
 
 
-def test_the_settings_edges_are_accepted():
-    for env in ({"NGRAM_TILT_ORDER": "2"}, {"NGRAM_TILT_ORDER": "33"}, {"NGRAM_TILT_THRESHOLD": "1"},
-                {"NGRAM_TILT_BOOST": "0"}, {"NGRAM_TILT": "1", "TTT_ENABLED": "0"},
-                {"NGRAM_TILT": "1", "EVAL_STRIDE": "0", "TTT_MODE": "lora"}):
-        tg.Hyperparameters(env)
-    assert tg.NGRAM_ORDERS == range(2, 34)
+@pytest.mark.parametrize("order", [2, 4, 16, 33])
+def test_equal_to_record_c_on_streams_built_to_break_it(record, order):
+    rng = np.random.default_rng(order)
+    L = order - 1
+    span = rng.integers(0, 50, 40)
+    streams = {
+        "ties": [0] + [3, 1, 3, 2, 3, 2, 3, 1, 3, 4, 3] * 3 + [3],  # order 2: 3->1 and 3->2 tie at position 6
+        "once": list(rng.permutation(400)),  # every context appears once
+        "spans": np.concatenate([span, rng.integers(0, 50, 7), span, span[:25], rng.integers(0, 3, 60), span]),
+        "extreme ids": rng.choice([0, 8191], 300),
+        "uint16 ids": rng.choice([0, 1, 65535], 200),
+        "shorter than order": rng.integers(0, 5, max(order - 1, 1)),
+        "one token": [7],
+        "exactly order-1": rng.integers(0, 3, L),
+        "exactly order": rng.integers(0, 3, order),
+        "small vocab": rng.integers(0, 3, 500),
+        "seed repeats": [9] * (3 * order),
+    }
+    for name, stream in streams.items():
+        tok, prob = assert_same_as_record(record, stream, order)
+        assert not prob[:max(L - 1, 0)].any() and not tok[:max(L - 1, 0)].any(), name  # no full context yet
+    if order == 2:  # the tie: after 3 -> 1, 3 -> 2 the count is 1:1 and the older top (1) stays
+        tok, prob = ours(streams["ties"], 2)
+        assert (tok[6], prob[6]) == (1, np.float32(0.5))
+
+
+def test_equal_to_record_c_where_keys_and_pair_keys_collide(record):
+    (a, b) = SAME_KEY
+    # context a then 7; context b has never been seen, yet its key has a's counts
+    stream = [1, 2, *a, 7, 3, *b, 5, 4, *b, 5, 6, *a, 0]
+    tok, prob = assert_same_as_record(record, stream, 4)
+    assert (tok[10], prob[10]) == (7, 1.0)
+    assert (tok[15], prob[15]) == (7, np.float32(0.5))  # merged: a->7, b->5 tie at 1, a's 7 came first
+    assert (tok[20], prob[20]) == (5, np.float32(2) / np.float32(3))  # b->5 twice: 5 took the top
+    (c1, t1), (c2, t2) = SAME_PAIR
+    # (c1, t1) counted, then c2 (new context) gets pair count 2 from the shared pair key: top_count 2 of total 1
+    stream = [0, *c1, t1, 1, *c2, t2, 2, *c2, 3]
+    tok, prob = assert_same_as_record(record, stream, 4)
+    assert (tok[14], prob[14]) == (t2, 2.0)
+
+
+def test_equal_to_record_c_on_a_zipf_stream_with_spans(record):
+    stream = bench_ngram.zipf_stream(60_000, seed=3)
+    for order in (3, 16):
+        _, prob = assert_same_as_record(record, stream, order)
+        assert (prob >= np.float32(0.8)).sum() > 100  # gated positions exist: the comparison means something
+
+
+def test_causal_changing_target_p_changes_no_hint_at_or_before_p():
+    rng = np.random.default_rng(0)
+    for order in (2, 5, 16):
+        base = np.resize(rng.integers(0, 4, 30), 400)  # a repeated pattern with noise: hints everywhere
+        base[rng.random(400) < 0.05] = 3
+        tok, prob = ours(base, order)
+        for p in [0, 1, order - 2, order - 1, order, 57, 200, 399]:
+            changed = base.copy()
+            changed[p] = (changed[p] + 1 + rng.integers(0, 3)) % 4
+            tok2, prob2 = ours(changed, order)
+            np.testing.assert_array_equal(tok2[:p + 1], tok[:p + 1])
+            np.testing.assert_array_equal(prob2[:p + 1], prob[:p + 1])
+            assert p + 1 >= len(base) or (tok2 != tok).any() or (prob2 != prob).any()
+
+
+def test_empty_and_bad_inputs():
+    tok, prob = tg.ngram_tilt_hints(torch.zeros(0, dtype=torch.int64), 16)
+    assert tok.numel() == 0 and prob.numel() == 0
+    with pytest.raises(ValueError, match="order 34 outside 2..33"):
+        tg.ngram_tilt_hints(torch.arange(10), 34)
+    with pytest.raises(ValueError, match="order 1 outside"):
+        tg.ngram_tilt_hints(torch.arange(10), 1)
+    with pytest.raises(ValueError, match="0..65535"):
+        tg.ngram_tilt_hints(torch.tensor([1, 65536, 2]), 2)
+    with pytest.raises(ValueError, match="1-D"):
+        tg.ngram_tilt_hints(torch.zeros(2, 3, dtype=torch.int64), 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_equals_cpu():
+    stream = torch.from_numpy(bench_ngram.zipf_stream(200_000, seed=5).astype(np.int64))
+    tok, prob = tg.ngram_tilt_hints(stream, 16)
+    tok_c, prob_c = tg.ngram_tilt_hints(stream.cuda(), 16)
+    assert tok_c.is_cuda and prob_c.is_cuda
+    assert torch.equal(tok_c.cpu(), tok) and torch.equal(prob_c.cpu().view(torch.int32), prob.view(torch.int32))

@@ -19,7 +19,7 @@ from conftest import REPO, read_log, run_training
 from test_documents import caseops_sample  # noqa: F401 (fixture: the vocab-8192 CaseOps sample)
 from test_model_0427 import FRONTIER, _needs_frontier, _randomise, _record_h, _rel, _to_record_names, import_record
 from test_model_0427 import logged, record_0427  # noqa: F401 (fixture)
-from test_ngram_tilt import record_hints, record_ngram  # noqa: F401 (fixture)
+from test_ngram_tilt import bench_ngram, record  # noqa: F401 (fixture: #2135's online_ngram_tilt.py, its C built)
 from test_ttt_lora import assert_matches_record, luts_for, record_0430, record_totals, stream  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
@@ -432,10 +432,11 @@ def test_preset_ttt_totals_equal_the_records_own_ttt_eval(request, preset):
     assert_matches_record(want, model, state, tokens, luts, env, ({"TTT_LORA_TARGETS": other},))
 
 
-def test_record_0501_tilted_ttt_totals_equal_the_records_own_ttt_eval(record_0501, record_ngram, monkeypatch):
-    """#2135's own eval_val_ttt_phased with its logged settings and its hints from its own C (token channel, order
-    16, gate 0.8, boost 2.625), given as its precomputed hints, against ours with PRESET=record_0501 (NGRAM_TILT=1,
-    hints from ngram_tilt_hints): same weights and A draws, fp32, sidecar bytes, test_ttt_lora's toy TTT scale. The
+def test_record_0501_tilted_ttt_totals_equal_the_records_own_ttt_eval(record_0501, record, monkeypatch):
+    """#2135's own eval_val_ttt_phased with its logged settings and the hints of its own build_hints_for_targets
+    with the run's settings (its C, order 16, gate 0.8, boost 2.625; a stub word decoder for the disabled word
+    channel), given as its precomputed hints, against ours with PRESET=record_0501 (NGRAM_TILT=1, hints from
+    ngram_tilt_hints): same weights and A draws, fp32, sidecar bytes, test_ttt_lora's toy TTT scale. The
     stream repeats its first three documents at the end, so the copies' targets are gated (order 16 needs 15 repeated
     targets). The totals move with the tilt off, with the other adapter targets, and with another boost."""
     env = {"PRESET": "record_0501", **NARROW, **TTT_SCALE}
@@ -447,10 +448,12 @@ def test_record_0501_tilted_ttt_totals_equal_the_records_own_ttt_eval(record_050
     state = {k: v.clone() for k, v in model.state_dict().items()}
     base = stream()[:-5]
     tokens = torch.cat([base, base[:90 + 9 + 40]])  # the first three documents again (lengths 90, 9, 40)
-    hints = record_hints(record_ngram, tokens[1:].long(), 16, vocab=512)
+    theirs = bench_ngram.record_whole_hints(record, tokens[1:].numpy(), None, 512)
+    hints = (torch.from_numpy(theirs["hint_ids"].astype(np.int64)), torch.from_numpy(theirs["gate_mask"]),
+             torch.from_numpy(theirs["boost"].astype(np.float32)))
     assert 50 < int(hints[1].sum()) < 139 and int(hints[1][:len(base) - 1].sum()) == 0
     luts = luts_for(tokens, sidecar=True)
-    monkeypatch.setitem(sys.modules, "online_ngram_tilt", record_ngram)  # the record imports it by that name
+    monkeypatch.setitem(sys.modules, "online_ngram_tilt", record)  # the record imports it by that name
     want = record_totals(record_0501, h, state, tokens, luts, True, hints=hints)
     assert_matches_record(want, model, state, tokens, luts, env,
                           ({"NGRAM_TILT": "0"}, {"TTT_LORA_TARGETS": "q,k,v,o,mlp,head"}, {"NGRAM_TILT_BOOST": "1"}))
