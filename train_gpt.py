@@ -4304,12 +4304,29 @@ NGRAM_PAIR_MIX = 1000003
 NGRAM_ORDERS = range(2, len(NGRAM_COEFFS) + 2)  # the C reads ROLLING_COEFFS[j] for j < order-1 <= 32
 
 
-def _run_starts(sorted_vals, idx):
-    """For a sorted 1-D tensor: is_start (True where a run of equal values begins) and start (the index where each
-    element's run begins), as whole-array ops; idx = arange(len)."""
-    is_start = torch.ones(sorted_vals.shape, dtype=torch.bool, device=sorted_vals.device)
-    torch.ne(sorted_vals[1:], sorted_vals[:-1], out=is_start[1:])
-    return is_start, torch.where(is_start, idx, 0).cummax(0).values
+def _mark_run_starts(sorted_vals, is_start):
+    """is_start[k] = True where a run of equal values of the sorted 1-D tensor begins (in place; returns it)."""
+    is_start[0] = True
+    return torch.ne(sorted_vals[1:], sorted_vals[:-1], out=is_start[1:])
+
+
+def _running_max(x, out, spare, width=1024):
+    """Inclusive running max of the 1-D int64 tensor x, written into out (spare: a buffer of x's size that receives
+    cummax's unused indices). Scanned as rows of `width` and then across row ends: CUDA's cummax gives each row one
+    thread block, so one long row would run on a single block."""
+    n = x.numel()
+    rows = n // width
+    k = rows * width
+    if rows:
+        torch.cummax(x[:k].view(rows, width), 1, out=(out[:k].view(rows, width), spare[:k].view(rows, width)))
+    if k < n:
+        torch.cummax(x[k:], 0, out=(out[k:], spare[k:]))
+    if rows:
+        ends = out[width - 1:k:width].cummax(0).values  # running max at each row's end
+        body = out[width:k].view(rows - 1, width)
+        torch.maximum(body, ends[:-1, None], out=body)
+        torch.maximum(out[k:], ends[-1], out=out[k:])
+    return out
 
 
 def ngram_tilt_keys(targets, order):
@@ -4326,8 +4343,9 @@ def ngram_tilt_keys(targets, order):
     pair = torch.empty_like(key)
     for j in range(1, L):
         key.bitwise_xor_(torch.mul(s[j:j + m], NGRAM_COEFFS[j], out=pair))
-    torch.mul(s[L:], NGRAM_COEFFS[L % len(NGRAM_COEFFS)], out=pair).bitwise_xor_(key * NGRAM_PAIR_MIX)
-    return key, pair, s[L:].to(torch.int32)
+    tok = s[L:].to(torch.int32)
+    torch.mul(key, NGRAM_PAIR_MIX, out=pair).bitwise_xor_(s[L:].mul_(NGRAM_COEFFS[L % len(NGRAM_COEFFS)]))
+    return key, pair, tok
 
 
 def ngram_tilt_hints(targets, order):
@@ -4360,32 +4378,38 @@ def ngram_tilt_hints(targets, order):
     if n == 0 or m <= 0:
         return top_tok, top_prob
     key, pair, tok = ngram_tilt_keys(targets, order)
-    pvals, pperm = torch.sort(pair, stable=True)
-    del pair
+    # Full-length work buffers, reused through out= (fewer fresh allocations: on CPU each costs page faults).
+    # cummax's indices output is unused; it goes to whichever buffer is free at that step.
     idx = torch.arange(m, device=dev)
-    _, start = _run_starts(pvals, idx)
-    del pvals
-    c = torch.empty_like(key).scatter_(0, pperm, idx - start + 1)  # pair count after each target, stream order
-    del pperm, start
-    kvals, kperm = torch.sort(key, stable=True)
-    del key
-    is_start, start = _run_starts(kvals, idx)
-    del kvals
-    base = start * (m + 1)
-    top_count = c.gather(0, kperm).add_(base).cummax(0).values.sub_(base)
-    del c, base
+    run_start, spare = torch.empty_like(key), torch.empty_like(key)
+    is_start = torch.empty(m, dtype=torch.bool, device=dev)
+    vals, perm = torch.sort(pair, stable=True)
+    _mark_run_starts(vals, is_start)
+    _running_max(torch.mul(idx, is_start, out=pair), run_start, vals)
+    count = pair.scatter_(0, perm, torch.sub(idx, run_start, out=run_start).add_(1))  # pair count, stream order
+    torch.sort(key, stable=True, out=(vals, perm))  # perm: targets by key, each key's in stream order
+    _mark_run_starts(vals, is_start)
+    _running_max(torch.mul(idx, is_start, out=key), run_start, vals)
+    base = torch.mul(run_start, m + 1, out=spare)
+    _running_max(torch.gather(count, 0, perm, out=key).add_(base), vals, pair)  # (count is consumed here)
+    top_count = vals.sub_(base)  # running max of the pair counts within each key's run
     rises = is_start.clone()
     rises[1:] |= top_count[1:] > top_count[:-1]
-    best = tok.gather(0, kperm.gather(0, torch.where(rises, idx, 0).cummax(0).values))
-    del rises, tok
-    # a key's k-th target (k >= 1) emits the state left by its (k-1)-th; its first emits (0, 0.0)
-    seen = ~is_start[1:]
-    out_tok = torch.zeros_like(best)
-    out_tok[1:] = torch.where(seen, best[:-1], 0)
-    out_prob = torch.zeros(m, dtype=torch.float32, device=dev)
-    out_prob[1:] = torch.where(seen, top_count[:-1].to(torch.float32) / (idx - start)[1:].to(torch.float32), 0.0)
-    top_tok[L - 1:].scatter_(0, kperm, out_tok.to(torch.int64))
-    top_prob[L - 1:].scatter_(0, kperm, out_prob)
+    _running_max(torch.mul(idx, rises, out=key), pair, spare)  # where top_count last rose
+    del rises
+    best = tok.gather(0, torch.gather(perm, 0, pair, out=key))
+    del tok
+    # a key's k-th target (k >= 1) emits the state left by its (k-1)-th: (best, top_count / k); its first (0, 0.0)
+    out_tok = spare
+    out_tok[0] = 0
+    out_tok[1:].copy_(best[:-1])
+    del best
+    out_prob = torch.empty(m, dtype=torch.float32, device=dev)
+    out_prob[0] = 0.0
+    torch.div(top_count[:-1].to(torch.float32), torch.sub(idx, run_start, out=run_start)[1:].to(torch.float32),
+              out=out_prob[1:])
+    top_tok[L - 1:].scatter_(0, perm, out_tok.masked_fill_(is_start, 0))
+    top_prob[L - 1:].scatter_(0, perm, out_prob.masked_fill_(is_start, 0.0))
     return top_tok, top_prob
 
 

@@ -137,6 +137,15 @@ def test_causal_changing_target_p_changes_no_hint_at_or_before_p():
             assert p + 1 >= len(base) or (tok2 != tok).any() or (prob2 != prob).any()
 
 
+def test_running_max_in_rows_equals_cummax():
+    rng = np.random.default_rng(1)
+    for n in (1, 3, 4, 5, 12, 13, 50):
+        x = torch.from_numpy(rng.integers(0, 20, n))
+        for width in (1, 4, 1024):
+            out, spare = torch.empty_like(x), torch.empty_like(x)
+            assert torch.equal(tg._running_max(x, out, spare, width), x.cummax(0).values), (n, width)
+
+
 def test_empty_and_bad_inputs():
     tok, prob = tg.ngram_tilt_hints(torch.zeros(0, dtype=torch.int64), 16)
     assert tok.numel() == 0 and prob.numel() == 0
