@@ -3202,18 +3202,19 @@ def _gptq_columns(W, U, s, Q, q_max, hi=None):
 def quantize_rows(t, q_max, scales, hessian=None, awq=None):
     """Codes and fp16 row scales: of the candidate `scales`, the one whose reconstruction has the lowest MSE;
     codes by GPTQ when a Hessian is given (all candidates in one pass), else rounded to nearest.
-    awq = (column mask, q_hi), with a Hessian: AWQ-lite, those columns rounded to q_hi in the same GPTQ solve
-    with the scales awq_scales(s); then returns (codes, scale, that column scale)."""
+    awq = (column mask, q_hi, SDClip k), with a Hessian: AWQ-lite, those columns rounded to q_hi in the same GPTQ
+    solve with the scales awq_scales(...); then returns (codes, scale, that column scale)."""
     t32, scales = t.float(), list(scales)
+    his = None if awq is None else [awq_scales(t32, s, q_max, awq[1], awq[2]) for s in scales]
     if hessian is not None:
         stacked = torch.cat([s.float() for s in scales])
-        hi = None if awq is None else (awq[0], awq_scales(stacked, q_max, awq[1]), awq[1])
+        hi = None if awq is None else (awq[0], torch.cat(his), awq[1])
         codes = gptq_codes(t32.repeat(len(scales), 1), hessian, stacked, q_max, hi).float().split(t32.size(0))
     best = None
     for i, scale in enumerate(scales):
         s = scale.float()
         q = torch.clamp(torch.round(t32 / s[:, None]), -q_max, q_max) if hessian is None else codes[i]
-        s_hi = None if awq is None else awq_scales(scale, q_max, awq[1])
+        s_hi = None if awq is None else his[i]
         deq = q * s[:, None]
         if s_hi is not None:
             deq[:, awq[0]] = q[:, awq[0]] * s_hi.float()[:, None]
@@ -3269,8 +3270,14 @@ def quantize_gate_rows(t):
     return torch.clamp(torch.round(t32 / s.float()[:, None]), -127, 127).to(torch.int8), s
 
 
-def awq_scales(s, q_max, q_hi):
-    """AWQ-lite's row scales for its promoted columns: the same clip range at q_hi levels, fp16."""
+def awq_scales(t32, s, q_max, q_hi, sigmas):
+    """AWQ-lite's row scales for its promoted columns (#1945, #2014; SPEC-FRONTIER 19): the same clip range at q_hi
+    levels, rounded to fp16 once. With SDClip (sigmas = k > 0) the record's fp16(k * std(W_i) / q_hi), i.e.
+    sdclip_scales at q_hi (#2014's gptq_quantize_weight; its floor is 1e-10, ours fp16's smallest normal), not
+    the base scale s rescaled, fp16(fp16(k * std / q_max) * q_max / q_hi), which is one fp16 step off in about a
+    quarter of the rows. With clip candidates (sigmas 0, which no record combines with AWQ-lite) s * q_max / q_hi."""
+    if sigmas > 0:
+        return sdclip_scales(t32, sigmas, q_hi)
     return (s.float() * q_max / q_hi).to(torch.float16)
 
 
@@ -3374,7 +3381,7 @@ def quantize_state_dict(flat, h=None, hessians=None):
             mask = torch.zeros(t.size(1), dtype=torch.bool)
             for start in promoted[name]:
                 mask[start:start + h.awq_lite_group] = True
-            awq = (mask, q_hi)
+            awq = (mask, q_hi, sigmas)
         if ".attn." in name or ".mlp." in name:
             kind = "int6"
             scales = [sdclip_scales(t32, sigmas, 31)] if sigmas > 0 else int6_candidate_scales(t32)
