@@ -139,11 +139,11 @@ def _record_rotary(module, rope_dims, train_len):
 
 
 @pytest.mark.parametrize("name", ["record_0427", "record_0430", "record_0501"])
-def test_rope_frequencies_bf16_give_each_records_rotary_tables_as_it_ran(name):
+def test_rope_frequencies_bf16_give_each_records_rotary_tables_as_it_ran(request, name):
     """ROPE_FREQS_BF16=1 (rope_frequencies_bf16): #1855, #2014 and #2135 read their bf16 inv_freq buffer back with
     .float(); their own Rotary with the buffer as .bfloat16() leaves it gives our tables bit for bit, and its fp32
     buffer gives our ROPE_FREQS_BF16=0 tables (so the test can fail)."""
-    record = import_record(name)
+    record = request.getfixturevalue(name) if name == "record_0427" else import_record(name)
     for T in (64, 2048):
         ours_on = tg.rotary_tables(T, 16, 10000.0, "cpu", 2048, freqs_bf16=True)
         ours_off = tg.rotary_tables(T, 16, 10000.0, "cpu", 2048)
