@@ -72,7 +72,7 @@ PRESETS = {
         "MUON_WD": "0.095", "EMBED_WD": "0.085", "ADAM_WD": "0.02", "EMA_DECAY": "0.9965", "LATE_QAT_THRESHOLD": "0",
         "QUANT": "gptq", "GPTQ_RESERVE_SECONDS": "12", "GPTQ_CALIBRATION_BATCHES": "64",
         "MATRIX_CLIP_SIGMAS": "12.85", "EMBED_CLIP_SIGMAS": "20", "COMPRESSOR": "brotli", "TTT_LR": "0.005",
-        "MUON_MOMENTUM_FP32": "1", "MUON_NS_CA_FIRST": "1",
+        "MUON_MOMENTUM_FP32": "1", "MUON_NS_CA_FIRST": "1", "ROPE_FREQS_BF16": "1",
     },
 }
 # The 2026-04-27 record (#1855, 1.06108): every value its seed-42 log lists, on top of record_0409's model
@@ -213,6 +213,7 @@ class Hyperparameters:
         self.enable_looping_at = self._env("ENABLE_LOOPING_AT", 0.0, float)
         # ---- the 2026-04-27 model (issue 18; SPEC-FRONTIER 5, 8, 18)
         self.rope_train_seq_len = self._env("ROPE_TRAIN_SEQ_LEN", 1024)
+        self.rope_freqs_bf16 = self._env("ROPE_FREQS_BF16", False, bool)
         self.gate_window = self._env("GATE_WINDOW", 12)
         self.attn_gate = self._env("ATTN_GATE", "none", str)
         self.attn_gate_scale = self._env("ATTN_GATE_SCALE", 1.0, float)
@@ -1695,17 +1696,28 @@ class CastedLinear(nn.Linear):
         return F.linear(x, w)
 
 
-def rotary_tables(seq_len, rd, base, device, train_len=1024, context_len=None):
+def rotary_tables(seq_len, rd, base, device, train_len=1024, context_len=None, freqs_bf16=False):
     """(cos, sin) for partial RoPE on rd dims, NTK-scaled beyond train_len tokens (ROPE_TRAIN_SEQ_LEN: 1024 in the
     03-23 record, 2048 from 04-09). Rebuilt each forward: cheap, and no cache for torch.compile or
     inference_mode to trip over. On packed rows context_len (the longest segment) decides the scaling, never the
-    packed length (SPEC-FRONTIER 17, pitfall 10)."""
+    packed length (SPEC-FRONTIER 17, pitfall 10). freqs_bf16 (ROPE_FREQS_BF16): unscaled frequencies rounded to
+    bf16, as the records from 04-09 on ran them (rope_frequencies_bf16)."""
     context_len = seq_len if context_len is None else context_len
     if context_len > train_len:
         base = base * (context_len / train_len) ** (rd / (rd - 2))
     inv_freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
+    if freqs_bf16 and context_len <= train_len:
+        inv_freq = rope_frequencies_bf16(inv_freq)
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+
+
+def rope_frequencies_bf16(inv_freq):
+    """RoPE's frequencies as the records from 04-09 on ran them (issue 29 item 4): `GPT(h).bfloat16()` casts the
+    Rotary module's fp32 `inv_freq` buffer to bf16 (round to nearest even), and the 04-27/04-30/05-01 records read
+    it back with `.float()`; positions and angles stay fp32. Only the unscaled frequencies: the records' NTK
+    branch builds fresh fp32 frequencies (the 03-23 record always takes it, so it stays exact)."""
+    return inv_freq.to(torch.bfloat16).float()
 
 
 def apply_rotary(x, cos, sin, rope_dims):
@@ -2026,7 +2038,7 @@ class GPT(nn.Module):
         self.lanes = TwoLaneResidual(n) if not gptj and start >= 0 else None
         self.lane_start = start
         self.rope_dims, self.rope_base = h.rope_dims or h.head_dim, h.rope_base
-        self.rope_train_len = h.rope_train_seq_len
+        self.rope_train_len, self.rope_freqs_bf16 = h.rope_train_seq_len, h.rope_freqs_bf16
         self.ve_layers = list(h.ve_layers) if h.ve_enabled else []
         self.ve_shared = ValueEmbedding(h.vocab_size, h.ve_dim, kv) if self.ve_layers else None
         self.ve_layer_scales = nn.ParameterList(
@@ -2092,7 +2104,8 @@ class GPT(nn.Module):
         x0 = x = rms_norm(x) if self.smear is None else self.smear(rms_norm(x))
         ve = self.ve_shared(ids) if self.ve_shared is not None else None
         rope = Positions(*rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device, self.rope_train_len,
-                                        context_len=None if docs is None else docs.rope_len or docs.max_len), docs)
+                                        context_len=None if docs is None else docs.rope_len or docs.max_len,
+                                        freqs_bf16=self.rope_freqs_bf16), docs)
         encoder, decoder = self.orders[self.looping]
         skips = []
         for i in encoder:
@@ -3189,18 +3202,19 @@ def _gptq_columns(W, U, s, Q, q_max, hi=None):
 def quantize_rows(t, q_max, scales, hessian=None, awq=None):
     """Codes and fp16 row scales: of the candidate `scales`, the one whose reconstruction has the lowest MSE;
     codes by GPTQ when a Hessian is given (all candidates in one pass), else rounded to nearest.
-    awq = (column mask, q_hi), with a Hessian: AWQ-lite, those columns rounded to q_hi in the same GPTQ solve
-    with the scales awq_scales(s); then returns (codes, scale, that column scale)."""
+    awq = (column mask, q_hi, SDClip k), with a Hessian: AWQ-lite, those columns rounded to q_hi in the same GPTQ
+    solve with the scales awq_scales(...); then returns (codes, scale, that column scale)."""
     t32, scales = t.float(), list(scales)
+    his = None if awq is None else [awq_scales(t32, s, q_max, awq[1], awq[2]) for s in scales]
     if hessian is not None:
         stacked = torch.cat([s.float() for s in scales])
-        hi = None if awq is None else (awq[0], awq_scales(stacked, q_max, awq[1]), awq[1])
+        hi = None if awq is None else (awq[0], torch.cat(his), awq[1])
         codes = gptq_codes(t32.repeat(len(scales), 1), hessian, stacked, q_max, hi).float().split(t32.size(0))
     best = None
     for i, scale in enumerate(scales):
         s = scale.float()
         q = torch.clamp(torch.round(t32 / s[:, None]), -q_max, q_max) if hessian is None else codes[i]
-        s_hi = None if awq is None else awq_scales(scale, q_max, awq[1])
+        s_hi = None if awq is None else his[i]
         deq = q * s[:, None]
         if s_hi is not None:
             deq[:, awq[0]] = q[:, awq[0]] * s_hi.float()[:, None]
@@ -3256,8 +3270,14 @@ def quantize_gate_rows(t):
     return torch.clamp(torch.round(t32 / s.float()[:, None]), -127, 127).to(torch.int8), s
 
 
-def awq_scales(s, q_max, q_hi):
-    """AWQ-lite's row scales for its promoted columns: the same clip range at q_hi levels, fp16."""
+def awq_scales(t32, s, q_max, q_hi, sigmas):
+    """AWQ-lite's row scales for its promoted columns (#1945, #2014; SPEC-FRONTIER 19): the same clip range at q_hi
+    levels, rounded to fp16 once. With SDClip (sigmas = k > 0) the record's fp16(k * std(W_i) / q_hi), i.e.
+    sdclip_scales at q_hi (#2014's gptq_quantize_weight; its floor is 1e-10, ours fp16's smallest normal), not
+    the base scale s rescaled, fp16(fp16(k * std / q_max) * q_max / q_hi), which is one fp16 step off in about a
+    quarter of the rows. With clip candidates (sigmas 0, which no record combines with AWQ-lite) s * q_max / q_hi."""
+    if sigmas > 0:
+        return sdclip_scales(t32, sigmas, q_hi)
     return (s.float() * q_max / q_hi).to(torch.float16)
 
 
@@ -3361,7 +3381,7 @@ def quantize_state_dict(flat, h=None, hessians=None):
             mask = torch.zeros(t.size(1), dtype=torch.bool)
             for start in promoted[name]:
                 mask[start:start + h.awq_lite_group] = True
-            awq = (mask, q_hi)
+            awq = (mask, q_hi, sigmas)
         if ".attn." in name or ".mlp." in name:
             kind = "int6"
             scales = [sdclip_scales(t32, sigmas, 31)] if sigmas > 0 else int6_candidate_scales(t32)
