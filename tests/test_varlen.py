@@ -276,3 +276,34 @@ def test_varlen_attn_compiles_forward_and_backward_in_one_graph(torch_varlen_on_
     want = torch.autograd.grad((tg.doc_causal_attention(*fp32, docs) * w).sum(), fp32)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (PyTorch's varlen FlashAttention kernel)")
+def test_torch_varlen_on_cuda_equals_the_masked_path():
+    """On a GPU, the real kernel, eager and compiled (inductor, fullgraph): output and gradients of q, k, v
+    (GQA) those of the exact masked path in fp32, within bf16 rounding, on both layouts."""
+    cuda = torch.device("cuda")
+    if tg.import_torch_varlen() is None:
+        pytest.skip(f"PyTorch {torch.__version__}'s varlen_attn lacks window_size or enable_gqa")
+    try:
+        for layout, S in LAYOUTS:
+            _, docs = segments_and_bounds(layout, S)
+            docs = tg.DocBounds(docs.cu_seqlens.to(cuda), docs.max_len)
+            B, T = len(layout), sum(n for n, _ in layout[0])
+            g = torch.Generator().manual_seed(0)
+            qkv = [torch.randn(B, T, h, 64, generator=g).to(cuda, torch.bfloat16).requires_grad_() for h in (8, 4, 4)]
+            w = torch.randn(B, T, 8, 64, generator=g).to(cuda)
+            tg.select_attention_backend(cuda, "sdpa")
+            fp32 = [t.detach().float().requires_grad_() for t in qkv]
+            want_out = tg.doc_causal_attention(*fp32, docs)
+            want = torch.autograd.grad((want_out * w).sum(), fp32)
+            assert tg.select_attention_backend(cuda, "torch_varlen") == "sdpa"
+            for fn in (tg.doc_causal_attention, torch.compile(tg.doc_causal_attention, fullgraph=True)):
+                out = fn(*qkv, docs)
+                got = torch.autograd.grad((out.float() * w).sum(), qkv)
+                assert out.dtype == torch.bfloat16
+                torch.testing.assert_close(out.float(), want_out, rtol=2e-2, atol=2e-2)
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a.float(), b, rtol=5e-2, atol=5e-2)
+    finally:
+        tg.select_attention_backend(torch.device("cpu"))
