@@ -1220,7 +1220,7 @@ def import_flash_attn(module):
 
 def import_torch_varlen():
     """torch.nn.attention.varlen.varlen_attn if this PyTorch has it with the window_size and enable_gqa
-    arguments (2.13 does; 2.10's has neither), else None."""
+    arguments (2.13 does), else None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -1315,8 +1315,9 @@ def causal_attention(q, k, v, docs=None):
     document boundary."""
     if docs is not None:
         return doc_causal_attention(q, k, v, docs)
-    fn, flash = _ATTENTION["fn"], flash_inputs(q, k, v)
-    if fn is not None and flash is not None:
+    fn = _ATTENTION["fn"]
+    flash = None if fn is None else flash_inputs(q, k, v)
+    if flash is not None:
         out = fn(*flash, causal=True)
         return out[0] if isinstance(out, tuple) else out
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -1332,8 +1333,9 @@ def doc_causal_attention(q, k, v, docs):
     (S x 2S). Cost O(N * 2S) per head for N packed tokens (linear in N, not N^2) and a bool mask of N * 2S."""
     B, T, H, D = q.shape
     cu = docs.cu_seqlens
-    fn, flash = _ATTENTION["varlen"], flash_inputs(q, k, v)
-    if fn is not None and flash is not None:
+    fn = _ATTENTION["varlen"]
+    flash = None if fn is None else flash_inputs(q, k, v)
+    if flash is not None:
         out = fn(*[t.reshape(B * T, *t.shape[2:]) for t in flash], cu, docs.max_len)
         return out.view(B, T, H, D)
     S, N = docs.max_len, B * T
