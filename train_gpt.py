@@ -12,6 +12,7 @@ import copy
 import datetime
 import glob
 import importlib.util
+import inspect
 import io
 import itertools
 import lzma
@@ -468,7 +469,7 @@ class Hyperparameters:
                               ("EMBED_BITS", (8, 7)), ("MUON_NS_COEFFS", tuple(NS_COEFFICIENTS)),
                               ("SMEAR_GATE", (0, 1, 2)), ("ATTN_GATE", ("none", "sparse", "output", "dense")),
                               ("PARALLEL_MODE", ("gptj", "lanes")), ("GRAD_CLIP_SCOPE", ("local", "reduced")),
-                              ("ATTENTION_BACKEND", ("auto", *ATTENTION_MODULES)),
+                              ("ATTENTION_BACKEND", ("auto", *ATTENTION_MODULES, TORCH_VARLEN)),
                               ("LQER_FACTOR_BITS", (2, 3, 4, 5, 6, 7, 8)), ("AWQ_LITE_BITS", (7, 8))):
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
@@ -1198,12 +1199,15 @@ def load_byte_sidecar(pattern, val_tokens, luts):
 # MODEL
 # ==================================================
 
-# causal_attention's kernels, set by select_attention_backend(): dense and varlen (document-packed rows).
-_ATTENTION = {"name": "sdpa", "fn": None, "varlen": None}
+# causal_attention's kernels, set by select_attention_backend(): dense, varlen (document-packed rows, called as
+# varlen(q, k, v, cu_seqlens, max_len) on (tokens, heads, dim)) and the packed rows' name in the log.
+_ATTENTION = {"name": "sdpa", "fn": None, "varlen": None, "packed": "torch_doc_blocks"}
 # ATTENTION_BACKEND name -> module whose flash_attn_func takes (B, T, H, D) q, k, v; AUTO_ATTENTION: auto's order.
+# torch_varlen: PyTorch's own varlen FlashAttention, for packed rows only (dense rows keep SDPA).
 ATTENTION_MODULES = {"flash_attn_3": "flash_attn_interface", "flash_attn_2": "flash_attn",
                      "flash_attn_4": "flash_attn.cute", "sdpa": None}
-AUTO_ATTENTION = ("flash_attn_3", "flash_attn_2")  # flash_attn_4 only when named: not yet measured on a GPU
+TORCH_VARLEN = "torch_varlen"
+AUTO_ATTENTION = ("flash_attn_3", "flash_attn_2", TORCH_VARLEN)  # flash_attn_4 only when named: not yet measured
 
 
 def import_flash_attn(module):
@@ -1215,30 +1219,70 @@ def import_flash_attn(module):
     return mod if hasattr(mod, "flash_attn_func") else None
 
 
+def import_torch_varlen():
+    """torch.nn.attention.varlen.varlen_attn if this PyTorch has it with the window_size and enable_gqa
+    arguments (2.13 does), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if {"window_size", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys() else None
+
+
+def flash_varlen(fn):
+    """FlashAttention 2/3's flash_attn_varlen_func as _ATTENTION["varlen"]: causal within each segment."""
+    def attend(q, k, v, cu, max_len):
+        out = fn(q, k, v, cu, cu, max_len, max_len, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+    return attend
+
+
+def torch_varlen(varlen_attn):
+    """PyTorch's varlen_attn as _ATTENTION["varlen"] (SPEC-FRONTIER 3's per-document attention): window
+    (-1, 0) is its causal mask within each segment, enable_gqa lets k, v have H_kv heads (H_q a multiple).
+    A torch.library custom op with a fake and an autograd formula: torch.compile(fullgraph=True) keeps one graph."""
+    def attend(q, k, v, cu, max_len):
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
+    return attend
+
+
 def select_attention_backend(device, choice="auto"):
     """ATTENTION_BACKEND: auto is FlashAttention 3, else 2 (CUDA only), else PyTorch SDPA; a named flash kernel
     that is missing (or asked for without CUDA) is a ConfigError. On packed rows (docs given) the same library's
-    flash_attn_varlen_func, else the exact PyTorch path of doc_causal_attention. Returns the name logged."""
-    _ATTENTION.update(name="sdpa", fn=None, varlen=None)
+    flash_attn_varlen_func; without FlashAttention (auto, or named torch_varlen) on CUDA PyTorch's varlen_attn,
+    else the exact PyTorch path of doc_causal_attention. Returns the name logged (the dense rows' kernel)."""
+    _ATTENTION.update(name="sdpa", fn=None, varlen=None, packed="torch_doc_blocks")
     if choice == "sdpa":
         return "sdpa"
     if choice != "auto" and device.type != "cuda":
         raise ConfigError(f"ATTENTION_BACKEND={choice} needs CUDA (this run is on {device.type})")
     for name in AUTO_ATTENTION if choice == "auto" else (choice,):
-        mod = import_flash_attn(ATTENTION_MODULES[name]) if device.type == "cuda" else None
-        if mod is not None:
-            _ATTENTION.update(name=name, fn=mod.flash_attn_func, varlen=getattr(mod, "flash_attn_varlen_func", None))
+        if device.type != "cuda":
             break
+        if name == TORCH_VARLEN:
+            varlen_attn = import_torch_varlen()
+            if varlen_attn is not None:
+                _ATTENTION.update(varlen=torch_varlen(varlen_attn), packed=TORCH_VARLEN)
+                break
+            missing = (f"this PyTorch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn taking "
+                       "window_size and enable_gqa (2.13 has it)")
+        else:
+            mod = import_flash_attn(ATTENTION_MODULES[name])
+            if mod is not None:
+                fa_varlen = getattr(mod, "flash_attn_varlen_func", None)
+                _ATTENTION.update(name=name, fn=mod.flash_attn_func)
+                if fa_varlen is not None:
+                    _ATTENTION.update(varlen=flash_varlen(fa_varlen), packed=f"{name}_varlen")
+                break
+            missing = f"cannot import {ATTENTION_MODULES[name]}.flash_attn_func"
         if choice != "auto":
-            raise ConfigError(f"ATTENTION_BACKEND={choice}: cannot import {ATTENTION_MODULES[name]}.flash_attn_func "
-                              "(docs/gpu.md, Attention)")
+            raise ConfigError(f"ATTENTION_BACKEND={choice}: {missing} (docs/gpu.md, Attention)")
     return _ATTENTION["name"]
 
 
 def varlen_backend_name():
     """What attends on packed rows (the log's attention_backend_packed)."""
-    name = _ATTENTION["name"]
-    return f"{name}_varlen" if _ATTENTION["varlen"] is not None else "torch_doc_blocks"
+    return _ATTENTION["packed"]
 
 
 class DocBounds(NamedTuple):
@@ -1250,14 +1294,32 @@ class DocBounds(NamedTuple):
     rope_len: int = 0
 
 
+def flash_device(t):
+    """Whether the flash kernels run on t's device (CUDA only)."""
+    return t.is_cuda
+
+
+def flash_inputs(q, k, v):
+    """(q, k, v) as the flash kernels take them, or None where they cannot: on CUDA, one dtype, bf16 or fp16.
+    Under autocast they are cast to its dtype, as autocast casts SDPA's: F.rms_norm is on autocast's fp32 list,
+    so the QK-normed q and k arrive in fp32 beside a bf16 v."""
+    if not flash_device(q):
+        return None
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return (q, k, v) if q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype else None
+
+
 def causal_attention(q, k, v, docs=None):
     """Causal GQA attention on (B, T, H, D) tensors; with docs (DocBounds) no token attends across a
     document boundary."""
     if docs is not None:
         return doc_causal_attention(q, k, v, docs)
     fn = _ATTENTION["fn"]
-    if fn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # flash: half types only
-        out = fn(q, k, v, causal=True)
+    flash = None if fn is None else flash_inputs(q, k, v)
+    if flash is not None:
+        out = fn(*flash, causal=True)
         return out[0] if isinstance(out, tuple) else out
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=True, enable_gqa=k.size(2) != q.size(2))
@@ -1265,17 +1327,18 @@ def causal_attention(q, k, v, docs=None):
 
 
 def doc_causal_attention(q, k, v, docs):
-    """Per-document causal attention (varlen). Flash: flash_attn_varlen_func on the flattened tokens. PyTorch
-    (CPU, or no flash kernel): exact, in blocks of S = docs.max_len tokens: a segment is at most S long, so
+    """Per-document causal attention (varlen). Flash (FlashAttention's flash_attn_varlen_func or PyTorch's
+    varlen_attn): the (B, T, H, D) tensors flattened to (B*T, H, D) with docs.cu_seqlens and docs.max_len. PyTorch
+    (CPU, or no varlen kernel): exact, in blocks of S = docs.max_len tokens: a segment is at most S long, so
     the queries of block c see keys of blocks c-1 and c only; one masked SDPA call over all blocks, each
     (S x 2S). Cost O(N * 2S) per head for N packed tokens (linear in N, not N^2) and a bool mask of N * 2S."""
     B, T, H, D = q.shape
     cu = docs.cu_seqlens
     fn = _ATTENTION["varlen"]
-    if fn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        out = fn(q.reshape(B * T, H, D), k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]),
-                 cu, cu, docs.max_len, docs.max_len, causal=True)
-        return (out[0] if isinstance(out, tuple) else out).view(B, T, H, D)
+    flash = None if fn is None else flash_inputs(q, k, v)
+    if flash is not None:
+        out = fn(*[t.reshape(B * T, *t.shape[2:]) for t in flash], cu, docs.max_len)
+        return out.view(B, T, H, D)
     S, N = docs.max_len, B * T
     nb = -(-N // S)
     pad = nb * S - N
