@@ -12,6 +12,7 @@ import copy
 import datetime
 import glob
 import importlib.util
+import inspect
 import io
 import itertools
 import lzma
@@ -72,7 +73,7 @@ PRESETS = {
         "MUON_WD": "0.095", "EMBED_WD": "0.085", "ADAM_WD": "0.02", "EMA_DECAY": "0.9965", "LATE_QAT_THRESHOLD": "0",
         "QUANT": "gptq", "GPTQ_RESERVE_SECONDS": "12", "GPTQ_CALIBRATION_BATCHES": "64",
         "MATRIX_CLIP_SIGMAS": "12.85", "EMBED_CLIP_SIGMAS": "20", "COMPRESSOR": "brotli", "TTT_LR": "0.005",
-        "MUON_MOMENTUM_FP32": "1", "MUON_NS_CA_FIRST": "1",
+        "MUON_MOMENTUM_FP32": "1", "MUON_NS_CA_FIRST": "1", "ROPE_FREQS_BF16": "1",
     },
 }
 # The 2026-04-27 record (#1855, 1.06108): every value its seed-42 log lists, on top of record_0409's model
@@ -227,6 +228,7 @@ class Hyperparameters:
         self.enable_looping_at = self._env("ENABLE_LOOPING_AT", 0.0, float)
         # ---- the 2026-04-27 model (issue 18; SPEC-FRONTIER 5, 8, 18)
         self.rope_train_seq_len = self._env("ROPE_TRAIN_SEQ_LEN", 1024)
+        self.rope_freqs_bf16 = self._env("ROPE_FREQS_BF16", False, bool)
         self.gate_window = self._env("GATE_WINDOW", 12)
         self.attn_gate = self._env("ATTN_GATE", "none", str)
         self.attn_gate_scale = self._env("ATTN_GATE_SCALE", 1.0, float)
@@ -486,7 +488,7 @@ class Hyperparameters:
                               ("EMBED_BITS", (8, 7)), ("MUON_NS_COEFFS", tuple(NS_COEFFICIENTS)),
                               ("SMEAR_GATE", (0, 1, 2)), ("ATTN_GATE", ("none", "sparse", "output", "dense")),
                               ("PARALLEL_MODE", ("gptj", "lanes")), ("GRAD_CLIP_SCOPE", ("local", "reduced")),
-                              ("ATTENTION_BACKEND", ("auto", *ATTENTION_MODULES)),
+                              ("ATTENTION_BACKEND", ("auto", *ATTENTION_MODULES, TORCH_VARLEN)),
                               ("LQER_FACTOR_BITS", (2, 3, 4, 5, 6, 7, 8)), ("AWQ_LITE_BITS", (7, 8))):
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
@@ -1225,12 +1227,15 @@ def load_byte_sidecar(pattern, val_tokens, luts):
 # MODEL
 # ==================================================
 
-# causal_attention's kernels, set by select_attention_backend(): dense and varlen (document-packed rows).
-_ATTENTION = {"name": "sdpa", "fn": None, "varlen": None}
+# causal_attention's kernels, set by select_attention_backend(): dense, varlen (document-packed rows, called as
+# varlen(q, k, v, cu_seqlens, max_len) on (tokens, heads, dim)) and the packed rows' name in the log.
+_ATTENTION = {"name": "sdpa", "fn": None, "varlen": None, "packed": "torch_doc_blocks"}
 # ATTENTION_BACKEND name -> module whose flash_attn_func takes (B, T, H, D) q, k, v; AUTO_ATTENTION: auto's order.
+# torch_varlen: PyTorch's own varlen FlashAttention, for packed rows only (dense rows keep SDPA).
 ATTENTION_MODULES = {"flash_attn_3": "flash_attn_interface", "flash_attn_2": "flash_attn",
                      "flash_attn_4": "flash_attn.cute", "sdpa": None}
-AUTO_ATTENTION = ("flash_attn_3", "flash_attn_2")  # flash_attn_4 only when named: not yet measured on a GPU
+TORCH_VARLEN = "torch_varlen"
+AUTO_ATTENTION = ("flash_attn_3", "flash_attn_2", TORCH_VARLEN)  # flash_attn_4 only when named: not yet measured
 
 
 def import_flash_attn(module):
@@ -1242,30 +1247,70 @@ def import_flash_attn(module):
     return mod if hasattr(mod, "flash_attn_func") else None
 
 
+def import_torch_varlen():
+    """torch.nn.attention.varlen.varlen_attn if this PyTorch has it with the window_size and enable_gqa
+    arguments (2.13 does), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if {"window_size", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys() else None
+
+
+def flash_varlen(fn):
+    """FlashAttention 2/3's flash_attn_varlen_func as _ATTENTION["varlen"]: causal within each segment."""
+    def attend(q, k, v, cu, max_len):
+        out = fn(q, k, v, cu, cu, max_len, max_len, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+    return attend
+
+
+def torch_varlen(varlen_attn):
+    """PyTorch's varlen_attn as _ATTENTION["varlen"] (SPEC-FRONTIER 3's per-document attention): window
+    (-1, 0) is its causal mask within each segment, enable_gqa lets k, v have H_kv heads (H_q a multiple).
+    A torch.library custom op with a fake and an autograd formula: torch.compile(fullgraph=True) keeps one graph."""
+    def attend(q, k, v, cu, max_len):
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
+    return attend
+
+
 def select_attention_backend(device, choice="auto"):
     """ATTENTION_BACKEND: auto is FlashAttention 3, else 2 (CUDA only), else PyTorch SDPA; a named flash kernel
     that is missing (or asked for without CUDA) is a ConfigError. On packed rows (docs given) the same library's
-    flash_attn_varlen_func, else the exact PyTorch path of doc_causal_attention. Returns the name logged."""
-    _ATTENTION.update(name="sdpa", fn=None, varlen=None)
+    flash_attn_varlen_func; without FlashAttention (auto, or named torch_varlen) on CUDA PyTorch's varlen_attn,
+    else the exact PyTorch path of doc_causal_attention. Returns the name logged (the dense rows' kernel)."""
+    _ATTENTION.update(name="sdpa", fn=None, varlen=None, packed="torch_doc_blocks")
     if choice == "sdpa":
         return "sdpa"
     if choice != "auto" and device.type != "cuda":
         raise ConfigError(f"ATTENTION_BACKEND={choice} needs CUDA (this run is on {device.type})")
     for name in AUTO_ATTENTION if choice == "auto" else (choice,):
-        mod = import_flash_attn(ATTENTION_MODULES[name]) if device.type == "cuda" else None
-        if mod is not None:
-            _ATTENTION.update(name=name, fn=mod.flash_attn_func, varlen=getattr(mod, "flash_attn_varlen_func", None))
+        if device.type != "cuda":
             break
+        if name == TORCH_VARLEN:
+            varlen_attn = import_torch_varlen()
+            if varlen_attn is not None:
+                _ATTENTION.update(varlen=torch_varlen(varlen_attn), packed=TORCH_VARLEN)
+                break
+            missing = (f"this PyTorch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn taking "
+                       "window_size and enable_gqa (2.13 has it)")
+        else:
+            mod = import_flash_attn(ATTENTION_MODULES[name])
+            if mod is not None:
+                fa_varlen = getattr(mod, "flash_attn_varlen_func", None)
+                _ATTENTION.update(name=name, fn=mod.flash_attn_func)
+                if fa_varlen is not None:
+                    _ATTENTION.update(varlen=flash_varlen(fa_varlen), packed=f"{name}_varlen")
+                break
+            missing = f"cannot import {ATTENTION_MODULES[name]}.flash_attn_func"
         if choice != "auto":
-            raise ConfigError(f"ATTENTION_BACKEND={choice}: cannot import {ATTENTION_MODULES[name]}.flash_attn_func "
-                              "(docs/gpu.md, Attention)")
+            raise ConfigError(f"ATTENTION_BACKEND={choice}: {missing} (docs/gpu.md, Attention)")
     return _ATTENTION["name"]
 
 
 def varlen_backend_name():
     """What attends on packed rows (the log's attention_backend_packed)."""
-    name = _ATTENTION["name"]
-    return f"{name}_varlen" if _ATTENTION["varlen"] is not None else "torch_doc_blocks"
+    return _ATTENTION["packed"]
 
 
 class DocBounds(NamedTuple):
@@ -1277,14 +1322,32 @@ class DocBounds(NamedTuple):
     rope_len: int = 0
 
 
+def flash_device(t):
+    """Whether the flash kernels run on t's device (CUDA only)."""
+    return t.is_cuda
+
+
+def flash_inputs(q, k, v):
+    """(q, k, v) as the flash kernels take them, or None where they cannot: on CUDA, one dtype, bf16 or fp16.
+    Under autocast they are cast to its dtype, as autocast casts SDPA's: F.rms_norm is on autocast's fp32 list,
+    so the QK-normed q and k arrive in fp32 beside a bf16 v."""
+    if not flash_device(q):
+        return None
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return (q, k, v) if q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype else None
+
+
 def causal_attention(q, k, v, docs=None):
     """Causal GQA attention on (B, T, H, D) tensors; with docs (DocBounds) no token attends across a
     document boundary."""
     if docs is not None:
         return doc_causal_attention(q, k, v, docs)
     fn = _ATTENTION["fn"]
-    if fn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # flash: half types only
-        out = fn(q, k, v, causal=True)
+    flash = None if fn is None else flash_inputs(q, k, v)
+    if flash is not None:
+        out = fn(*flash, causal=True)
         return out[0] if isinstance(out, tuple) else out
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=True, enable_gqa=k.size(2) != q.size(2))
@@ -1292,17 +1355,18 @@ def causal_attention(q, k, v, docs=None):
 
 
 def doc_causal_attention(q, k, v, docs):
-    """Per-document causal attention (varlen). Flash: flash_attn_varlen_func on the flattened tokens. PyTorch
-    (CPU, or no flash kernel): exact, in blocks of S = docs.max_len tokens: a segment is at most S long, so
+    """Per-document causal attention (varlen). Flash (FlashAttention's flash_attn_varlen_func or PyTorch's
+    varlen_attn): the (B, T, H, D) tensors flattened to (B*T, H, D) with docs.cu_seqlens and docs.max_len. PyTorch
+    (CPU, or no varlen kernel): exact, in blocks of S = docs.max_len tokens: a segment is at most S long, so
     the queries of block c see keys of blocks c-1 and c only; one masked SDPA call over all blocks, each
     (S x 2S). Cost O(N * 2S) per head for N packed tokens (linear in N, not N^2) and a bool mask of N * 2S."""
     B, T, H, D = q.shape
     cu = docs.cu_seqlens
     fn = _ATTENTION["varlen"]
-    if fn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        out = fn(q.reshape(B * T, H, D), k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]),
-                 cu, cu, docs.max_len, docs.max_len, causal=True)
-        return (out[0] if isinstance(out, tuple) else out).view(B, T, H, D)
+    flash = None if fn is None else flash_inputs(q, k, v)
+    if flash is not None:
+        out = fn(*[t.reshape(B * T, *t.shape[2:]) for t in flash], cu, docs.max_len)
+        return out.view(B, T, H, D)
     S, N = docs.max_len, B * T
     nb = -(-N // S)
     pad = nb * S - N
@@ -1723,17 +1787,28 @@ class CastedLinear(nn.Linear):
         return F.linear(x, w)
 
 
-def rotary_tables(seq_len, rd, base, device, train_len=1024, context_len=None):
+def rotary_tables(seq_len, rd, base, device, train_len=1024, context_len=None, freqs_bf16=False):
     """(cos, sin) for partial RoPE on rd dims, NTK-scaled beyond train_len tokens (ROPE_TRAIN_SEQ_LEN: 1024 in the
     03-23 record, 2048 from 04-09). Rebuilt each forward: cheap, and no cache for torch.compile or
     inference_mode to trip over. On packed rows context_len (the longest segment) decides the scaling, never the
-    packed length (SPEC-FRONTIER 17, pitfall 10)."""
+    packed length (SPEC-FRONTIER 17, pitfall 10). freqs_bf16 (ROPE_FREQS_BF16): unscaled frequencies rounded to
+    bf16, as the records from 04-09 on ran them (rope_frequencies_bf16)."""
     context_len = seq_len if context_len is None else context_len
     if context_len > train_len:
         base = base * (context_len / train_len) ** (rd / (rd - 2))
     inv_freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
+    if freqs_bf16 and context_len <= train_len:
+        inv_freq = rope_frequencies_bf16(inv_freq)
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+
+
+def rope_frequencies_bf16(inv_freq):
+    """RoPE's frequencies as the records from 04-09 on ran them (issue 29 item 4): `GPT(h).bfloat16()` casts the
+    Rotary module's fp32 `inv_freq` buffer to bf16 (round to nearest even), and the 04-27/04-30/05-01 records read
+    it back with `.float()`; positions and angles stay fp32. Only the unscaled frequencies: the records' NTK
+    branch builds fresh fp32 frequencies (the 03-23 record always takes it, so it stays exact)."""
+    return inv_freq.to(torch.bfloat16).float()
 
 
 def apply_rotary(x, cos, sin, rope_dims):
@@ -2057,7 +2132,7 @@ class GPT(nn.Module):
         self.lanes = TwoLaneResidual(n) if not gptj and start >= 0 else None
         self.lane_start = start
         self.rope_dims, self.rope_base = h.rope_dims or h.head_dim, h.rope_base
-        self.rope_train_len = h.rope_train_seq_len
+        self.rope_train_len, self.rope_freqs_bf16 = h.rope_train_seq_len, h.rope_freqs_bf16
         self.ve_layers = list(h.ve_layers) if h.ve_enabled else []
         self.ve_shared = ValueEmbedding(h.vocab_size, h.ve_dim, kv) if self.ve_layers else None
         self.ve_layer_scales = nn.ParameterList(
@@ -2123,7 +2198,8 @@ class GPT(nn.Module):
         x0 = x = rms_norm(x) if self.smear is None else self.smear(rms_norm(x))
         ve = self.ve_shared(ids) if self.ve_shared is not None else None
         rope = Positions(*rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device, self.rope_train_len,
-                                        context_len=None if docs is None else docs.rope_len or docs.max_len), docs)
+                                        context_len=None if docs is None else docs.rope_len or docs.max_len,
+                                        freqs_bf16=self.rope_freqs_bf16), docs)
         encoder, decoder = self.orders[self.looping]
         skips = []
         for i in encoder:
@@ -3220,18 +3296,19 @@ def _gptq_columns(W, U, s, Q, q_max, hi=None):
 def quantize_rows(t, q_max, scales, hessian=None, awq=None):
     """Codes and fp16 row scales: of the candidate `scales`, the one whose reconstruction has the lowest MSE;
     codes by GPTQ when a Hessian is given (all candidates in one pass), else rounded to nearest.
-    awq = (column mask, q_hi), with a Hessian: AWQ-lite, those columns rounded to q_hi in the same GPTQ solve
-    with the scales awq_scales(s); then returns (codes, scale, that column scale)."""
+    awq = (column mask, q_hi, SDClip k), with a Hessian: AWQ-lite, those columns rounded to q_hi in the same GPTQ
+    solve with the scales awq_scales(...); then returns (codes, scale, that column scale)."""
     t32, scales = t.float(), list(scales)
+    his = None if awq is None else [awq_scales(t32, s, q_max, awq[1], awq[2]) for s in scales]
     if hessian is not None:
         stacked = torch.cat([s.float() for s in scales])
-        hi = None if awq is None else (awq[0], awq_scales(stacked, q_max, awq[1]), awq[1])
+        hi = None if awq is None else (awq[0], torch.cat(his), awq[1])
         codes = gptq_codes(t32.repeat(len(scales), 1), hessian, stacked, q_max, hi).float().split(t32.size(0))
     best = None
     for i, scale in enumerate(scales):
         s = scale.float()
         q = torch.clamp(torch.round(t32 / s[:, None]), -q_max, q_max) if hessian is None else codes[i]
-        s_hi = None if awq is None else awq_scales(scale, q_max, awq[1])
+        s_hi = None if awq is None else his[i]
         deq = q * s[:, None]
         if s_hi is not None:
             deq[:, awq[0]] = q[:, awq[0]] * s_hi.float()[:, None]
@@ -3287,8 +3364,14 @@ def quantize_gate_rows(t):
     return torch.clamp(torch.round(t32 / s.float()[:, None]), -127, 127).to(torch.int8), s
 
 
-def awq_scales(s, q_max, q_hi):
-    """AWQ-lite's row scales for its promoted columns: the same clip range at q_hi levels, fp16."""
+def awq_scales(t32, s, q_max, q_hi, sigmas):
+    """AWQ-lite's row scales for its promoted columns (#1945, #2014; SPEC-FRONTIER 19): the same clip range at q_hi
+    levels, rounded to fp16 once. With SDClip (sigmas = k > 0) the record's fp16(k * std(W_i) / q_hi), i.e.
+    sdclip_scales at q_hi (#2014's gptq_quantize_weight; its floor is 1e-10, ours fp16's smallest normal), not
+    the base scale s rescaled, fp16(fp16(k * std / q_max) * q_max / q_hi), which is one fp16 step off in about a
+    quarter of the rows. With clip candidates (sigmas 0, which no record combines with AWQ-lite) s * q_max / q_hi."""
+    if sigmas > 0:
+        return sdclip_scales(t32, sigmas, q_hi)
     return (s.float() * q_max / q_hi).to(torch.float16)
 
 
@@ -3392,7 +3475,7 @@ def quantize_state_dict(flat, h=None, hessians=None):
             mask = torch.zeros(t.size(1), dtype=torch.bool)
             for start in promoted[name]:
                 mask[start:start + h.awq_lite_group] = True
-            awq = (mask, q_hi)
+            awq = (mask, q_hi, sigmas)
         if ".attn." in name or ".mlp." in name:
             kind = "int6"
             scales = [sdclip_scales(t32, sigmas, 31)] if sigmas > 0 else int6_candidate_scales(t32)

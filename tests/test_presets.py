@@ -17,8 +17,8 @@ import torch
 import train_gpt as tg
 from conftest import REPO, read_log, run_training
 from test_documents import caseops_sample  # noqa: F401 (fixture: the vocab-8192 CaseOps sample)
-from test_model_0427 import FRONTIER, _needs_frontier, _randomise, _record_h, _rel, _to_record_names, import_record
-from test_model_0427 import logged, record_0427  # noqa: F401 (fixture)
+from test_model_0427 import FRONTIER, _needs_frontier, _randomise, _record_h, _rel, _to_record_names, as_ran
+from test_model_0427 import import_record, logged, record_0427  # noqa: F401 (fixture)
 from test_ngram_tilt import bench_ngram, record  # noqa: F401 (fixture: #2135's online_ngram_tilt.py, its C built)
 from test_ttt_lora import assert_matches_record, luts_for, record_0430, record_totals, stream  # noqa: F401
 
@@ -325,11 +325,12 @@ NARROW = {"MODEL_DIM": "64", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "VOCAB_SIZE"
 
 
 def _pair(module, preset, seed, **env):
-    """Our preset's model (narrow, else as the preset) and the record's GPT with the same weights, fp32, eval."""
+    """Our preset's model (narrow, else as the preset) and the record's GPT with the same weights, fp32 but for its
+    RoPE frequencies in bf16 as the run had them (as_ran), eval."""
     h = tg.Hyperparameters({"PRESET": preset, **NARROW, **env})
     rh = _record_h(module, h)
     assert (rh.parallel_start_layer, rh.sparse_attn_gate_scale, rh.gate_window) == (8, 0.5, 12)
-    ours, theirs = tg.GPT(h), module.GPT(rh)
+    ours, theirs = tg.GPT(h), as_ran(module.GPT(rh))
     theirs.eval()
     _randomise(ours, seed=seed)
     missing, unexpected = theirs.load_state_dict(_to_record_names(ours.state_dict()), strict=False)
@@ -371,6 +372,8 @@ def test_record_0430_preset_logits_equal_the_records_at_its_3072_context(record_
         got = ours.forward_logits(ids)
         assert _rel(got, want) < 1e-6, _rel(got, want)
         ours.rope_train_len = 2048
+        assert _rel(ours.forward_logits(ids), want) > 1e-4
+        ours.rope_train_len, ours.rope_freqs_bf16 = 3072, False  # fp32 frequencies (ROPE_FREQS_BF16=0)
         assert _rel(ours.forward_logits(ids), want) > 1e-4
 
 

@@ -12,7 +12,7 @@ import torch
 
 import train_gpt as tg
 from conftest import config_error
-from test_model_0427 import NARROW, NEWEST, _randomise, _record_h, _to_record_names, import_record, record_0427  # noqa: F401
+from test_model_0427 import NARROW, NEWEST, _randomise, _record_h, _to_record_names, as_ran, import_record, record_0427  # noqa: F401
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
@@ -70,7 +70,7 @@ def record_totals(record, h, state, tokens, luts, sidecar, hints=None, **setting
     #2135's precomputed (hint_ids, gate_mask, boost) for its n-gram tilt (its eval_val_ttt_phased takes them)."""
     shape = _record_h(record, h)
     shape.parallel_start_layer = h.parallel_residual_start
-    theirs = record.GPT(shape)
+    theirs = as_ran(record.GPT(shape))  # its RoPE frequencies in bf16, as the run had them
     missing, unexpected = theirs.load_state_dict(_to_record_names(state), strict=False)
     assert not unexpected and set(missing) <= {"softcap_pos", "softcap_neg"}, (missing, unexpected)  # #2135: at 30
     theirs.looping_active = True
