@@ -1,8 +1,8 @@
 """Parameter Golf: 11-layer GPT, LeakyReLU^2 MLP, Parallel Muon, int6+lzma artifact, legal score-first TTT.
 
 Run: torchrun --standalone --nproc_per_node=8 train_gpt.py   (settings: environment variables, see --help)
-Defaults reproduce the 2026-03-23 record; improvements sit behind toggles, and PRESET=record_0409, record_0427
-and record_0430 set those records' logged values (docs/presets.md). Sections in pipeline order.
+Defaults reproduce the 2026-03-23 record; improvements sit behind toggles, and PRESET=record_0409, record_0427,
+record_0430 and record_0501 set those records' logged values (docs/presets.md). Sections in pipeline order.
 """
 
 from __future__ import annotations
@@ -117,6 +117,19 @@ PRESETS["record_0430"] = {
     "TTT_LOCAL_LR_MULT": "0.75", "TTT_CHUNK_SIZE_BY_DOC_LEN": "256:8,2000:24",
 }
 
+# The 2026-05-01 row (#2135, 1.05651, the top audited row; SPEC-FRONTIER 20): #1855 with MATRIX_LR 0.028, LQER groups of
+# 32, 32 calibration batches, one phase, context 2560 in evaluation and TTT (never NTK-stretched: the record's RoPE
+# does not stretch, ours does beyond ROPE_TRAIN_SEQ_LEN, so it is set to the longest context; its logged 2048 is
+# read by nothing there), LoRA LR 8e-5 and wd 2.0 without the K adapters, no quant gate (attn_gate_w stored fp16),
+# SmearGate v2 without its BOS mask as the run trained it, and the token n-gram tilt of its final score.
+PRESETS["record_0501"] = {
+    **PRESETS["record_0427"],
+    "MATRIX_LR": "0.028", "LQER_GROUP": "32", "GPTQ_CALIBRATION_BATCHES": "32", "PHASED_TTT_NUM_PHASES": "1",
+    "EVAL_SEQ_LEN": "2560", "ROPE_TRAIN_SEQ_LEN": "2560", "TTT_LORA_LR": "0.00008", "TTT_WEIGHT_DECAY": "2.0",
+    "TTT_LORA_TARGETS": "q,v,o,mlp,head", "QUANT_GATE": "0", "VAL_LOSS_EVERY": "4000", "SMEAR_GATE_BOS_FIX": "0",
+    "NGRAM_TILT": "1", "NGRAM_TILT_ORDER": "16", "NGRAM_TILT_THRESHOLD": "0.8", "NGRAM_TILT_BOOST": "2.625",
+}
+
 
 def file_name_max(folder):
     """The longest file name, in bytes, that `folder`'s filesystem allows (255 where it does not say)."""
@@ -206,6 +219,7 @@ class Hyperparameters:
         self.ve_dim = self._env("VE_DIM", 128)
         self.ve_layers = self._env_int_list("VE_LAYERS", "9,10")
         self.smear_gate = self._env("SMEAR_GATE", 1)  # 0 off, 1 the 03-23 record's, 2 v2 with the BOS mask
+        self.smear_gate_bos_fix = self._env("SMEAR_GATE_BOS_FIX", True, bool)  # 0: v2 without its BOS mask (#2135)
         self.skip_gates = self._env("SKIP_GATES", False, bool)
         self.parallel_residual_start = self._env("PARALLEL_RESIDUAL_START", -1)
         self.num_loops = self._env("NUM_LOOPS", 0)
@@ -326,6 +340,11 @@ class Hyperparameters:
         # ---- document LoRA TTT, the 04-30 record's additions (issue 20; SPEC-FRONTIER 19, #2014)
         self.ttt_local_lr_mult = self._env("TTT_LOCAL_LR_MULT", 1.0, float)
         self.ttt_chunk_size_by_doc_len = self._env("TTT_CHUNK_SIZE_BY_DOC_LEN", "", str)  # "": TTT_CHUNK_SIZE
+        # ---- the token n-gram tilt of the final score (issue 29; SPEC-FRONTIER 20, #2135's token channel)
+        self.ngram_tilt = self._env("NGRAM_TILT", False, bool)
+        self.ngram_tilt_order = self._env("NGRAM_TILT_ORDER", 16)  # context of order - 1 earlier targets
+        self.ngram_tilt_threshold = self._env("NGRAM_TILT_THRESHOLD", 0.8, float)  # gate: hint prob >= it
+        self.ngram_tilt_boost = self._env("NGRAM_TILT_BOOST", 2.625, float)
         # ---- fused Triton kernels (issue 21, SPEC-FRONTIER 15): training only, eager where they cannot run
         self.fused_mlp = self._env("FUSED_MLP", False, bool)
         self.fused_ce = self._env("FUSED_CE", False, bool)
@@ -555,6 +574,15 @@ class Hyperparameters:
         need(self.ttt_eval_seq_len >= 0, f"TTT_EVAL_SEQ_LEN={self.ttt_eval_seq_len} must be >= 0 (0: EVAL_SEQ_LEN)")
         need(0 <= self.ttt_beta1 < 1 and 0 <= self.ttt_beta2 < 1, "TTT_BETA1 and TTT_BETA2 must be in [0, 1)")
         need(self.ttt_local_lr_mult > 0, f"TTT_LOCAL_LR_MULT={self.ttt_local_lr_mult} must be > 0")
+        need(self.ngram_tilt_order in NGRAM_ORDERS, f"NGRAM_TILT_ORDER={self.ngram_tilt_order} must be in "
+             f"{NGRAM_ORDERS.start}..{NGRAM_ORDERS.stop - 1} (a context of order-1 earlier targets, one hash "
+             "coefficient each)")
+        need(0 < self.ngram_tilt_threshold <= 1,
+             f"NGRAM_TILT_THRESHOLD={self.ngram_tilt_threshold} must be in (0, 1] (the gate: hint probability >= it)")
+        need(self.ngram_tilt_boost >= 0, f"NGRAM_TILT_BOOST={self.ngram_tilt_boost} must be >= 0")
+        need(not self.ngram_tilt or self.ttt_enabled or self.eval_stride > 0,
+             "NGRAM_TILT=1 tilts the final score, which is the legal TTT score (TTT_ENABLED=1) or the sliding "
+             "window (EVAL_STRIDE > 0); with neither it would tilt nothing")
         self.ttt_chunk_steps = parse_chunk_steps(self.ttt_chunk_size_by_doc_len)
         targets = self.ttt_lora_targets.split(",")
         need(targets != [""] and set(targets) <= set(LORA_TARGETS) and len(set(targets)) == len(targets),
@@ -2042,16 +2070,19 @@ class SmearGateBOS(nn.Module):
     """SmearGate v2 (SPEC-FRONTIER 8, 18; the 04-16 gate with the 04-27 BOS fix; SMEAR_GATE=2), on the raw input
     embeddings e before the first RMSNorm: e'_0 = e_0, e'_t = e_t + lam * sigmoid(w . e_t[0:GATE_WINDOW]) * e_{t-1}
     * [ids_t != BOS_ID]. w (1 x window) and lam start at zero: the identity at init. The mask keeps the last token
-    of one document out of the next document's BOS position in a packed row."""
+    of one document out of the next document's BOS position in a packed row. bos_mask=False (SMEAR_GATE_BOS_FIX=0,
+    #2135's run, SPEC-FRONTIER 20(e)1) drops the mask: e'_t = e_t + lam * sigmoid(...) * e_{t-1} at every t >= 1."""
 
-    def __init__(self, window, bos_id):
+    def __init__(self, window, bos_id, bos_mask=True):
         super().__init__()
-        self.window, self.bos_id = window, bos_id
+        self.window, self.bos_id, self.bos_mask = window, bos_id, bos_mask
         self.gate = nn.Parameter(torch.zeros(1, window, dtype=torch.float32))
         self.lam = nn.Parameter(torch.zeros(1, dtype=torch.float32))
 
     def forward(self, e, ids):
         g = self.lam.to(e.dtype) * torch.sigmoid(F.linear(e[:, 1:, :self.window], self.gate.to(e.dtype)))
+        if not self.bos_mask:
+            return torch.cat((e[:, :1], e[:, 1:] + g * e[:, :-1]), dim=1)
         keep = (ids[:, 1:] != self.bos_id).to(e.dtype).unsqueeze(-1)
         return torch.cat((e[:, :1], e[:, 1:] + g * e[:, :-1] * keep), dim=1)
 
@@ -2087,7 +2118,7 @@ class GPT(nn.Module):
         self.tok_emb = CastedEmbedding(h.vocab_size, d)
         self.bigram = BigramHash(h.bigram_vocab_size, h.bigram_dim, d) if h.bigram_vocab_size > 0 else None
         self.smear = SmearGate(d) if h.smear_gate == 1 else None
-        self.smear_bos = SmearGateBOS(h.gate_window, BOS_ID) if h.smear_gate == 2 else None
+        self.smear_bos = SmearGateBOS(h.gate_window, BOS_ID, h.smear_gate_bos_fix) if h.smear_gate == 2 else None
         num_skips = min(len(half) for half in self.orders[h.num_loops > 0])
         self.skip_weights = nn.Parameter(torch.ones(num_skips, d))
         self.skip_gates = nn.Parameter(torch.zeros(num_skips, d)) if h.skip_gates else None
@@ -3948,8 +3979,9 @@ def sliding_windows(num_targets, seq_len, stride):
     return windows
 
 
-def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_token=None):
-    """Sum of [nll, tokens, bytes] over the scored positions (batches padded to one shape); per_token[pos] = nll."""
+def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_token=None, tilt=None):
+    """Sum of [nll, tokens, bytes] over the scored positions (batches padded to one shape); per_token[pos] = nll;
+    with tilt (NgramTilt) every nll is the tilted one (token_scores)."""
     dev, L = rt.device, rt.h.eval_seq_len
     host_bytes = rt.h.val_bytecount_device == "cpu" or luts.sidecar is not None
     luts_d = None if host_bytes else luts.to(dev)
@@ -3968,11 +4000,11 @@ def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_toke
         docs = eval_doc_bounds(rt, spans[:, :-1])
         with rt.autocast():
             logits = logits_fn(x) if docs is None else logits_fn(x, docs)
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
-        scored = nll.view(x.shape).double()[mask_d]
+        target_pos = rows[:, :1] + positions[None, :] + 1
+        _, nll = token_scores(logits, y, tilt, target_pos - 1, mask)
+        scored = nll.double()[mask_d]
         sums[0] += scored.sum()
         sums[1] += int(mask.sum())
-        target_pos = rows[:, :1] + positions[None, :] + 1
         if host_bytes:
             sums[2] += float(luts.target_bytes(spans[:, :-1][mask], spans[:, 1:][mask], target_pos[mask]).sum())
         else:
@@ -3992,12 +4024,12 @@ def rank_slice(items, h):
     return items[n * h.rank // h.world_size: n * (h.rank + 1) // h.world_size]
 
 
-def eval_sliding(rt, model, logits_fn, val_tokens, luts, per_token=None):
+def eval_sliding(rt, model, logits_fn, val_tokens, luts, per_token=None, tilt=None):
     h = rt.h
     mine = rank_slice(sliding_windows(val_tokens.numel() - 1, h.eval_seq_len, h.eval_stride), h)
     model.eval()
     with torch.inference_mode():
-        sums = score_windows(rt, logits_fn, val_tokens, mine, luts, eval_batch_rows(h, [len(mine)]), per_token)
+        sums = score_windows(rt, logits_fn, val_tokens, mine, luts, eval_batch_rows(h, [len(mine)]), per_token, tilt)
     return finish_loss_bpb(rt, sums)
 
 
@@ -4008,8 +4040,9 @@ def frozen_bank_rows(h):
     return {"qo_bank": both, "kv_bank": both, "mlp_up_bank": first, "mlp_down_bank": first}
 
 
-def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None):
-    """Legal score-first TTT (SPEC 7): score each chunk under inference_mode, then train on it (not the last)."""
+def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None, tilt=None):
+    """Legal score-first TTT (SPEC 7): score each chunk under inference_mode (tilted with NGRAM_TILT), then train on
+    it (not the last; the training loss is never tilted)."""
     h = rt.h
     L, C = h.eval_seq_len, h.ttt_chunk_tokens
     num_targets = val_tokens.numel() - 1
@@ -4034,7 +4067,7 @@ def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None):
         model.eval()
         with torch.inference_mode():
             sums += score_windows(rt, logits_fn, val_tokens, rank_slice(chunk_windows[ci], h), luts, batch_rows,
-                                  per_token)
+                                  per_token, tilt)
         if ci == num_chunks - 1 or h.ttt_epochs == 0:
             continue
         lr = ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ci, num_chunks)
@@ -4126,11 +4159,12 @@ def lora_ttt_chunk_size(h, batch):
     return next((c for bound, c in h.ttt_chunk_steps if longest <= bound), h.ttt_chunk_size)
 
 
-def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token=None, forward=None):
+def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token=None, forward=None, tilt=None):
     """Score-first doc-LoRA TTT of one document batch (SPEC-FRONTIER 14, 18): for each chunk (lora_ttt_chunk_size),
-    one forward of every doc's window through the model with its row's LoRA; the chunk's per-token losses and bytes
-    are added to sums; then, if any doc has chunks left, one optimizer step on the sum over those docs of their
-    chunk's mean loss (a doc's last chunk is never trained on). forward: model.forward_logits or its compiled form."""
+    one forward of every doc's window through the model with its row's LoRA; the chunk's per-token losses (tilted
+    with tilt, NgramTilt: SPEC-FRONTIER 20(c)) and bytes are added to sums; then, if any doc has chunks left, one
+    optimizer step on the sum over those docs of their chunk's mean untilted loss (a doc's last chunk is never
+    trained on). forward: model.forward_logits or its compiled form."""
     h, dev, C = rt.h, rt.device, lora_ttt_chunk_size(rt.h, batch)
     forward = forward or model.forward_logits
     L = h.ttt_eval_seq_len or h.eval_seq_len
@@ -4144,16 +4178,15 @@ def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_toke
         scored = (cols[None, :width] >= offs[:, None]) & (cols[None, :width] < (offs + counts)[:, None])
         with rt.autocast():
             logits = forward(x.to(dev), lora=lora)
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.to(dev).reshape(-1),
-                              reduction="none").view(x.shape)
         target_pos = starts[:, None] + 1 + cols[None, :width]
+        nll, score = token_scores(logits, y.to(dev), tilt, target_pos - 1, valid)
         with torch.no_grad():
             scored_d = scored.to(dev)
-            sums[0] += nll.detach().double()[scored_d].sum()
+            sums[0] += score.double()[scored_d].sum()
             sums[1] += int(scored.sum())
             sums[2] += float(luts.target_bytes(x[scored], y[scored], target_pos[scored]).sum())
             if per_token is not None:
-                per_token[target_pos[scored]] = nll.detach()[scored_d].double().cpu()
+                per_token[target_pos[scored]] = score[scored_d].double().cpu()
         train = (num_chunks - 1 > ci).to(dev, torch.float32)
         if bool(train.any()):
             opt.zero_grad(set_to_none=True)
@@ -4161,9 +4194,9 @@ def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_toke
             opt.step()
 
 
-def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None, forward=None):
+def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None, forward=None, tilt=None):
     """TTT_MODE=lora: (val_loss, val_bpb) of lora_ttt_sums over all ranks."""
-    return finish_loss_bpb(rt, lora_ttt_sums(rt, model, val_tokens, luts, per_token, forward))
+    return finish_loss_bpb(rt, lora_ttt_sums(rt, model, val_tokens, luts, per_token, forward, tilt))
 
 
 def lora_forward(rt, model):
@@ -4224,7 +4257,7 @@ def warm_lora_ttt(rt, model, forward, batch_sizes):
     return shapes
 
 
-def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None):
+def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, tilt=None):
     """Document-wise score-first LoRA TTT (SPEC-FRONTIER 14, 18, 19; the 04-27 and 04-30 records): this rank's [nll
     sum, tokens, bytes]. Base weights frozen outside the phases. The length-sorted queue (lora_ttt_queue) is cut
     into segments at the phase boundaries (lora_ttt_segments) and each segment dealt to the ranks
@@ -4235,7 +4268,8 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None):
     after the segment whose last batch brings the global count of scored docs to boundary B_k = P*k/N, every rank
     runs global_sgd_phase on the first B_k scored docs (lora_ttt_prefix), and the reusable adapters are built afresh.
     So the scores do not depend on the number of ranks, except through A trained on one batch and kept for the next
-    batch of the same rank (TTT_WARM_START_A=1, as in the records, whose totals moved with the rank count too)."""
+    batch of the same rank (TTT_WARM_START_A=1, as in the records, whose totals moved with the rank count too).
+    tilt (NgramTilt, NGRAM_TILT=1): the scores are tilted (lora_ttt_batch)."""
     h, dev = rt.h, rt.device
     queue_ = lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)
     P, N, W = min(h.phased_ttt_prefix_docs, sum(len(b) for _, b in queue_)), h.phased_ttt_num_phases, h.world_size
@@ -4265,7 +4299,7 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None):
                     opt.state.clear()
                 else:
                     lora, opt = fresh(len(batch), 1 + index)
-                lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token, forward)
+                lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token, forward, tilt)
                 done += 1
                 if rt.is_main and (done % 50 == 1 or i == mine[-1] and hi == len(queue_)):
                     rt.log(f"ttt_lora_progress batch:{lo + i + 1}/{len(queue_)} doc_len:{batch[0][1]}-"
@@ -4343,6 +4377,195 @@ def global_sgd_phase(rt, model, tokens):
     model.eval()
 
 
+# ---- n-gram tilt hints (SPEC-FRONTIER 20) ----
+# #2135's token channel (online_ngram_state.c, driven by online_ngram_tilt.py) as whole-array tensor operations.
+
+NGRAM_COEFFS = (36313, 27191, 51647, 81929, 131071, 196613, 262147, 393241, 524309, 655373, 786433, 917521, 1048583,
+                1179653, 1310729, 1441801, 1572869, 1703941, 1835017, 1966087, 2097169, 2228243, 2359319, 2490389,
+                2621471, 2752549, 2883617, 3014687, 3145757, 3276833, 3407903, 3538973)  # the C's ROLLING_COEFFS
+NGRAM_PAIR_MIX = 1000003
+NGRAM_ORDERS = range(2, len(NGRAM_COEFFS) + 2)  # the C reads ROLLING_COEFFS[j] for j < order-1 <= 32
+
+
+def _mark_run_starts(sorted_vals, is_start):
+    """is_start[k] = True where a run of equal values of the sorted 1-D tensor begins (in place; returns it)."""
+    is_start[0] = True
+    return torch.ne(sorted_vals[1:], sorted_vals[:-1], out=is_start[1:])
+
+
+def _running_max(x, out, spare, width=1024):
+    """Inclusive running max of the 1-D int64 tensor x, written into out (spare: a buffer of x's size that receives
+    cummax's unused indices). Scanned as rows of `width` and then across row ends: CUDA's cummax gives each row one
+    thread block, so one long row would run on a single block."""
+    n = x.numel()
+    rows = n // width
+    k = rows * width
+    if rows:
+        torch.cummax(x[:k].view(rows, width), 1, out=(out[:k].view(rows, width), spare[:k].view(rows, width)))
+    if k < n:
+        torch.cummax(x[k:], 0, out=(out[k:], spare[k:]))
+    if rows:
+        ends = out[width - 1:k:width].cummax(0).values  # running max at each row's end
+        body = out[width:k].view(rows - 1, width)
+        torch.maximum(body, ends[:-1, None], out=body)
+        torch.maximum(out[k:], ends[-1], out=out[k:])
+    return out
+
+
+def ngram_tilt_keys(targets, order):
+    """SPEC-FRONTIER 20(a): the record's C keys for every target i >= order-2 (the ones with a full context), as
+    int64 (its uint64 values: keys < 2^38, pair keys < 2^58): (context key, pair key, token as int32). The stream is
+    S = [T[0]] + T (the C's ring seeded with T[0]), target i's context S[i+2-order .. i] read oldest first, its key
+    XOR_j S[i+2-order+j]*C[j] and its pair key key*1000003 ^ T[i]*C[(order-1) % 32]."""
+    L = order - 1
+    m = targets.numel() - L + 1
+    s = torch.cat([targets[:1], targets]).to(torch.int64)
+    if int(s.min()) < 0 or int(s.max()) > 0xFFFF:
+        raise ValueError("ngram_tilt_hints: token ids must lie in 0..65535 (the C keeps them as uint16)")
+    key = s[:m] * NGRAM_COEFFS[0]
+    pair = torch.empty_like(key)
+    for j in range(1, L):
+        key.bitwise_xor_(torch.mul(s[j:j + m], NGRAM_COEFFS[j], out=pair))
+    tok = s[L:].to(torch.int32)
+    torch.mul(key, NGRAM_PAIR_MIX, out=pair).bitwise_xor_(s[L:].mul_(NGRAM_COEFFS[L % len(NGRAM_COEFFS)]))
+    return key, pair, tok
+
+
+def ngram_tilt_hints(targets, order):
+    """SPEC-FRONTIER 20(a): #2135's token n-gram hint for every target, equal to its C's token channel (tokens
+    exactly, probabilities bit for bit), without a loop over positions. targets: 1-D integer tensor of every val
+    target in order (val_tokens[1:], ids < 65536). Returns (top_token int64, top_prob float32), same length and
+    device: for target i, the most frequent next token after the same order-1 earlier targets and its share,
+    counted over earlier positions only (hint i depends on targets < i).
+
+    The C's pass, restated: the stream is S = [T[0]] + T (its ring is seeded with T[0]); target i >= order-2 has the
+    context S[i+2-order .. i] and the key XOR_j S[i+2-order+j]*C[j] (< 2^38: different contexts can share a key and
+    then share counts). It emits the state its key was left in by earlier targets, (top_tok, float32(top_count) /
+    float32(total)), or (0, 0.0) for a new key; then c = the count of the pair key key*1000003 ^ tok*C[(order-1) % 32]
+    so far, itself included (different (key, tok) can share a pair key and its count too), and top becomes (c, tok)
+    when c > top_count, strictly. Targets before order-2 emit (0, 0.0). Here: a stable sort by pair key makes c each
+    target's rank in its run; a stable sort by key puts each key's targets in stream order, where top_count is a
+    segmented running max of c (cummax of run_start*(m+1) + c) and top_tok the token where it last rose (cummax of
+    the indices where it rises). Keys stay below 2^38 and pair keys below 2^58, so int64 holds the C's uint64 values.
+
+    Memory: peak about 11 int64 arrays of the stream's length (the sorts); measured on CPU for 47,851,520 targets in
+    docs/evaluation.md. Sorts, scans, gathers and scatters only: on a CUDA tensor it all runs on the GPU."""
+    if targets.dim() != 1:
+        raise ValueError(f"ngram_tilt_hints: targets must be 1-D, got shape {tuple(targets.shape)}")
+    if order not in NGRAM_ORDERS:
+        raise ValueError(f"ngram_tilt_hints: order {order} outside {NGRAM_ORDERS.start}..{NGRAM_ORDERS.stop - 1}")
+    n, dev, L = targets.numel(), targets.device, order - 1
+    top_tok = torch.zeros(n, dtype=torch.int64, device=dev)
+    top_prob = torch.zeros(n, dtype=torch.float32, device=dev)
+    m = n - L + 1  # targets with a full context: i = L-1 .. n-1
+    if n == 0 or m <= 0:
+        return top_tok, top_prob
+    key, pair, tok = ngram_tilt_keys(targets, order)
+    # Full-length work buffers, reused through out= (fewer fresh allocations: on CPU each costs page faults).
+    # cummax's indices output is unused; it goes to whichever buffer is free at that step.
+    idx = torch.arange(m, device=dev)
+    run_start, spare = torch.empty_like(key), torch.empty_like(key)
+    is_start = torch.empty(m, dtype=torch.bool, device=dev)
+    vals, perm = torch.sort(pair, stable=True)
+    _mark_run_starts(vals, is_start)
+    _running_max(torch.mul(idx, is_start, out=pair), run_start, vals)
+    count = pair.scatter_(0, perm, torch.sub(idx, run_start, out=run_start).add_(1))  # pair count, stream order
+    torch.sort(key, stable=True, out=(vals, perm))  # perm: targets by key, each key's in stream order
+    _mark_run_starts(vals, is_start)
+    _running_max(torch.mul(idx, is_start, out=key), run_start, vals)
+    base = torch.mul(run_start, m + 1, out=spare)
+    _running_max(torch.gather(count, 0, perm, out=key).add_(base), vals, pair)  # (count is consumed here)
+    top_count = vals.sub_(base)  # running max of the pair counts within each key's run
+    rises = is_start.clone()
+    rises[1:] |= top_count[1:] > top_count[:-1]
+    _running_max(torch.mul(idx, rises, out=key), pair, spare)  # where top_count last rose
+    del rises
+    best = tok.gather(0, torch.gather(perm, 0, pair, out=key))
+    del tok
+    # a key's k-th target (k >= 1) emits the state left by its (k-1)-th: (best, top_count / k); its first (0, 0.0)
+    out_tok = spare
+    out_tok[0] = 0
+    out_tok[1:].copy_(best[:-1])
+    del best
+    out_prob = torch.empty(m, dtype=torch.float32, device=dev)
+    out_prob[0] = 0.0
+    torch.div(top_count[:-1].to(torch.float32), torch.sub(idx, run_start, out=run_start)[1:].to(torch.float32),
+              out=out_prob[1:])
+    top_tok[L - 1:].scatter_(0, perm, out_tok.masked_fill_(is_start, 0))
+    top_prob[L - 1:].scatter_(0, perm, out_prob.masked_fill_(is_start, 0.0))
+    return top_tok, top_prob
+
+
+# ---- the tilt of the final score (issue 29; SPEC-FRONTIER 20(b)-(d)): NGRAM_TILT=1
+
+class NgramTilt(NamedTuple):
+    """NGRAM_TILT=1's hints for the whole val stream (build_ngram_tilt): hint[p] (int32, CPU) is the hinted token of
+    target val_tokens[p + 1] where the gate holds (its n-gram probability >= NGRAM_TILT_THRESHOLD), else -1."""
+    hint: Tensor
+    boost: float  # NGRAM_TILT_BOOST
+
+
+def ngram_tilt_loss(nll, log_q, y, hint, gate, boost):
+    """The token n-gram tilt of per-token losses (SPEC-FRONTIER 20(c); #2135's apply_tilt_to_ptl_torch_fast), fp32:
+    where `gate`, nll - boost*[y == hint] + log1p(q*expm1(boost)) with q = exp(min(log_q, 0)), log_q the model's log
+    probability of the hint from the same log_softmax as nll; elsewhere nll unchanged. It is -log p'(y) for the
+    tilted distribution p'(v) = p(v) * e^(boost*[v == hint]) / (1 + q*(e^boost - 1)), which still sums to 1."""
+    b = torch.tensor(boost, dtype=torch.float32, device=nll.device)
+    nll = nll.float()
+    q = log_q.float().clamp(max=0.0).exp()
+    tilted = nll - b * (y == hint).float() + torch.log1p(q * torch.expm1(b))
+    return torch.where(gate, tilted, nll)
+
+
+def token_scores(logits, y, tilt=None, hint_pos=None, valid=None):
+    """(nll, score) of logits (..., V) for targets y: nll the fp32 cross entropy per token (autograd kept: what TTT
+    trains on), score what the evaluation sums: nll detached, or with tilt (NgramTilt) ngram_tilt_loss, log q from
+    the same fp32 log_softmax, for the targets whose input tokens sit at global positions hint_pos (CPU, y's shape)
+    and gated only where `valid` (CPU bool)."""
+    if tilt is None:
+        nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+        nll = nll.view(y.shape)
+        return nll, nll.detach()
+    logp = F.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    hint = tilt.hint[hint_pos.clamp(0, tilt.hint.numel() - 1)]
+    gate = ((hint >= 0) & valid).to(y.device)
+    hint = hint.clamp(min=0).to(y.device, torch.int64)
+    log_q = logp.detach().gather(-1, hint.unsqueeze(-1)).squeeze(-1)
+    return nll, ngram_tilt_loss(nll.detach(), log_q, y, hint, gate, tilt.boost)
+
+
+def build_ngram_tilt(rt, val_tokens, label):
+    """NGRAM_TILT=1: the gated hints of every val target (ngram_tilt_hints over val_tokens[1:] at NGRAM_TILT_ORDER,
+    gate: probability >= float32(NGRAM_TILT_THRESHOLD)), built once by rank 0 on its device and broadcast (#2135 had
+    every rank build its own, SPEC-FRONTIER 20(d): the same hints; measured on CPU, where ranks share cores, the
+    broadcast costs little and the concurrent builds slowed each other ~2x; docs/evaluation.md). The caller does it
+    inside the timer of the score it tilts (`label`); a log line gives the gated count and the seconds. None with
+    NGRAM_TILT=0."""
+    h = rt.h
+    if not h.ngram_tilt:
+        return None
+    rt.sync()
+    t0 = time.perf_counter()
+    if rt.is_main:
+        top, prob = ngram_tilt_hints(val_tokens[1:].to(rt.device), h.ngram_tilt_order)
+        gate = prob >= torch.tensor(h.ngram_tilt_threshold, dtype=torch.float32, device=prob.device)
+        hint = torch.where(gate, top, -1).to(torch.int32)
+        del top, prob, gate
+    else:
+        hint = torch.empty(val_tokens.numel() - 1, dtype=torch.int32, device=rt.device)
+    rt.sync()
+    t1 = time.perf_counter()
+    if rt.distributed:
+        dist.broadcast(hint, 0)
+    hint = hint.cpu()
+    t2 = time.perf_counter()
+    rt.log(f"ngram_tilt: tilting {label} order:{h.ngram_tilt_order} threshold:{h.ngram_tilt_threshold:g} "
+           f"boost:{h.ngram_tilt_boost:g} gated:{int((hint >= 0).sum())}/{hint.numel()} build:{t1 - t0:.2f}s "
+           f"broadcast:{t2 - t1:.2f}s device:{rt.device.type} (rank 0 builds, inside the {label} timer)")
+    return NgramTilt(hint, h.ngram_tilt_boost)
+
+
 # ==================================================
 # MAIN
 # ==================================================
@@ -4376,9 +4599,11 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
         return ms / 1000.0
 
     timed("final_int6_roundtrip", lambda: eval_val(rt, forward, val_tokens, luts))
+    # NGRAM_TILT=1 tilts the final score only: legal TTT's, else the sliding window's (SPEC-FRONTIER 20(c))
     if h.eval_stride > 0:
-        timed("final_int6_sliding_window", lambda: eval_sliding(rt, model, logits_fn, val_tokens, luts),
-              f" stride:{h.eval_stride}")
+        label = "final_int6_sliding_window"
+        timed(label, lambda: eval_sliding(rt, model, logits_fn, val_tokens, luts, tilt=None if h.ttt_enabled else
+                                          build_ngram_tilt(rt, val_tokens, label)), f" stride:{h.eval_stride}")
     ttt_s = None
     if h.ttt_enabled and h.ttt_mode == "lora":
         stage("evaluation (warming the LoRA TTT step)")
@@ -4388,9 +4613,11 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
         shapes = warm_lora_ttt(rt, model, lora_fn, sizes)
         rt.log(f"ttt_lora_warmup: forward:{how} shapes:{' '.join(f'{n}x{w}' for n, w in shapes)} "
                f"time:{time.perf_counter() - t0:.1f}s (random tokens, before the TTT timer)")
-        ttt_s = timed("legal_ttt", lambda: eval_ttt_lora(rt, model, val_tokens, luts, forward=lora_fn))
+        ttt_s = timed("legal_ttt", lambda: eval_ttt_lora(rt, model, val_tokens, luts, forward=lora_fn,
+                                                         tilt=build_ngram_tilt(rt, val_tokens, "legal_ttt")))
     elif h.ttt_enabled:
-        ttt_s = timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts))
+        ttt_s = timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts,
+                                                    tilt=build_ngram_tilt(rt, val_tokens, "legal_ttt")))
     log_evaluation_time(rt, ttt_s, time.perf_counter() - t_eval)
 
 
@@ -4439,6 +4666,9 @@ def run(rt):
            f"attention_backend:{backend} compile:{int(compile_enabled(rt))}")
     if h.train_loader == "packed":
         rt.log(f"attention_backend_packed:{varlen_backend_name()} (document-packed rows, SPEC-FRONTIER 3)")
+    if h.smear_gate == 2 and not h.smear_gate_bos_fix:
+        rt.log("smear_gate: v2 without its BOS mask (SMEAR_GATE_BOS_FIX=0, as #2135 ran): each BOS position mixes in "
+               "the token before it, across documents in packed rows")
     rt.log(f"precision: {rt.precision_note}")
     for line in select_fused_kernels(h, rt.device, rt.autocast_dtype or torch.float32):
         rt.log(line)
