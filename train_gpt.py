@@ -2979,6 +2979,22 @@ class ResumePoint:
     manifest: dict
 
 
+def checkpoint_payload_bytes(h):
+    """A checkpoint's tensor bytes from the settings (model_param_counts): (replicated, Muon's per rank). Replicated:
+    the weights (fp32 banks and rest, bf16 embeddings), the fp32 EMA, AdamW's two moments at each parameter's
+    dtype, and SWA's fp32 sums once collected (SWA_ENABLED, LR scale < 0.2: not counted here). Per rank: Muon's
+    momentum (bf16, fp32 with MUON_MOMENTUM_FP32) for its 1/WORLD_SIZE of each bank's rows, zero-padded. Not
+    counted: RNG and loader state, AdamW's step counters, torch.save's framing (a few KB)."""
+    c = model_param_counts(h)
+    weights = 4 * c["banks"] + 2 * c["embeddings"] + 4 * c["other"]
+    ema = 4 * (c["banks"] + c["embeddings"] + c["other"]) if h.ema_enabled else 0
+    adam = 2 * (2 * c["embeddings"] + 4 * c["other"])
+    n, d, kv, hidden, ws = h.num_layers, h.model_dim, h.num_kv_heads * h.head_dim, h.mlp_hidden, h.world_size
+    banks = ((2 * n, d * d), (2 * n, kv * d), (n, hidden * d), (n, d * hidden))  # (rows, elements per row)
+    muon = (4 if h.muon_momentum_fp32 else 2) * sum(-(-rows // ws) * per_row for rows, per_row in banks)
+    return weights + ema + adam, muon
+
+
 def checkpoint_name(step):
     return f"step_{step:08d}"
 
@@ -3254,7 +3270,7 @@ class Checkpointer:
             buf = io.BytesIO()
             torch.save(obj, buf)
             data = buf.getvalue()
-            if self.h.test_kill_step == (step, "during") and rank == 0:  # test hook: a kill mid-write
+            if self.h.test_kill_step == (step, "during"):  # test hook: every rank killed mid-write
                 write_synced(tmp / name, data[:len(data) // 2])
                 os.kill(os.getpid(), signal.SIGKILL)
             write_synced(tmp / name, data)
@@ -3400,6 +3416,10 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
     if phases:
         rt.log(f"seq_len_schedule:{phases} rewarmup_steps:{h.seq_len_rewarmup_steps} seq_len:{phases[0][0]} step:0")
     ckpt = Checkpointer(rt) if h.checkpoint_every > 0 else None
+    if ckpt is not None:
+        shared, muon = checkpoint_payload_bytes(h)
+        rt.log(f"checkpoints: every:{h.checkpoint_every} steps dir:{ckpt.folder} keep:{h.checkpoint_keep} "
+               f"bytes:~{shared + muon * h.world_size} write:{'async' if ckpt.asynchronous else 'sync'}")
     if resumed is not None:  # everything the next step reads, as the checkpoint's step left it
         s = restore_training_state(resumed, trainer, averager)
         step, train_ms, elapsed_ms, loop_due = s["step"], s["train_ms"], s["elapsed_ms"], s["loop_due"]
