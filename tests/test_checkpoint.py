@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import config_error, read_log, run_training, short_val_data
+from conftest import SCRIPT, clean_environ, config_error, read_log, run_training, short_val_data
 from test_documents import caseops_sample, write_tokens  # noqa: F401 (fixture: the vocab-8192 CaseOps sample)
 
 EXACT = r"^(final_int6_\w+|legal_ttt)_exact (.*)$"
@@ -64,13 +67,28 @@ def data(sample_data, caseops_sample, tmp_path_factory):  # noqa: F811
     return {"default": out["default"], "record_0427": caseops, "record_0430": caseops}
 
 
-def killed(proc, nproc):
-    """The process(es) died of SIGKILL (the test hook), not of an error."""
-    assert "error:" not in proc.stderr, proc.stderr[-3000:]
+def launch(env, cwd, nproc):
+    """train_gpt.py as one process (nproc 0), or as nproc gloo ranks started here as torchrun would start them
+    (RANK, WORLD_SIZE, MASTER_ADDR/PORT), without torchrun's agent process: a CompletedProcess whose returncode is
+    the first non-zero rank's and whose stderr is every rank's."""
     if nproc == 0:
-        assert proc.returncode == -9, (proc.returncode, proc.stderr[-3000:])
-    else:  # torchrun reports its workers' signal
-        assert proc.returncode != 0 and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
+        return run_training(env, cwd)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    full = {**clean_environ(), **env, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DIST_TIMEOUT_SECONDS": "120"}
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT)], cwd=cwd, env={**full, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(nproc)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    codes = [p.returncode for p in procs]
+    return subprocess.CompletedProcess([str(SCRIPT)], next((c for c in codes if c), 0), "".join(o for o, _ in outs),
+                                       "".join(e for _, e in outs))
+
+
+def killed(proc):
+    """Every process died of SIGKILL (the test hook), none of an error."""
+    assert proc.returncode == -9 and "error:" not in proc.stderr, (proc.returncode, proc.stderr[-3000:])
 
 
 def finished(proc):
@@ -90,19 +108,19 @@ def scenario(data, tmp_path_factory):
         env, every, kill, _ = SCENARIOS[name]
         env = {**env, **data[name]}
         ref_dir, cut_dir = tmp_path_factory.mktemp(f"{name}_{nproc}_ref"), tmp_path_factory.mktemp(f"{name}_{nproc}")
-        finished(run_training({**env, "RUN_ID": "ref"}, ref_dir, nproc=nproc))
+        finished(launch({**env, "RUN_ID": "ref"}, ref_dir, nproc))
         ck = {**env, "RUN_ID": "cut", "CHECKPOINT_EVERY": str(every)}
-        if kill is None:  # the default: killed while writing step 2's checkpoint, then right after step 3's
-            killed(run_training({**ck, "TEST_KILL_AT_CHECKPOINT": "2:during"}, cut_dir, nproc=nproc), nproc)
-            folder = cut_dir / "checkpoints" / "cut"
+        folder = cut_dir / "checkpoints" / "cut"
+        if kill is None and nproc == 0:  # killed while writing step 2's checkpoint, then right after step 3's
+            killed(launch({**ck, "TEST_KILL_AT_CHECKPOINT": "2:during"}, cut_dir, nproc))
             assert [p.name for p in sorted(folder.iterdir())] == [".tmp_step_00000002", "step_00000001"]
-            killed(run_training({**ck, "RESUME": "auto", "TEST_KILL_AT_CHECKPOINT": "3:after"}, cut_dir,
-                                nproc=nproc), nproc)
+            killed(launch({**ck, "RESUME": "auto", "TEST_KILL_AT_CHECKPOINT": "3:after"}, cut_dir, nproc))
             assert re.search(r"^resumed_from:checkpoints/cut/step_00000001 step:1 ", read_log(cut_dir, "cut"), re.M)
-            assert [p.name for p in sorted(folder.iterdir())] == ["step_00000002", "step_00000003"]  # KEEP=2
         else:
-            killed(run_training({**ck, "TEST_KILL_AT_CHECKPOINT": kill}, cut_dir, nproc=nproc), nproc)
-        finished(run_training({**ck, "RESUME": "auto"}, cut_dir, nproc=nproc))
+            killed(launch({**ck, "TEST_KILL_AT_CHECKPOINT": kill or "3:after"}, cut_dir, nproc))
+        if kill is None:
+            assert [p.name for p in sorted(folder.iterdir())] == ["step_00000002", "step_00000003"]  # KEEP=2
+        finished(launch({**ck, "RESUME": "auto"}, cut_dir, nproc))
         _RUNS[name, nproc] = (ref_dir, cut_dir)
         return ref_dir, cut_dir
 
@@ -183,7 +201,7 @@ def test_each_refusal_names_what_differs_or_the_file(scenario, data, tmp_path):
 
     assert "WORLD_SIZE=2 (now 1)" in refusal(RESUME=str(two / "checkpoints" / "cut"))
     assert "PRESET=record_0323 (now record_0409)" in refusal(RESUME="auto", PRESET="record_0409", NUM_LOOPS="0",
-                                                             PARALLEL_RESIDUAL_START="-1")
+                                                             PARALLEL_RESIDUAL_START="-1", WARMDOWN_ITERS="0")
     assert "DATA_PATH=" in refusal(RESUME="auto", DATA_PATH=str(tmp_path))
     assert "already holds checkpoints" in refusal(CHECKPOINT_EVERY="1")  # a fresh run would mix with them
     assert "past the resumed step 2" in refusal(RESUME=str(folder / "step_00000002"), CHECKPOINT_EVERY="1")
@@ -252,3 +270,69 @@ def test_checkpoint_bytes_are_the_formulas(scenario, data, nproc):
     assert sum(t.nbytes for k, t in shared.items() if not k.endswith(".step")) == shared_bytes
     files = sum(p.stat().st_size for p in folder.glob("*.pt"))
     assert shared_bytes + ws * muon_bytes < files < shared_bytes + ws * muon_bytes + ws * 64 * 1024
+
+
+class RandomTokens:
+    """A loader of random tokens with a position, for in-process checkpoints."""
+
+    def __init__(self, h):
+        self.h, self.g, self.taken = h, torch.Generator().manual_seed(0), 0
+
+    def next_batch(self):
+        self.taken += 1
+        t = torch.randint(0, self.h.vocab_size, (1, self.h.train_seq_len + 1), generator=self.g)
+        return t[:, :-1], t[:, 1:]
+
+    def position(self):
+        return {"taken": self.taken}
+
+
+def test_asynchronous_write_holds_a_copy_and_restores_every_state_as_it_was(tmp_path, data):
+    """The CUDA path's asynchronous write, run on the CPU: the training state is copied before save() returns
+    (weights changed while the thread writes do not reach the file); restore_training_state then gives a fresh
+    model and optimizers that state bit for bit, dtypes included (Muon's bf16 momentum stays bf16)."""
+    env = {**SCENARIOS["default"][0], **data["default"], "RUN_ID": "async", "CHECKPOINT_EVERY": "1",
+           "CHECKPOINT_DIR": str(tmp_path / "ck")}
+    cpu = torch.device("cpu")
+
+    def fresh(**over):
+        h = tg.Hyperparameters({**env, **over})
+        rt = tg.Runtime(h, cpu, False, True, None, resume=tg.find_resume(h))
+        trainer = tg.Trainer(rt, rt.prepare_model(tg.build_model(h)))
+        return rt, trainer, tg.WeightAverager(h, trainer.model)
+
+    rt, trainer, averager = fresh()
+    lines = []
+    rt.log = lambda msg, console=True: lines.append(msg)
+    loader = RandomTokens(rt.h)
+    for _ in range(2):
+        trainer.step(loader, 1.0, 0.95)
+        averager.update(1, 1.0)
+    shared, own = tg.training_state(trainer, averager, loader, {"step": 2})
+    expected = {k: v.clone() for k, v in shared.items()}
+    momentum = [st["momentum_buffer"].clone() for st in own["muon"]]
+    assert momentum and all(m.dtype == torch.bfloat16 for m in momentum)
+    ckpt = tg.Checkpointer(rt)
+    ckpt.asynchronous = True
+    ckpt.save(2, shared, own)
+    with torch.no_grad():  # training goes on while the thread writes
+        for p in trainer.model.parameters():
+            p.add_(1)
+        for st in own["muon"]:
+            st["momentum_buffer"].add_(1)
+    ckpt.wait()
+    assert re.fullmatch(r"checkpoint: step:2 stall_ms:\d+\.\d write:async", lines[0]), lines
+    assert lines[1].startswith(f"checkpoint_saved:{tmp_path / 'ck' / 'step_00000002'} step:2 bytes:")
+
+    rt2, trainer2, averager2 = fresh(RESUME="auto")
+    assert rt2.resume.manifest["step"] == 2
+    schedule = tg.restore_training_state(tg.load_checkpoint(rt2), trainer2, averager2)
+    assert schedule == {"step": 2} and averager2.swa is None
+    again, own2 = tg.training_state(trainer2, averager2, RandomTokens(rt2.h), schedule)
+    assert sorted(again) == sorted(expected)
+    for k, v in expected.items():
+        assert again[k].dtype == v.dtype and torch.equal(again[k], v), k
+    assert [st["momentum_buffer"] for st in own2["muon"]] != []
+    for got, want in zip((st["momentum_buffer"] for st in own2["muon"]), momentum):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert own2["groups"] == own["groups"]
