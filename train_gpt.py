@@ -15,10 +15,14 @@ import importlib.util
 import inspect
 import io
 import itertools
+import json
 import lzma
 import math
 import os
 import queue
+import random
+import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -301,6 +305,14 @@ class Hyperparameters:
         self.training_timing_every = self._env("TRAINING_TIMING_EVERY", 200)
         self.profile = self._env("PROFILE", False, bool)
         self.profile_steps = self._env("PROFILE_STEPS", "5:8", str)
+        # ---- checkpoints and resume (issue 30; docs/running.md)
+        self.checkpoint_every = self._env("CHECKPOINT_EVERY", 0)  # steps; 0: no checkpoints
+        self.checkpoint_dir = self._env("CHECKPOINT_DIR", "", str)
+        self.checkpoint_dir = self.checkpoint_dir or self._resolved("CHECKPOINT_DIR",
+                                                                    os.path.join("checkpoints", self.run_id))
+        self.checkpoint_keep = self._env("CHECKPOINT_KEEP", 2)
+        self.resume = self._env("RESUME", "", str)  # "": a fresh run; auto: the newest checkpoint of RUN_ID; a path
+        self.test_kill_at_checkpoint = self._env("TEST_KILL_AT_CHECKPOINT", "", str)  # test hook: STEP:after|during
         # ---- attention kernel (issue 23)
         self.attention_backend = self._env("ATTENTION_BACKEND", "auto", str)
         # ---- documents (issue 17; SPEC-FRONTIER 2, 3, 18, 19)
@@ -452,6 +464,14 @@ class Hyperparameters:
         return (a, b) if 0 < a < b else None
 
     @property
+    def test_kill_step(self):
+        """TEST_KILL_AT_CHECKPOINT "STEP:when" as (STEP, when), () when unset, None when malformed."""
+        if not self.test_kill_at_checkpoint:
+            return ()
+        step, _, when = self.test_kill_at_checkpoint.partition(":")
+        return (int(step), when) if step.isdigit() and int(step) > 0 and when in ("after", "during") else None
+
+    @property
     def max_wallclock_ms(self):
         """The training loop's cap; QUANT=gptq keeps GPTQ_RESERVE_SECONDS of it for the Hessians."""
         if self.max_wallclock_seconds <= 0:
@@ -470,12 +490,12 @@ class Hyperparameters:
                  "TIED_EMBED_LR MATRIX_LR SCALAR_LR MUON_WD ADAM_WD GRAD_CLIP_NORM TTT_LR TTT_GRAD_CLIP ADAM_EPS "
                  "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD GPTQ_RESERVE_SECONDS MATRIX_CLIP_SIGMAS EMBED_CLIP_SIGMAS "
                  "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD ATTN_GATE_INIT_STD MLP_CLIP_SIGMAS ATTN_CLIP_SIGMAS "
-                 "LQER_RANK GPTQ_CALIBRATION_SEQS", lambda v: v >= 0, ">= 0"),
+                 "LQER_RANK GPTQ_CALIBRATION_SEQS CHECKPOINT_EVERY", lambda v: v >= 0, ">= 0"),
                 ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
                  "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
                  "TTT_CHUNK_TOKENS TTT_BATCH_SEQS WORLD_SIZE LOCAL_WORLD_SIZE DIST_TIMEOUT_SECONDS MLP_MULT "
                  "LOGIT_SOFTCAP QK_GAIN_INIT TRAIN_PREFETCH_QUEUE TRAINING_TIMING_EVERY GPTQ_CALIBRATION_BATCHES "
-                 "ROPE_TRAIN_SEQ_LEN GATE_WINDOW LQER_TOP_K LQER_GROUP AWQ_LITE_GROUP AWQ_LITE_TOP_K",
+                 "ROPE_TRAIN_SEQ_LEN GATE_WINDOW LQER_TOP_K LQER_GROUP AWQ_LITE_GROUP AWQ_LITE_TOP_K CHECKPOINT_KEEP",
                  lambda v: v > 0, "> 0"),
                 ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM ENABLE_LOOPING_AT "
                  "WARMDOWN_FRAC MIN_LR", lambda v: 0 <= v < 1, "in [0, 1)")):
@@ -521,6 +541,9 @@ class Hyperparameters:
              f"its {len(os.fsencode(self.run_id))} bytes + {longest[len(self.run_id):]!r} exceed this filesystem's "
              f"{file_name_max('.')}-byte limit on a file name (logs/$RUN_ID.txt)")
         need(not self.eval_only or os.path.isfile(self.eval_only), f"EVAL_ONLY={self.eval_only}: no such artifact file")
+        need(not (self.eval_only and self.resume), f"RESUME={self.resume} and EVAL_ONLY both set: EVAL_ONLY trains nothing")
+        need(self.test_kill_step is not None, f"TEST_KILL_AT_CHECKPOINT={self.test_kill_at_checkpoint!r} must be "
+             "STEP:after or STEP:during (a test hook), or empty")
         need(self.profile_range is not None, f"PROFILE_STEPS={self.profile_steps!r} must be START:END, 0 < START < END")
         need(self.model_dim % self.num_heads == 0,
              f"NUM_HEADS={self.num_heads} must divide MODEL_DIM={self.model_dim}")
@@ -755,6 +778,13 @@ class TokenStream:
     def skip(self, n):
         self._advance(n, keep=False)
 
+    def seek(self, file_idx, pos):
+        """Continue from token `pos` of shard `file_idx` (a checkpoint's loader position)."""
+        if file_idx != self.file_idx:
+            old, self.reader = self.reader, ShardReader(self.files[file_idx], self.vocab_size)
+            old.close()
+        self.file_idx, self.pos = file_idx, pos
+
 
 class _HostLoader:
     """next_batch() for an unthreaded loader."""
@@ -786,6 +816,13 @@ class DistributedTokenLoader(_HostLoader):
         self.stream.skip((self.world_size - 1 - self.rank) * span)
         return mine
 
+    def position(self):
+        """Where the next batch starts: plain numbers, saved in a checkpoint (issue 30)."""
+        return {"file_idx": self.stream.file_idx, "pos": self.stream.pos}
+
+    def restore(self, position):
+        self.stream.seek(position["file_idx"], position["pos"])
+
 
 class ShuffledSequenceLoader(_HostLoader):
     """TRAIN_LOADER=shuffled (SPEC 2): rank r owns shards [r::world_size], each cut at a random phase into
@@ -807,6 +844,7 @@ class ShuffledSequenceLoader(_HostLoader):
         self._recut()
 
     def _recut(self):
+        self._recut_state = self.rng.bit_generator.state  # the cut is rebuilt from it on restore()
         L, self.starts = self.seq_len, []
         for r in self.readers:
             max_phase = min(L - 1, r.num_tokens - L - 1)
@@ -835,6 +873,16 @@ class ShuffledSequenceLoader(_HostLoader):
             parts.append(rows)
             need -= take
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def position(self):
+        """The generator's state now and before the current cut, and the windows used of each shard."""
+        return {"rng": self.rng.bit_generator.state, "recut_rng": self._recut_state, "used": self.used.tolist()}
+
+    def restore(self, position):
+        self.rng.bit_generator.state = position["recut_rng"]
+        self._recut()
+        self.used = np.array(position["used"], dtype=np.int64)
+        self.rng.bit_generator.state = position["rng"]
 
 
 CU_SEQLENS_BUCKET = 64  # cu_seqlens entries are padded to a multiple of this (few shapes to compile)
@@ -935,6 +983,15 @@ class DocumentPackingLoader(_HostLoader):
     def set_cut_len(self, seq_len):
         self.seq_len = seq_len
 
+    def position(self):
+        return {"file_idx": self.file_idx, "pos": self.pos}
+
+    def restore(self, position):
+        if position["file_idx"] != self.file_idx:
+            self.reader.close()
+            self.reader = ShardReader(self.files[position["file_idx"]], self.vocab_size)
+        self.file_idx, self.pos = position["file_idx"], position["pos"]
+
     def doc_bounds(self, starts, device):
         cu = cut_cu_seqlens(starts, self.local_tokens, self.seq_len)
         return DocBounds(torch.from_numpy(cu).to(device), self.seq_len, self.rope_len)
@@ -953,7 +1010,8 @@ class PrefetchingPackedLoader:
         self.base = base
         self.inner = PrefetchingDistributedTokenLoader(base.next_host, base.local_tokens, rt.device,
                                                        h.train_prefetch_queue, threaded=rt.train_prefetch,
-                                                       copy_stream=rt.train_copy_stream, name="train")
+                                                       copy_stream=rt.train_copy_stream, name="train",
+                                                       produce_position=base.position)
 
     def next_batch(self):
         x, y, starts = self.inner.next()
@@ -961,6 +1019,9 @@ class PrefetchingPackedLoader:
 
     def set_cut_len(self, seq_len):
         self.base.set_cut_len(seq_len)
+
+    def position(self):
+        return self.inner.position()
 
     @property
     def rope_len(self):
@@ -997,10 +1058,15 @@ class PrefetchingDistributedTokenLoader:
     """Keeps the device fed (SPEC 8). `produce()` gives (host array, aux), or None at the end. threaded: a
     daemon thread runs it ahead into a bounded queue of pinned int32 buffers (CPU: int64 tensors); its
     failure is re-raised here. copy_stream (CUDA): handing out batch k starts batch k+1's copy on a side
-    stream, overlapping step k."""
+    stream, overlapping step k. produce_position (optional): the source's position after each produce() call,
+    carried with its batch, so position() is the consumer's (after the last batch handed out), however far
+    the worker has run ahead: a checkpoint saves it, and a loader made from it rebuilds the queue from there."""
 
-    def __init__(self, produce, seq_len, device, queue_size=2, threaded=True, copy_stream=True, name="loader"):
+    def __init__(self, produce, seq_len, device, queue_size=2, threaded=True, copy_stream=True, name="loader",
+                 produce_position=None):
         self.produce, self.seq_len, self.device = produce, seq_len, device
+        self.produce_position = produce_position
+        self._consumed = produce_position() if produce_position is not None else None
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if copy_stream and self.cuda else None
         self._ring = []  # [pinned int32 buffer, event of the copy that last read it]
@@ -1031,9 +1097,10 @@ class PrefetchingDistributedTokenLoader:
         if item is None:
             return _END_OF_DATA
         host, aux = item
+        pos = self.produce_position() if self.produce_position is not None else None
         if not self.cuda:  # no bus to cross: widen here, off the consumer's path
-            return torch.from_numpy(np.asarray(host, dtype=np.int64)), aux
-        return self._fill_slot(host), aux
+            return torch.from_numpy(np.asarray(host, dtype=np.int64)), aux, pos
+        return self._fill_slot(host), aux, pos
 
     def _work(self):
         try:
@@ -1069,15 +1136,15 @@ class PrefetchingDistributedTokenLoader:
         """Start a taken item's copy; returns (device int64 tokens, aux, event)."""
         if item is _END_OF_DATA:
             return item
-        idx, aux = item
+        idx, aux, pos = item
         if not self.cuda:
-            return idx, aux, None  # the int64 tensor from _produce_one
+            return idx, aux, None, pos  # the int64 tensor from _produce_one
         event = torch.cuda.Event()
         with torch.cuda.stream(self.copy_stream):  # a no-op when None
             wide = self._ring[idx][0].to(self.device, non_blocking=True).to(torch.int64)
         event.record(self.copy_stream)  # None: the current stream
         self._ring[idx][1] = event
-        return wide, aux, event
+        return wide, aux, event, pos
 
     def next(self):
         """(x, y, aux) of the next batch; raises StopIteration at the end of a finite source."""
@@ -1096,7 +1163,12 @@ class PrefetchingDistributedTokenLoader:
             except BaseException as e:  # hand out the good batch first; the error comes next call
                 self._pending = _WorkerFailure(e)
         x, y = cut_batch(current[0], self.seq_len)
+        self._consumed = current[3]
         return x, y, current[1]
+
+    def position(self):
+        """The source's position after the last batch handed out (None without produce_position)."""
+        return self._consumed
 
     def next_batch(self):
         return self.next()[:2]
@@ -2489,6 +2561,7 @@ class Runtime:
     autocast_dtype: torch.dtype | None = None  # None: fp32, no autocast
     precision_note: str = ""
     threads_note: str = ""
+    resume: ResumePoint | None = None  # RESUME's checked checkpoint (find_resume)
 
     def __post_init__(self):
         # The timing breakdown turns overlap off; copy streams need CUDA.
@@ -2577,13 +2650,14 @@ def choose_cpu_threads(h):
     return f"{threads} ({cores} cores / {h.local_world_size} local ranks)"
 
 
-def open_log(h):
-    """Start logs/$RUN_ID.txt afresh (a rerun replaces, never appends)."""
+def open_log(h, append=False):
+    """Start logs/$RUN_ID.txt afresh (a rerun replaces, never appends); a resumed run (append) continues it."""
     path = Path("logs") / f"{h.run_id}.txt"
     try:
         os.makedirs("logs", exist_ok=True)
-        replaced = path.exists()
-        path.write_text("", encoding="utf-8")
+        replaced = path.exists() and not append
+        with open(path, "a" if append else "w", encoding="utf-8"):
+            pass
     except OSError as e:
         raise ConfigError(f"cannot write the log {path} ({e.strerror or e}); run from a writable directory") from None
     if replaced:
@@ -2661,7 +2735,7 @@ def check_model_memory(h, device):
                           f"but {avail[0] / 1e9:,.1f} GB is {avail[1]}")
 
 
-def setup_runtime(h):
+def setup_runtime(h, resume=None):
     want = h.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("DEVICE=cuda but CUDA is not available on this machine")
@@ -2674,7 +2748,7 @@ def setup_runtime(h):
     device = torch.device("cuda", h.local_rank) if want == "cuda" else torch.device("cpu")
     check_model_memory(h, device)
     threads = choose_cpu_threads(h)
-    log_path = open_log(h) if h.rank == 0 else None
+    log_path = open_log(h, append=resume is not None) if h.rank == 0 else None
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -2683,7 +2757,7 @@ def setup_runtime(h):
         # a collective stuck on a dead peer raises after the timeout
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=h.dist_timeout_seconds))
-    return Runtime(h, device, distributed, h.rank == 0, log_path, *choose_precision(h, device), threads)
+    return Runtime(h, device, distributed, h.rank == 0, log_path, *choose_precision(h, device), threads, resume)
 
 
 def log_environment(rt):
@@ -2853,8 +2927,9 @@ def clip_reduced_grads(rt, muon, replicated, max_norm):
         g.mul_(coef.to(g.dtype))
 
 
-def make_train_loader(rt):
-    """TRAIN_LOADER's loader; TRAIN_PREFETCH* and TRAIN_COPY_STREAM never change the batches."""
+def make_train_loader(rt, position=None):
+    """TRAIN_LOADER's loader; TRAIN_PREFETCH* and TRAIN_COPY_STREAM never change the batches. position: a
+    checkpoint's (the loader's position() when it was saved) to continue from."""
     h = rt.h
     local_tokens = h.train_batch_tokens // (h.world_size * h.grad_accum_steps)
     args = (list_shards(h.train_files), h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len)
@@ -2868,13 +2943,16 @@ def make_train_loader(rt):
             base.set_cut_len(phases[0][0])
     else:
         base = DistributedTokenLoader(*args, vocab_size=h.vocab_size)
+    if position is not None:
+        base.restore(position)
     if not (rt.train_prefetch or rt.train_copy_stream):
         return base
     if h.train_loader == "packed":
         return PrefetchingPackedLoader(base, rt, h)
     return PrefetchingDistributedTokenLoader(lambda: (base.next_host(), None), h.train_seq_len, rt.device,
                                              h.train_prefetch_queue, threaded=rt.train_prefetch,
-                                             copy_stream=rt.train_copy_stream, name="train")
+                                             copy_stream=rt.train_copy_stream, name="train",
+                                             produce_position=base.position)
 
 
 def make_calibration_loader(rt):
@@ -2886,9 +2964,10 @@ def make_calibration_loader(rt):
                                   h.gptq_calibration_seqs * h.train_seq_len, h.train_seq_len, 0, h.vocab_size)
 
 
-def warmup_and_restore(rt, trainer):
+def warmup_and_restore(rt, trainer, position=None):
     """WARMUP_STEPS real steps (compile, kernels) in every layer order the run will use (with NUM_LOOPS > 0 both,
-    so that both compiled graphs exist before the timer), then restore the initial state; returns a fresh loader."""
+    so that both compiled graphs exist before the timer), then restore the initial state; returns a fresh loader
+    (at a resumed checkpoint's `position`)."""
     h, model = rt.h, trainer.model
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt_states = [copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers]
@@ -2917,7 +2996,7 @@ def warmup_and_restore(rt, trainer):
     for opt, state in zip(trainer.optimizers, opt_states):
         opt.load_state_dict(state)
     trainer.zero_grad()
-    return make_train_loader(rt)
+    return make_train_loader(rt, position)
 
 
 WARM_BUCKETS = (64, 128, 192, 256)  # cu_seqlens sizes compiled before the timer (the 04-10+ records)
@@ -2986,6 +3065,388 @@ class WeightAverager:
         return source
 
 
+# ---- checkpoints and an exact resume (issue 30; docs/running.md)
+
+CHECKPOINT_MANIFEST = "manifest.json"  # written last, before the rename: a step_* folder with it is complete
+# Settings a resume may change: none of them changes a number training computes (where files go, logging,
+# validation, prefetch and copy streams, timeouts, the launcher's own variables). Every other setting, world size
+# included (no resharding), must equal the checkpoint's.
+RESUME_FREE_SETTINGS = frozenset((
+    "RUN_ID", "CHECKPOINT_EVERY", "CHECKPOINT_DIR", "CHECKPOINT_KEEP", "RESUME", "TEST_KILL_AT_CHECKPOINT",
+    "DEBUG_TRACEBACK", "DIST_TIMEOUT_SECONDS", "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK",
+    "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WARMUP_STEPS", "TRAIN_PREFETCH", "TRAIN_PREFETCH_QUEUE", "TRAIN_COPY_STREAM",
+    "VAL_PREFETCH", "VAL_COPY_STREAM", "VAL_BYTECOUNT_DEVICE", "VAL_PROGRESS_LOG_EVERY", "VAL_LOSS_EVERY",
+    "TRAIN_LOG_EVERY", "TRAINING_TIMING_BREAKDOWN", "TRAINING_TIMING_EVERY", "PROFILE", "PROFILE_STEPS"))
+
+
+@dataclass
+class ResumePoint:
+    """A checked checkpoint to resume from: its folder and manifest."""
+    path: Path
+    manifest: dict
+
+
+def checkpoint_payload_bytes(h):
+    """A checkpoint's tensor bytes from the settings (model_param_counts): (replicated, Muon's per rank). Replicated:
+    the weights (fp32 banks and rest, bf16 embeddings), the fp32 EMA, AdamW's two moments at each parameter's
+    dtype, and SWA's fp32 sums once collected (SWA_ENABLED, LR scale < 0.2: not counted here). Per rank: Muon's
+    momentum (bf16, fp32 with MUON_MOMENTUM_FP32) for its 1/WORLD_SIZE of each bank's rows, zero-padded. Not
+    counted: RNG and loader state, AdamW's step counters, torch.save's framing (a few KB)."""
+    c = model_param_counts(h)
+    weights = 4 * c["banks"] + 2 * c["embeddings"] + 4 * c["other"]
+    ema = 4 * (c["banks"] + c["embeddings"] + c["other"]) if h.ema_enabled else 0
+    adam = 2 * (2 * c["embeddings"] + 4 * c["other"])
+    n, d, kv, hidden, ws = h.num_layers, h.model_dim, h.num_kv_heads * h.head_dim, h.mlp_hidden, h.world_size
+    banks = ((2 * n, d * d), (2 * n, kv * d), (n, hidden * d), (n, d * hidden))  # (rows, elements per row)
+    muon = (4 if h.muon_momentum_fp32 else 2) * sum(-(-rows // ws) * per_row for rows, per_row in banks)
+    return weights + ema + adam, muon
+
+
+def checkpoint_name(step):
+    return f"step_{step:08d}"
+
+
+def complete_checkpoints(folder):
+    """[(step, folder)] of the complete checkpoints (with a manifest) in `folder`, oldest first."""
+    found = []
+    for p in Path(folder).glob("step_*"):
+        if p.name[5:].isdigit() and (p / CHECKPOINT_MANIFEST).is_file():
+            found.append((int(p.name[5:]), p))
+    return sorted(found)
+
+
+def settings_text(h):
+    """Every setting's effective value as text: what a checkpoint records and a resume compares."""
+    return {name: Hyperparameters._text(value) for name, (value, _) in h.effective.items()}
+
+
+def code_crc():
+    return zlib.crc32(Path(__file__).read_bytes())
+
+
+def write_synced(path, data):
+    """Write and fsync: on disk before the checkpoint that lists it can be marked complete."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def file_crc(path, block=1 << 24):
+    """(bytes, CRC-32) of a file, read in blocks."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return size, crc
+
+
+def read_checkpoint_manifest(path):
+    """A checkpoint folder's manifest; a missing or damaged one is a one-line ConfigError naming the file."""
+    file = Path(path) / CHECKPOINT_MANIFEST
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+        if not (isinstance(manifest, dict) and {"step", "world_size", "settings", "files"} <= set(manifest)):
+            raise ValueError("keys missing")
+        return manifest
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"RESUME: checkpoint file {file} is unreadable or corrupted ({first_line(e)})") from None
+
+
+def verify_checkpoint_files(path, manifest):
+    """Every file the manifest lists has its recorded size and CRC-32 (each rank checks all, so all agree)."""
+    for name, (size, crc) in sorted(manifest["files"].items()):
+        file = Path(path) / name
+        if not file.is_file():
+            raise ConfigError(f"RESUME: checkpoint file {file} is missing")
+        got_size, got_crc = file_crc(file)
+        if got_size != size:
+            raise ConfigError(f"RESUME: checkpoint file {file} is truncated or altered: {got_size} bytes, the "
+                              f"manifest says {size}")
+        if got_crc != crc:
+            raise ConfigError(f"RESUME: checkpoint file {file} is corrupted (its CRC-32 differs from the manifest's)")
+
+
+def find_resume(h):
+    """Before any work (and before the log is opened): RESUME's checkpoint, its settings compared and its files
+    checked, or None for a fresh run (RESUME unset, or auto with no checkpoint yet). Refusals are one-line
+    ConfigErrors, and nothing on disk has changed."""
+    folder = Path(h.checkpoint_dir)
+    if not h.resume:
+        if h.checkpoint_every > 0 and complete_checkpoints(folder):
+            raise ConfigError(f"CHECKPOINT_DIR={folder} already holds checkpoints of a run with RUN_ID={h.run_id} "
+                              "(up to " + complete_checkpoints(folder)[-1][1].name + "): continue it with RESUME=auto, "
+                              "or choose another RUN_ID or CHECKPOINT_DIR")
+        return None
+    if h.resume == "auto":
+        found = complete_checkpoints(folder)
+        if not found:
+            return None
+        path = found[-1][1]
+    else:
+        path = Path(h.resume)
+        if not path.is_dir():
+            raise ConfigError(f"RESUME={h.resume}: no such checkpoint folder")
+        if not (path / CHECKPOINT_MANIFEST).is_file():
+            found = complete_checkpoints(path)
+            if not found:
+                raise ConfigError(f"RESUME={h.resume}: no {CHECKPOINT_MANIFEST} (an incomplete checkpoint) and no "
+                                  "complete step_* checkpoint inside")
+            path = found[-1][1]
+    manifest = read_checkpoint_manifest(path)
+    now = settings_text(h)
+    differ = [f"{k}={v} (now {now.get(k, 'unset')})" for k, v in manifest["settings"].items()
+              if k not in RESUME_FREE_SETTINGS and now.get(k) != v]
+    differ += [f"{k} (new, now {v})" for k, v in now.items()
+               if k not in RESUME_FREE_SETTINGS and k not in manifest["settings"]]
+    if differ:
+        raise ConfigError(f"RESUME: {path} was written with settings that change the training: {', '.join(differ)}")
+    newer = [p.name for s, p in complete_checkpoints(folder) if s > manifest["step"]]
+    if h.checkpoint_every > 0 and newer:
+        raise ConfigError(f"RESUME: CHECKPOINT_DIR={folder} holds {newer[-1]}, past the resumed step "
+                          f"{manifest['step']}: the new checkpoints would mix with it; choose another CHECKPOINT_DIR")
+    verify_checkpoint_files(path, manifest)
+    return ResumePoint(path, manifest)
+
+
+def rng_state():
+    """Every generator a run draws from: Python's, NumPy's global one, torch's CPU and CUDA ones."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []}
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def optimizer_state(opt):
+    """(hyperparameters of each group, [state dict] per parameter in group order) as they are: unlike
+    Optimizer.state_dict()/load_state_dict(), which cast state to each parameter's dtype (Muon's bf16 momentum
+    would come back fp32)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            [dict(opt.state[p]) if p in opt.state else {} for p in params])
+
+
+def load_optimizer_state(opt, groups, states):
+    """The inverse of optimizer_state: dtypes kept; tensors on the parameter's device, AdamW's step counter
+    where torch keeps it (on the CPU unless the group is fused or capturable)."""
+    for g, saved in zip(opt.param_groups, groups):
+        g.update(saved)
+    params = [(p, g) for g in opt.param_groups for p in g["params"]]
+    for (p, g), state in zip(params, states):
+        on_cpu = not (g.get("fused") or g.get("capturable"))
+        opt.state[p] = {k: (v.to("cpu" if k == "step" and on_cpu else p.device) if torch.is_tensor(v) else v)
+                        for k, v in state.items()}
+
+
+def training_state(trainer, averager, loader, schedule):
+    """What the next step reads, as (replicated tensors, this rank's own part). Replicated (equal on every
+    rank): the weights, EMA, SWA, AdamW moments. Own: Muon's momentum (in a multi-rank run each rank's shard of
+    the banks, Parallel Muon), the loader position, the RNGs, optimizer hyperparameters and the schedule."""
+    shared = {f"model.{k}": v.detach() for k, v in trainer.model.state_dict().items()}
+    for kind, table in (("ema", averager.ema), ("swa", averager.swa)):
+        shared.update({f"{kind}.{k}": v for k, v in (table or {}).items()})
+    own = {"schedule": schedule, "swa_count": averager.swa_count, "loader": loader.position(), "rng": rng_state(),
+           "groups": [], "muon": []}
+    for i, opt in enumerate(trainer.optimizers):
+        groups, states = optimizer_state(opt)
+        own["groups"].append(groups)
+        if opt is trainer.muon:
+            own["muon"] = states
+        else:
+            shared.update({f"opt{i}.{j}.{k}": v for j, st in enumerate(states) for k, v in st.items()})
+    return shared, own
+
+
+def restore_training_state(state, trainer, averager):
+    """Loads a checkpoint's state (load_checkpoint) into the model, optimizers and averager, then the RNGs;
+    returns the schedule dict."""
+    shared, own = state
+    trainer.model.load_state_dict({k[6:]: v for k, v in shared.items() if k.startswith("model.")}, strict=True)
+    with torch.no_grad():
+        for k, v in (averager.ema or {}).items():
+            v.copy_(shared[f"ema.{k}"])
+    device = next(trainer.model.parameters()).device
+    swa = {k[4:]: v.to(device) for k, v in shared.items() if k.startswith("swa.")}
+    averager.swa, averager.swa_count = swa or None, own["swa_count"]
+    for i, (opt, groups) in enumerate(zip(trainer.optimizers, own["groups"])):
+        if opt is trainer.muon:
+            states = own["muon"]
+        else:
+            n = sum(len(g["params"]) for g in opt.param_groups)
+            states = [{k.split(".", 2)[2]: v for k, v in shared.items() if k.startswith(f"opt{i}.{j}.")}
+                      for j in range(n)]
+        load_optimizer_state(opt, groups, states)
+    set_rng_state(own["rng"])
+    return own["schedule"]
+
+
+def load_checkpoint(rt):
+    """(replicated tensors from every rank's slice, this rank's own part) of the checked RESUME checkpoint, on
+    the CPU; a file that cannot be read back is a one-line ConfigError naming it."""
+    path, ws = rt.resume.path, rt.resume.manifest["world_size"]
+    shared = {}
+    for name in [f"shared{r}.pt" for r in range(ws)] + [f"rank{rt.h.rank}.pt"]:
+        try:
+            part = torch.load(path / name, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ConfigError(f"RESUME: checkpoint file {path / name} cannot be read ({first_line(e)})") from None
+        if name.startswith("shared"):
+            shared.update(part)
+    return shared, part
+
+
+def share_out(tensors, world_size):
+    """Replicated tensors split over the ranks for writing, largest first to the least loaded rank (the same
+    split on every rank): each byte is written once, by all ranks in parallel."""
+    loads, parts = [0] * world_size, [{} for _ in range(world_size)]
+    for k in sorted(tensors, key=lambda k: (-tensors[k].numel() * tensors[k].element_size(), k)):
+        r = loads.index(min(loads))
+        parts[r][k] = tensors[k]
+        loads[r] += tensors[k].numel() * tensors[k].element_size()
+    return parts
+
+
+def to_host(obj):
+    """A copy of obj with every tensor copied to the CPU (what an asynchronous write holds)."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v) for v in obj)
+    return obj
+
+
+class Checkpointer:
+    """CHECKPOINT_EVERY: each rank writes its own part (torch.save; not torch.distributed.checkpoint: the state is
+    replicated but for Muon's momentum shards and the loaders, so a per-rank split does what DCP would, with no
+    planning step, and a resume needs the same world size anyway): its slice of the replicated tensors
+    (share_out) and its own state, into CHECKPOINT_DIR/.tmp_step_N, with rankR.json giving each file's size and
+    CRC-32. When every rank's files are on disk, rank 0 writes manifest.json and renames the folder to step_N:
+    a checkpoint is visible only complete, and a kill during the write leaves the previous one. The newest
+    CHECKPOINT_KEEP are kept. CUDA: the stall is the copy to host memory; a thread writes while training goes
+    on, and the step's all-reduce tells when every rank is done. CPU: written in place (the stall is the write)."""
+
+    def __init__(self, rt):
+        self.rt, self.h = rt, rt.h
+        self.folder = Path(rt.h.checkpoint_dir)
+        self.asynchronous = rt.device.type == "cuda"
+        self.pending = None  # (step, temporary folder, writer thread or None)
+        self.failure = None
+
+    def save(self, step, shared, own):
+        rt, h = self.rt, self.h
+        self.wait()
+        t0 = time.perf_counter()
+        tmp = self.folder / f".tmp_{checkpoint_name(step)}"
+        os.makedirs(tmp, exist_ok=True)
+        mine = share_out(shared, h.world_size)[h.rank]
+        if self.asynchronous:
+            mine, own = to_host(mine), to_host(own)
+            rt.sync()
+            thread = threading.Thread(target=self._write_guarded, args=(tmp, step, mine, own),
+                                      name="checkpoint", daemon=True)
+            thread.start()
+        else:
+            self._write(tmp, step, mine, own)
+            thread = None
+        self.pending = (step, tmp, thread)
+        rt.log(f"checkpoint: step:{step} stall_ms:{1000.0 * (time.perf_counter() - t0):.1f} "
+               f"write:{'async' if self.asynchronous else 'sync'}")
+        if not self.asynchronous:
+            self.wait()
+
+    def _write_guarded(self, tmp, step, mine, own):
+        try:
+            self._write(tmp, step, mine, own)
+        except BaseException as e:  # reported by the next poll() or wait()
+            self.failure = e
+
+    def _write(self, tmp, step, mine, own):
+        rank, files = self.h.rank, {}
+        for name, obj in ((f"shared{rank}.pt", mine), (f"rank{rank}.pt", own)):
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            data = buf.getvalue()
+            if self.h.test_kill_step == (step, "during"):  # test hook: every rank killed mid-write
+                write_synced(tmp / name, data[:len(data) // 2])
+                os.kill(os.getpid(), signal.SIGKILL)
+            write_synced(tmp / name, data)
+            files[name] = [len(data), zlib.crc32(data)]
+        write_synced(tmp / f"rank{rank}.json", json.dumps(files).encode())
+
+    def pending_flag(self):
+        """For the step's all-reduce (max): 0 written or nothing pending, 1 still writing, 2 failed."""
+        busy = self.pending is not None and self.pending[2] is not None and self.pending[2].is_alive()
+        return torch.tensor(2.0 if self.failure else float(busy), dtype=torch.float64, device=self.rt.device)
+
+    def poll(self, flag):
+        """After the step's all-reduce: a write every rank has finished is made complete."""
+        if flag >= 2:
+            raise RunError(f"writing a checkpoint failed{f': {first_line(self.failure)}' if self.failure else ' on another rank'}")
+        if self.pending is not None and flag == 0:
+            self._finish()
+
+    def wait(self):
+        """Waits for this rank's write and every other rank's (a collective), then makes it complete."""
+        if self.pending is None:
+            return
+        if self.pending[2] is not None:
+            self.pending[2].join()
+        flag = self.rt.all_reduce(torch.tensor(2.0 if self.failure else 0.0, dtype=torch.float64,
+                                               device=self.rt.device), op=dist.ReduceOp.MAX).item()
+        self.poll(flag)
+
+    def _finish(self):
+        rt, h = self.rt, self.h
+        step, tmp, _ = self.pending
+        self.pending = None
+        if rt.is_main:
+            files = {}
+            for r in range(h.world_size):
+                files.update(json.loads((tmp / f"rank{r}.json").read_text(encoding="utf-8")))
+            manifest = {"format": 1, "step": step, "world_size": h.world_size, "settings": settings_text(h),
+                        "code_crc32": code_crc(), "files": files}
+            write_synced(tmp / CHECKPOINT_MANIFEST, json.dumps(manifest, indent=1).encode())
+            final = self.folder / checkpoint_name(step)
+            if final.exists():
+                self._discard(final)
+            os.rename(tmp, final)
+            self._sync_folder()
+            for _, old in complete_checkpoints(self.folder)[:-h.checkpoint_keep]:
+                self._discard(old)
+            for stale in [*self.folder.glob(".tmp_step_*"), *self.folder.glob(".del_*")]:  # left by a kill
+                shutil.rmtree(stale, ignore_errors=True)
+            rt.log(f"checkpoint_saved:{final} step:{step} bytes:{sum(size for size, _ in files.values())}")
+        if h.test_kill_step == (step, "after"):  # test hook: every rank dies right after this checkpoint
+            if rt.distributed:
+                dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _discard(self, path):
+        """Out of sight first (a rename), then deleted: a kill meanwhile leaves no half-deleted checkpoint."""
+        gone = path.with_name(f".del_{path.name}_{uuid.uuid4().hex[:8]}")
+        os.rename(path, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+
+    def _sync_folder(self):
+        with contextlib.suppress(OSError):
+            fd = os.open(self.folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
 class StepProfiler:
     """PROFILE=1: torch.profiler trace of PROFILE_STEPS [START, END) to logs/{RUN_ID}_profile_rank{r}.json."""
 
@@ -3023,9 +3484,11 @@ def train(rt, model, val_tokens, luts):
     trainer = Trainer(rt, model)
     model.set_qat(h.qat_enabled)
     model.looping = h.num_loops > 0 and h.enable_looping_at == 0
-    loader = warmup_and_restore(rt, trainer) if h.warmup_steps > 0 else make_train_loader(rt)
+    resumed = load_checkpoint(rt) if rt.resume is not None else None
+    position = None if resumed is None else resumed[1]["loader"]
+    loader = warmup_and_restore(rt, trainer, position) if h.warmup_steps > 0 else make_train_loader(rt, position)
     try:
-        qat_on, train_ms = _train_loop(rt, trainer, loader, val_tokens, luts)
+        qat_on, train_ms = _train_loop(rt, trainer, loader, val_tokens, luts, resumed)
         if h.num_loops > 0 and not model.looping:
             model.looping = True
             rt.log(f"layer_loop:enabled after training (ENABLE_LOOPING_AT={h.enable_looping_at:g} not reached): "
@@ -3047,7 +3510,7 @@ def train(rt, model, val_tokens, luts):
         loader.shutdown()
 
 
-def _train_loop(rt, trainer, loader, val_tokens, luts):
+def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
     h, model = rt.h, trainer.model
     averager = WeightAverager(h, model)
     timer = StepTimer(rt) if h.training_timing_breakdown else None
@@ -3059,6 +3522,19 @@ def _train_loop(rt, trainer, loader, val_tokens, luts):
     phases, phase, switch_step = h.seq_len_phases, 0, None  # progressive context (TRAIN_SEQ_LEN_SCHEDULE)
     if phases:
         rt.log(f"seq_len_schedule:{phases} rewarmup_steps:{h.seq_len_rewarmup_steps} seq_len:{phases[0][0]} step:0")
+    ckpt = Checkpointer(rt) if h.checkpoint_every > 0 else None
+    if ckpt is not None:
+        shared, muon = checkpoint_payload_bytes(h)
+        rt.log(f"checkpoints: every:{h.checkpoint_every} steps dir:{ckpt.folder} keep:{h.checkpoint_keep} "
+               f"bytes:~{shared + muon * h.world_size} write:{'async' if ckpt.asynchronous else 'sync'}")
+    if resumed is not None:  # everything the next step reads, as the checkpoint's step left it
+        s = restore_training_state(resumed, trainer, averager)
+        step, train_ms, elapsed_ms, loop_due = s["step"], s["train_ms"], s["elapsed_ms"], s["loop_due"]
+        qat_on, phase, switch_step, model.looping = s["qat_on"], s["phase"], s["switch_step"], s["looping"]
+        model.set_qat(qat_on)
+        if phases:
+            loader.set_cut_len(phases[phase][0])
+        rt.log(f"resumed_from:{rt.resume.path} step:{step} train_time:{train_ms:.0f}ms")
     trainer.data_wait_ms = 0.0
     wait_total, wait_max, wait_since_log, steps_since_log = 0.0, 0.0, 0.0, 0
     rt.sync()
@@ -3114,14 +3590,23 @@ def _train_loop(rt, trainer, loader, val_tokens, luts):
         # One all-reduce (max over ranks): a non-finite loss on any rank stops the run, and the slowest clock is
         # everyone's elapsed time, so the cap, the LR schedule and the loop switch act at one step on all ranks.
         flags = torch.stack(((~torch.isfinite(train_loss.detach())).double(),
-                             torch.tensor(approx_ms, dtype=torch.float64, device=rt.device)))
-        diverged, elapsed_ms = rt.all_reduce(flags, op=dist.ReduceOp.MAX).tolist()
+                             torch.tensor(approx_ms, dtype=torch.float64, device=rt.device),
+                             *(() if ckpt is None else (ckpt.pending_flag(),))))  # an asynchronous write's progress
+        diverged, elapsed_ms, *writing = rt.all_reduce(flags, op=dist.ReduceOp.MAX).tolist()
         if diverged:
             raise RunError(f"training loss is not finite at step {step}; stopped, no artifact written (lower "
                            "MATRIX_LR, SCALAR_LR, TIED_EMBED_LR)")
         if cap_ms is not None and elapsed_ms >= cap_ms and stop_after is None:
             stop_after = step
         loop_due = h.num_loops > 0 and training_fraction(h, step, elapsed_ms) >= h.enable_looping_at
+        if ckpt is not None:
+            ckpt.poll(writing[0])
+            if step % h.checkpoint_every == 0 and step < h.iterations and stop_after is None:
+                ckpt.save(step, *training_state(trainer, averager, loader, dict(
+                    step=step, train_ms=train_ms + 1000.0 * (time.perf_counter() - t0), elapsed_ms=elapsed_ms,
+                    loop_due=loop_due, looping=model.looping, qat_on=qat_on, phase=phase, switch_step=switch_step)))
+    if ckpt is not None:
+        ckpt.wait()
     profiler.finish()
     rt.log(f"data_wait: total_ms:{wait_total:.1f} mean_ms_per_step:{wait_total / max(step, 1):.3f} "
            f"max_step_ms:{wait_max:.3f}")
@@ -4777,7 +5262,7 @@ def main():
     h, rt, code = None, None, 0
     try:
         h = Hyperparameters()
-        rt = setup_runtime(h)
+        rt = setup_runtime(h, find_resume(h))
         run(rt)
     except (ConfigError, RunError) as e:
         fail(rt, f"error: {e}")

@@ -83,6 +83,8 @@ RX_OVER_LIMIT = _rx(r"OVER_LIMIT total_bytes:(\d+) cap:(\d+)")
 RX_TTT_FLAG = _rx(r"ttt_enabled:(0|1|True|False|true|false)")
 RX_STRIDE_FLAG = _rx(r"eval_stride:(\d+)")
 RX_DEVICE = _rx(r"device:(\S+) world_size:(\d+)")
+# A run resumed from a checkpoint (RESUME) appends to its log: one more header and once-per-run lines per resume.
+RX_RESUMED = _rx(r"resumed_from:(\S+) step:(\d+)")
 # The run header: train_gpt.py logs a separator line, then the interpreter's
 # version (the source's template has "{sys.version}", never a digit).
 RUN_SEPARATOR = "=" * 100
@@ -152,6 +154,7 @@ class RunLog:
     once_counts: dict[str, int] = field(default_factory=dict)
     step_backwards: tuple[int, int] | None = None
     truncated: bool = False
+    resumes: list[tuple[str, int]] = field(default_factory=list)  # (checkpoint, step) of each resumed_from line
 
     @property
     def train_steps(self) -> list[Step]:
@@ -209,6 +212,8 @@ def _parse_line(log: RunLog, line: str) -> None:
     elif m := RX_DEVICE.match(line):
         log.device, log.world_size = m.group(1), int(m.group(2))
         _count_once(log, "device")
+    elif m := RX_RESUMED.match(line):
+        log.resumes.append((m.group(1), int(m.group(2))))
     elif RX_STOP_EARLY.match(line):
         log.stopped_early = True
     elif m := RX_PEAK_MEM.match(line):
@@ -298,15 +303,17 @@ def load_logs(folder: Path) -> list[RunLog]:
 
 
 def multiple_runs_evidence(log: RunLog) -> str | None:
-    """Why ``log`` looks like two or more runs in one file, or None."""
-    if log.run_headers > 1:
+    """Why ``log`` looks like two or more runs in one file, or None. A resumed run's log holds one part per
+    start (the header and once-per-run lines again, steps past the checkpoint repeated): that is one run."""
+    parts = 1 + len(log.resumes)
+    if log.run_headers > parts:
         return f"{log.run_headers} run headers ('Running Python ...' after the '=' separator)"
-    repeated = [(kind, n) for kind, n in log.once_counts.items() if n > 1]
+    repeated = [(kind, n) for kind, n in log.once_counts.items() if n > parts]
     if repeated:
         kind, n = repeated[0]
         more = f" (and {len(repeated) - 1} other once-per-run line(s))" if len(repeated) > 1 else ""
         return f"'{kind}' line logged {n} times{more}"
-    if log.step_backwards is not None:
+    if log.step_backwards is not None and not log.resumes:
         before, after = log.step_backwards
         return f"step numbers go back from step:{before} to step:{after}"
     return None
@@ -324,6 +331,16 @@ def integrity_problems(log: RunLog) -> list[str]:
     if log.truncated:
         problems.append("does not end with a newline: the log looks truncated (cut off mid-line)")
     return problems
+
+
+def resumed_note(log: RunLog) -> str | None:
+    """One line for a log that resumed from a checkpoint, or None: its training was not one uninterrupted run."""
+    if not log.resumes:
+        return None
+    where, step = log.resumes[-1]
+    more = f" ({len(log.resumes)} resumes)" if len(log.resumes) > 1 else ""
+    return (f"resumed from a checkpoint (resumed_from:{where} step:{step}){more}: the 10-minute track measures one "
+            "uninterrupted run, so this log is not a valid 10-minute-track record run")
 
 
 def enabled_evals(log: RunLog) -> set[str]:
