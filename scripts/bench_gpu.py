@@ -144,6 +144,7 @@ PEAK_LINE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
 WARMUP_TIME_LINE = re.compile(r"^warmup_time: steps:(\d+) ms:(\d+)")
 WARMUP_STEP_LINE = re.compile(r"^warmup_step:(\d+)/(\d+)")
 BACKEND_LINE = re.compile(r"attention_backend:(\S+)")
+PACKED_LINE = re.compile(r"attention_backend_packed:(\S+)")
 ERROR_LINE = re.compile(r"^(error|Traceback|RuntimeError|\w+Error)\b")
 
 
@@ -168,6 +169,8 @@ def parse_training(lines):
             out["warmup_steps"], out["warmup_s"] = int(m.group(1)), int(m.group(2)) / 1000.0
         elif m := BACKEND_LINE.search(line):
             out.setdefault("backend", m.group(1))
+        elif m := PACKED_LINE.search(line):
+            out.setdefault("packed_backend", m.group(1))
     if "warmup_s" not in out:  # the record logs no warmup time: from its lines' arrival times, after 'seed:'
         idx = [i for i, (_, line) in enumerate(lines) if WARMUP_STEP_LINE.match(line)]
         before = [i for i in range(idx[0]) if lines[i][1].startswith("seed:")] if idx else []
@@ -293,11 +296,29 @@ def plan_rows(cfg, help_text, presets, backends):
                          "env": {**base, "ENABLE_LOOPING_AT": "0"}})
         else:
             rows.append({"name": f"PRESET={preset}", "kind": "ours", "env": base})
+        if presets[preset].get("TRAIN_LOADER") == "packed":
+            rows += packed_attention_rows(cfg, preset, {**base, "NUM_LOOPS": "0"}, backends)
     if cfg["only"]:
         names = [r["name"] for r in rows]
         rows = [r for r in rows if any(o.strip() in r["name"] for o in cfg["only"])]
         if not rows:
             raise SystemExit(f"error: BENCH_ROWS={','.join(cfg['only'])!r} matches no row of: {', '.join(names)}")
+    return rows
+
+
+def packed_attention_rows(cfg, preset, base, backends):
+    """A preset that packs documents (loops off): its packed rows through PyTorch's varlen_attn
+    (ATTENTION_BACKEND=torch_varlen) against the exact masked SDPA fallback (ATTENTION_BACKEND=sdpa); both
+    need CUDA (on CPU the masked path is what every row runs)."""
+    rows = [{"name": f"PRESET={preset} packed torch_varlen", "kind": "ours",
+             "env": {**base, "ATTENTION_BACKEND": "torch_varlen"}},
+            {"name": f"PRESET={preset} packed masked (sdpa)", "kind": "ours",
+             "env": {**base, "ATTENTION_BACKEND": "sdpa"}}]
+    if cfg["tiny"]:
+        for row in rows:
+            row.update(kind="skip", note="skipped: needs CUDA (the pair compares CUDA kernels)")
+    elif not backends["torch_varlen"]:
+        rows[0].update(kind="skip", note="skipped: this PyTorch's varlen_attn lacks window_size or enable_gqa")
     return rows
 
 
@@ -508,8 +529,9 @@ def training_cells(row, result, peak, record_ms):
         cells["mfu"] = f"{100 * result['flops_per_token'] * result['tokens_per_s'] / (peak * 1e12):.1f}%"
     if record_ms and row.get("vs_record"):
         cells["ours_vs_record"] = f"{ms / record_ms:.3f}"
-    backend = result.get("backend")
+    backend, packed = result.get("backend"), result.get("packed_backend")
     cells["note"] = "; ".join(filter(None, [f"backend {backend}" if backend else "",
+                                            f"packed rows {packed}" if packed else "",
                                             f"{result['flops_per_token'] / 1e6:.1f} MFLOP/token",
                                             f"log: {result['log']}"]))
     return cells
@@ -555,7 +577,8 @@ def environment_lines(cfg, backends, peak_info):
         lines.append(f"gpu: {smi or torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})")
     stand_in = "" if backends["record"] == "flash_attn_3" else " (FA3 missing: the SDPA stand-in of ../shared/anchors)"
     lines.append(f"attention: ours {backends['ours']} by default, record {backends['record']}{stand_in}"
-                 + ("; FA4 (flash_attn.cute) importable" if backends["fa4"] else ""))
+                 + ("; FA4 (flash_attn.cute) importable" if backends["fa4"] else "")
+                 + ("; PyTorch's varlen_attn usable (torch_varlen)" if backends["torch_varlen"] else ""))
     lines.append("peak for MFU: " + (f"{peak_info['tflops']:.3f} TFLOP/s measured ({peak_info['what']})"
                                      if peak_info else "not measured"))
     lines.append("ms_per_step: (train_time at the last step - at step 1) / (steps - 1); MFU: FLOPs/token x tokens/s "
@@ -577,9 +600,12 @@ def backend_plan(tiny):
 
     fa3 = importable("flash_attn_interface")
     if tiny:
-        return {"ours": "sdpa", "record": "sdpa", "fa4": False}
+        return {"ours": "sdpa", "record": "sdpa", "fa4": False, "torch_varlen": False}
+    import train_gpt as tg
+
     ours = "flash_attn_3" if fa3 else ("flash_attn_2" if importable("flash_attn") else "sdpa")
-    return {"ours": ours, "record": "flash_attn_3" if fa3 else "sdpa", "fa4": importable("flash_attn.cute")}
+    return {"ours": ours, "record": "flash_attn_3" if fa3 else "sdpa", "fa4": importable("flash_attn.cute"),
+            "torch_varlen": tg.import_torch_varlen() is not None}
 
 
 def run_eval(cfg, data_for, backends, deadline):

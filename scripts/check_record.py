@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check a record folder against the challenge's rules before opening a PR.
 
-Usage: check_record.py FOLDER [--track 10min|non-record] [--sota-bpb X]
+Usage: check_record.py FOLDER [--track 10min|non-record] [--sota-bpb X] [--against ROW]
 
 Every problem found is printed as one "FAIL: <file>: <problem>" line (never a
 traceback) and the exit status is 1. Checked:
@@ -44,8 +44,15 @@ When nothing fails:
   prints "OK: <summary>" and "RECORD: ..." and exits 0 when the folder beats
   X, else "WELL-FORMED: <summary>" and "NOT A RECORD: ..." and exits 1.
   Without --sota-bpb it prints "WELL-FORMED: <summary>" and a "NOT CHECKED"
-  line asking for --sota-bpb, and exits 1: exit 0 on this track always means
-  "a valid record".
+  line asking for --sota-bpb or --against, and exits 1: exit 0 on this track
+  always means "a valid record".
+- --against ROW (the audited leaderboard's rule since PR #1902): the folder's
+  per-seed scores against the previous row's (a record folder, its
+  submission.json, or comma-separated numbers), one-sided Welch t-test at
+  p < 0.25 (recordlib.welch_test). On the 10-minute track this rule then
+  decides the verdict and the exit status; the README's rule, when
+  --sota-bpb is also given, is printed as information. Every verdict line
+  ends with the rule it applied, in square brackets.
 """
 from __future__ import annotations
 
@@ -97,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="current record's val_bpb; the 10min track passes only if the folder beats it by"
         f" >= {rl.SOTA_MARGIN_NATS} nats at p < {rl.SIGNIFICANCE_ALPHA} (required there for exit 0)",
     )
+    p.add_argument(
+        "--against",
+        metavar="ROW",
+        help="the previous leaderboard row's per-seed val_bpb: a record folder (its submission.json's per-seed"
+        " scores, else its logs), a submission.json, or comma-separated numbers; applies the leaderboard's rule"
+        f" (one-sided Welch p < {rl.WELCH_ALPHA}, PR #1902) instead of the README's",
+    )
     return p
 
 
@@ -125,6 +139,8 @@ def check_log(log: rl.RunLog, folder_evals: set[str], track: str, code_size: int
         problems.append((p, f"log says seed:{log.seed} but the file name says seed {file_seed}"))
     problems += check_size(log)
     if track == "10min":
+        if rl.resumed_note(log):
+            problems.append((p, rl.resumed_note(log)))
         problems += check_hardware(log)
         problems += check_times(log)
     if code_size is not None and log.code_bytes is not None and log.code_bytes != code_size:
@@ -475,28 +491,51 @@ def sota_verdict(logs: list[rl.RunLog], metric: str, sota_bpb: float) -> tuple[b
         return False, f"NOT A RECORD: {head}: {sig.verdict}, so it cannot be shown to beat SOTA {sota_bpb} {rule}"
     stats = f"(t={sig.t:.4g}, df={sig.df}, p={sig.p:.4g}; threshold {sig.threshold_bpb:.8f})"
     if sig.significant:
-        return True, f"RECORD: {head} beats SOTA {sota_bpb} {rule} {stats}"
-    return False, f"NOT A RECORD: {head} does not beat SOTA {sota_bpb} {rule} {stats}"
+        return True, f"RECORD: {head} beats SOTA {sota_bpb} {rule} {stats} [{rl.README_RULE}]"
+    return False, f"NOT A RECORD: {head} does not beat SOTA {sota_bpb} {rule} {stats} [{rl.README_RULE}]"
 
 
-def verdict_lines(folder: Path, track: str, logs: list[rl.RunLog], sota_bpb: float | None) -> tuple[int, list[str]]:
+def welch_verdict(logs: list[rl.RunLog], metric: str, row: str) -> tuple[bool, str]:
+    """(accepted, one line) from the leaderboard's one-sided Welch t-test against the row's per-seed scores."""
+    w = rl.welch_test([log.score(metric).val_bpb for log in logs], rl.row_scores(row))
+    head = f"mean val_bpb {w.mean:.8f} over {w.n} seed(s) against the row's {w.row_mean:.8f} over {w.row_n} ({row})"
+    if w.p is None:
+        return False, (f"NOT A RECORD: {head}: the Welch t-test needs at least 2 seeds on each side"
+                       f" [{rl.WELCH_RULE}]")
+    df = "n/a" if w.df is None else f"{w.df:.4g}"
+    stats = f"(t={w.t:.4g}, df={df}, p={w.p:.4g})"
+    if w.significant:
+        return True, f"RECORD: {head} is lower at p < {w.alpha} {stats} [{rl.WELCH_RULE}]"
+    return False, f"NOT A RECORD: {head} is not lower at p < {w.alpha} {stats} [{rl.WELCH_RULE}]"
+
+
+def verdict_lines(folder: Path, track: str, logs: list[rl.RunLog], sota_bpb: float | None,
+                  against: str | None = None) -> tuple[int, list[str]]:
     """Exit status and output for a folder with no problems (see the module docstring)."""
     metric = submission_metric(rl.load_submission(folder / "submission.json"), logs)
     about = summary(folder, track, logs, metric)
     if track != "10min":
         lines = [f"OK: {about}"]
+        if against is not None:
+            lines.append("INFO (non-record track, not required): " + welch_verdict(logs, metric, against)[1])
         if sota_bpb is not None:
             lines.append("INFO (non-record track, not required): " + sota_verdict(logs, metric, sota_bpb)[1])
         return 0, lines
-    if sota_bpb is None:
+    if sota_bpb is None and against is None:
         return 1, [
             f"WELL-FORMED: {about}",
             "NOT CHECKED: whether it beats the current SOTA; a 10-minute record must beat it by"
             f" >= {rl.SOTA_MARGIN_NATS} nats at p < {rl.SIGNIFICANCE_ALPHA}: pass --sota-bpb X"
-            " (the current record's val_bpb)",
+            " (the current record's val_bpb), or --against ROW for the leaderboard's rule"
+            f" (one-sided Welch p < {rl.WELCH_ALPHA} against that row's seeds)",
         ]
-    is_record, line = sota_verdict(logs, metric, sota_bpb)
-    return (0, [f"OK: {about}", line]) if is_record else (1, [f"WELL-FORMED: {about}", line])
+    is_record, line = welch_verdict(logs, metric, against) if against is not None else sota_verdict(
+        logs, metric, sota_bpb)
+    lines = [f"OK: {about}" if is_record else f"WELL-FORMED: {about}", line]
+    if against is not None and sota_bpb is not None:
+        lines.append("INFO (not deciding: --against applies the leaderboard's rule): "
+                     + sota_verdict(logs, metric, sota_bpb)[1])
+    return (0 if is_record else 1), lines
 
 
 def one_line(text: str) -> str:
@@ -514,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         return 1
     try:
-        status, lines = verdict_lines(folder, track, logs, args.sota_bpb)
+        status, lines = verdict_lines(folder, track, logs, args.sota_bpb, args.against)
     except rl.RecordError as exc:
         print(f"FAIL: {folder}: {one_line(str(exc))}")
         return 1

@@ -264,11 +264,14 @@ def readme_with_results(text: str | None, path: Path, title: str, blurb: str, bl
 
 
 def warn_incomplete(logs: list[rl.RunLog]) -> None:
-    """Incomplete logs may still be scorable; say so, check_record will fail them."""
+    """Incomplete or resumed logs may still be scorable; say so, check_record will fail them (a resumed one on the
+    10-minute track)."""
     for log in logs:
         missing = rl.missing_final_lines(log)
         if missing:
             print(f"warning: {log.path}: missing {', '.join(missing)}", file=sys.stderr)
+        if rl.resumed_note(log):
+            print(f"warning: {log.path}: {rl.resumed_note(log)}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

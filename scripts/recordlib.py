@@ -34,6 +34,11 @@ TIME_CAP_MS = 600_000
 # The required improvement over the current record, in nats of val_loss.
 SOTA_MARGIN_NATS = 0.005
 SIGNIFICANCE_ALPHA = 0.01
+# The audited leaderboard's rule since PR #1902 (SPEC-FRONTIER 19): a row is accepted when its seeds' mean is
+# below the previous row's at one-sided Welch p < 0.25.
+WELCH_ALPHA = 0.25
+README_RULE = f"README rule: beat --sota-bpb by >= {SOTA_MARGIN_NATS} nats at p < {SIGNIFICANCE_ALPHA}"
+WELCH_RULE = f"leaderboard rule (PR #1902): one-sided Welch t-test against the row's seeds at p < {WELCH_ALPHA}"
 
 REQUIRED_SUBMISSION_KEYS = ("name", "val_bpb", "bytes_total", "blurb", "author", "github_id", "date")
 
@@ -78,6 +83,8 @@ RX_OVER_LIMIT = _rx(r"OVER_LIMIT total_bytes:(\d+) cap:(\d+)")
 RX_TTT_FLAG = _rx(r"ttt_enabled:(0|1|True|False|true|false)")
 RX_STRIDE_FLAG = _rx(r"eval_stride:(\d+)")
 RX_DEVICE = _rx(r"device:(\S+) world_size:(\d+)")
+# A run resumed from a checkpoint (RESUME) appends to its log: one more header and once-per-run lines per resume.
+RX_RESUMED = _rx(r"resumed_from:(\S+) step:(\d+)")
 # The run header: train_gpt.py logs a separator line, then the interpreter's
 # version (the source's template has "{sys.version}", never a digit).
 RUN_SEPARATOR = "=" * 100
@@ -147,6 +154,7 @@ class RunLog:
     once_counts: dict[str, int] = field(default_factory=dict)
     step_backwards: tuple[int, int] | None = None
     truncated: bool = False
+    resumes: list[tuple[str, int]] = field(default_factory=list)  # (checkpoint, step) of each resumed_from line
 
     @property
     def train_steps(self) -> list[Step]:
@@ -204,6 +212,8 @@ def _parse_line(log: RunLog, line: str) -> None:
     elif m := RX_DEVICE.match(line):
         log.device, log.world_size = m.group(1), int(m.group(2))
         _count_once(log, "device")
+    elif m := RX_RESUMED.match(line):
+        log.resumes.append((m.group(1), int(m.group(2))))
     elif RX_STOP_EARLY.match(line):
         log.stopped_early = True
     elif m := RX_PEAK_MEM.match(line):
@@ -293,15 +303,17 @@ def load_logs(folder: Path) -> list[RunLog]:
 
 
 def multiple_runs_evidence(log: RunLog) -> str | None:
-    """Why ``log`` looks like two or more runs in one file, or None."""
-    if log.run_headers > 1:
+    """Why ``log`` looks like two or more runs in one file, or None. A resumed run's log holds one part per
+    start (the header and once-per-run lines again, steps past the checkpoint repeated): that is one run."""
+    parts = 1 + len(log.resumes)
+    if log.run_headers > parts:
         return f"{log.run_headers} run headers ('Running Python ...' after the '=' separator)"
-    repeated = [(kind, n) for kind, n in log.once_counts.items() if n > 1]
+    repeated = [(kind, n) for kind, n in log.once_counts.items() if n > parts]
     if repeated:
         kind, n = repeated[0]
         more = f" (and {len(repeated) - 1} other once-per-run line(s))" if len(repeated) > 1 else ""
         return f"'{kind}' line logged {n} times{more}"
-    if log.step_backwards is not None:
+    if log.step_backwards is not None and not log.resumes:
         before, after = log.step_backwards
         return f"step numbers go back from step:{before} to step:{after}"
     return None
@@ -319,6 +331,16 @@ def integrity_problems(log: RunLog) -> list[str]:
     if log.truncated:
         problems.append("does not end with a newline: the log looks truncated (cut off mid-line)")
     return problems
+
+
+def resumed_note(log: RunLog) -> str | None:
+    """One line for a log that resumed from a checkpoint, or None: its training was not one uninterrupted run."""
+    if not log.resumes:
+        return None
+    where, step = log.resumes[-1]
+    more = f" ({len(log.resumes)} resumes)" if len(log.resumes) > 1 else ""
+    return (f"resumed from a checkpoint (resumed_from:{where} step:{step}){more}: the 10-minute track measures one "
+            "uninterrupted run, so this log is not a valid 10-minute-track record run")
 
 
 def enabled_evals(log: RunLog) -> set[str]:
@@ -526,6 +548,99 @@ def significance_test(
     else:
         verdict = f"NOT SIGNIFICANT: cannot claim mean beats {sota_bpb} by {margin_nats} nats at p < {alpha}"
     return Significance(**base, t=t, df=n - 1, p=p, significant=significant, verdict=verdict)
+
+
+@dataclass
+class Welch:
+    """One-sided Welch t-test that a folder's mean val_bpb is below a leaderboard row's (PR #1902's rule)."""
+
+    n: int
+    mean: float
+    row_n: int
+    row_mean: float
+    t: float | None
+    df: float | None
+    p: float | None
+    alpha: float
+    significant: bool
+
+
+def welch_test(values: list[float], row_values: list[float], alpha: float = WELCH_ALPHA) -> Welch:
+    """Test H0: mean(values) >= mean(row_values) against H1: it is lower, without assuming equal variances.
+
+    With v = s^2/n per sample (s the n-1 sample std): t = (m - m_row) / sqrt(v + v_row), the
+    Welch-Satterthwaite df = (v + v_row)^2 / (v^2/(n-1) + v_row^2/(n_row-1)) (not an integer in general), and
+    p = P(T_df <= t) from student_t_cdf. Both samples need 2 values; with no spread in either the sign of the
+    difference decides (p 0 or 1) and a tie is not significant.
+    """
+    n, row_n = len(values), len(row_values)
+    m = mean(values) if values else math.nan
+    row_m = mean(row_values) if row_values else math.nan
+    base = dict(n=n, mean=m, row_n=row_n, row_mean=row_m, alpha=alpha)
+    if n < 2 or row_n < 2:
+        return Welch(**base, t=None, df=None, p=None, significant=False)
+    v, row_v = statistics.variance(values) / n, statistics.variance(row_values) / row_n
+    if v + row_v == 0:
+        p = 0.0 if m < row_m else 1.0
+        return Welch(**base, t=math.copysign(math.inf, m - row_m) if m != row_m else math.nan, df=None, p=p,
+                     significant=p < alpha)
+    t = (m - row_m) / math.sqrt(v + row_v)
+    df = (v + row_v) ** 2 / (v * v / (n - 1) + row_v * row_v / (row_n - 1))
+    p = student_t_cdf(t, df)
+    return Welch(**base, t=t, df=df, p=p, significant=p < alpha)
+
+
+def row_scores(row: str) -> list[float]:
+    """A leaderboard row's per-seed val_bpb, from comma-separated numbers, a submission.json, or a record folder
+    (its submission.json when that lists per-seed scores, as the leaderboard read them, else its
+    train_seed*.log scored like make_record.py). submission.json: make_record.py's `per_seed` list or the
+    records' `seed_results` object (seed -> {val_bpb}). Raises RecordError with a one-line message."""
+    if re.fullmatch(r"\s*[-+.\deE]+(\s*,\s*[-+.\deE]+)*\s*,?\s*", row):
+        try:
+            values = [float(x) for x in row.split(",") if x.strip()]
+        except ValueError:
+            raise RecordError(f"{row!r}: not a list of numbers") from None
+        if not all(math.isfinite(v) and v > 0 for v in values):
+            raise RecordError(f"{row!r}: every score must be a positive number")
+        return values
+    path = Path(row)
+    if path.is_dir():
+        if (path / "submission.json").is_file():
+            values = _submission_scores(path / "submission.json")
+            if values:
+                return values
+        logs = load_logs(path)
+        if not logs:
+            raise RecordError(f"{path}: no per-seed scores (no submission.json with per_seed or seed_results,"
+                              f" no {LOG_GLOB})")
+        broken = [log.path.name for log in logs if integrity_problems(log)]
+        if broken:
+            raise RecordError(f"{path}: cannot score {', '.join(broken)} (not one complete run)")
+        metric = choose_metric(logs)
+        return [log.score(metric).val_bpb for log in logs]
+    if path.is_file():
+        values = _submission_scores(path)
+        if not values:
+            raise RecordError(f"{path}: no per-seed scores (per_seed or seed_results)")
+        return values
+    raise RecordError(f"{row!r} is not a folder, a submission.json or comma-separated numbers")
+
+
+def _submission_scores(path: Path) -> list[float]:
+    """Per-seed val_bpb of a submission.json ([] when it lists none)."""
+    try:
+        data = load_submission(path)
+    except RecordError as exc:
+        raise RecordError(f"{path}: {exc}") from None
+    entries = data.get("per_seed")
+    if not isinstance(entries, list):
+        results = data.get("seed_results")
+        entries = list(results.values()) if isinstance(results, dict) else []
+    values = [e.get("val_bpb") if isinstance(e, dict) else None for e in entries]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+               for v in values):
+        raise RecordError(f"{path}: a per-seed val_bpb is not a positive number")
+    return [float(v) for v in values]
 
 
 def _t_statistic(m: float, s: float, n: int, threshold: float) -> float:

@@ -19,22 +19,22 @@ import train_gpt as tg
 from conftest import TINY_ENV, config_error, hide_modules, read_log, run_training, short_val_data
 
 RECORD_0427 = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "frontier" / "record_0427" / "train_gpt.py"
+RECORD_0430 = RECORD_0427.parents[1] / "record_0430" / "train_gpt.py"
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
 
 
-@pytest.fixture(scope="module")
-def record():
-    """The record's script imported as a module (FlashAttention-3 stubbed: only its artifact code runs)."""
-    if not RECORD_0427.exists():
-        pytest.skip(f"{RECORD_0427} not present")
+def artifact_code(path, name):
+    """A record's script imported as a module (FlashAttention-3 stubbed: only its artifact code runs)."""
+    if not path.exists():
+        pytest.skip(f"{path} not present")
     stub = types.ModuleType("flash_attn_interface")
     stub.flash_attn_func = stub.flash_attn_varlen_func = None
     saved = sys.modules.get("flash_attn_interface")
     sys.modules["flash_attn_interface"] = stub
     try:
-        spec = importlib.util.spec_from_file_location("record_0427_artifact", RECORD_0427)
+        spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     finally:
@@ -43,6 +43,12 @@ def record():
         else:
             sys.modules["flash_attn_interface"] = saved
     return mod
+
+
+@pytest.fixture(scope="module")
+def record():
+    """The 04-27 record's script (its artifact code)."""
+    return artifact_code(RECORD_0427, "record_0427_artifact")
 
 
 def hp(**env) -> tg.Hyperparameters:
@@ -237,12 +243,12 @@ def test_awq_lite_promotes_the_most_salient_group():
     best = sorted(scores, key=lambda k: -scores[k])[:2]
     assert picked == {n: [s for m, s in best if m == n] for n, _ in best}
     assert picked["tok_emb.weight"] == [128]
-    # Inside GPTQ: the promoted columns get int8 codes with scales s*q_max/127, the rest stays int7/int6.
+    # Inside GPTQ: the promoted columns get int8 codes with scales k*std/127 (fp16), the rest stays int7/int6.
     w, meta = tg.quantize_state_dict(flat, h, hessians)
     base, _ = tg.quantize_state_dict(flat, hp(**NEWEST, QUANT="gptq"), hessians)
     e = "tok_emb.weight"
     assert meta[e]["awq"] == 64 and w[e + ".awq_start"].tolist() == [128]
-    assert torch.equal(w[e + ".awq_scale"], (w[e + ".scale"].float() * 63 / 127).half())
+    assert torch.equal(w[e + ".awq_scale"], (14.0 * flat[e].std(dim=1) / 127).half())
     assert int(w[e + ".q"][:, 128:192].abs().max()) > 63 >= int(w[e + ".q"][:, :128].abs().max())
     err = (flat[e] - tg.dequantize_entry(w, e, meta[e]))[:, 128:192].norm()
     err0 = (flat[e] - tg.dequantize_entry(base, e, {"type": "int7"}))[:, 128:192].norm()
@@ -250,6 +256,36 @@ def test_awq_lite_promotes_the_most_salient_group():
     # Rows per batch count: a tensor that sees 8x the rows (loops) has 1/sqrt(8) of the RMS per pass.
     rows = tg.Hessians(hessians, {n: (8.0 if n == "tok_emb.weight" else 1.0) * 1000 for n in names})
     assert "tok_emb.weight" not in tg.awq_lite_groups(flat, rows, hp(**NEWEST, QUANT="gptq", AWQ_LITE=1))
+
+
+@pytest.fixture(scope="module")
+def record_0430():
+    """The 04-30 record's script (its artifact code: AWQ-lite)."""
+    return artifact_code(RECORD_0430, "record_0430_artifact")
+
+
+@pytest.mark.parametrize("name, bits", [("tok_emb.weight", 7), ("blocks.0.mlp.fc.weight", 6)])
+def test_awq_lite_codes_and_scales_equal_the_04_30_records_gptq(record_0430, name, bits):
+    """#2014's own gptq_quantize_weight with the group we promote, on the same weights and the same full Hessian
+    (a small shape): identical codes, base scales and int8 column scales. The record rounds the high scale once,
+    fp16(k*std/127); the base scale rescaled, fp16(fp16(k*std/q_max)*q_max/127), is off by a step in some rows
+    (so the test can fail)."""
+    record = record_0430
+    g = torch.Generator().manual_seed(11)
+    t = student_t((288, 256), 70, 0.03)  # above the fp16 passthrough size
+    x = torch.randn(512, 256, generator=g) * torch.linspace(0.5, 2.0, 256)
+    x[:, 64:128] *= 3.0  # the loudest group
+    hessian = x.T @ x / 512
+    h = hp(**NEWEST, QUANT="gptq", AWQ_LITE=1)
+    ours, meta = tg.quantize_state_dict({name: t}, h, {name: hessian})
+    assert meta[name]["awq"] == 64 and ours[name + ".awq_start"].tolist() == [64]
+    k, q_max = tg.clip_sigmas_for(name, h), 2 ** (bits - 1) - 1
+    q, s, protect = record.gptq_quantize_weight(t, hessian, clip_sigmas=k, clip_range=q_max,
+                                                protect_groups=[(64, 128)], group_size=64, protect_clip_range=127)
+    assert torch.equal(ours[name + ".scale"], s) and torch.equal(ours[name + ".awq_scale"], protect["s_hi"])
+    assert torch.equal(ours[name + ".q"], q)
+    assert int(q[:, 64:128].abs().max()) > q_max
+    assert not torch.equal((s.float() * q_max / 127).half(), protect["s_hi"])  # the double rounding differs
 
 
 def test_calibration_loader_is_newest_shaped_and_seed_free(sample_data):

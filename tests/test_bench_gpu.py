@@ -168,6 +168,35 @@ def test_attention_backend_setting(monkeypatch):
     tg.select_attention_backend(cpu)
 
 
+def test_each_packing_preset_has_torch_varlen_against_the_masked_path():
+    """On CUDA every preset that packs documents gets the pair ATTENTION_BACKEND=torch_varlen / sdpa (the masked
+    fallback), loops off, otherwise its row's settings; tiny mode (CPU) skips both, an old PyTorch the first."""
+    tiny = bench_gpu.bench_config({"BENCH_TINY": "1"})
+    cuda = {**tiny, "tiny": False}
+    packing = [p for p in ("record_0427", "record_0430") if tg.PRESETS[p].get("TRAIN_LOADER") == "packed"]
+    assert packing == ["record_0427", "record_0430"]
+    for cfg, varlen_ok in ((cuda, True), (cuda, False), (tiny, False)):
+        plan = {**bench_gpu.backend_plan(True), "torch_varlen": varlen_ok}
+        rows = {r["name"]: r for r in bench_gpu.plan_rows(cfg, "", tg.PRESETS, plan)}
+        assert sum("packed" in name for name in rows) == 2 * len(packing)
+        for preset in packing:
+            varlen, masked = rows[f"PRESET={preset} packed torch_varlen"], rows[f"PRESET={preset} packed masked (sdpa)"]
+            off = rows[f"PRESET={preset} loop off"]["env"]
+            assert varlen["env"] == {**off, "ATTENTION_BACKEND": "torch_varlen"}
+            assert masked["env"] == {**off, "ATTENTION_BACKEND": "sdpa"}
+            assert masked["kind"] == ("skip" if cfg["tiny"] else "ours")
+            assert varlen["kind"] == ("ours" if varlen_ok else "skip")
+    lines = timed("device:cuda:0 world_size:1 grad_accum_steps:8 attention_backend:sdpa compile:1",
+                  "attention_backend_packed:torch_varlen (document-packed rows, SPEC-FRONTIER 3)",
+                  "step:1/3 train_loss:6.9 train_time:600ms step_avg:600.00ms",
+                  "step:3/3 train_loss:6.5 train_time:1800ms step_avg:600.00ms")
+    got = bench_gpu.parse_training(lines)
+    assert got["backend"] == "sdpa" and got["packed_backend"] == "torch_varlen"
+    cells = bench_gpu.training_cells({"name": "x", "env": {}}, {**got, "status": "ok", "tokens_per_s": 1.0,
+                                                              "flops_per_token": 1e6, "log": "x.txt"}, None, None)
+    assert cells["note"].startswith("backend sdpa; packed rows torch_varlen;")
+
+
 @pytest.mark.parametrize("missing", [(), ("zpaq",), ("brotli",)])
 def test_preset_rows_train_with_lzma_where_their_compressor_is_missing(monkeypatch, missing):
     """The GPU image has neither brotli nor zpaq: a preset row whose COMPRESSOR needs a missing package trains with

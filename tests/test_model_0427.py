@@ -104,6 +104,15 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def as_ran(record_model, cast=lambda f: f.to(torch.bfloat16)):
+    """A record's model with every RoPE `inv_freq` buffer as `GPT(h).bfloat16()` left it in the run (bf16), the
+    rest in fp32 for an exact comparison. `cast` replaces the bf16 cast (e.g. bf16-rounded values kept in fp32)."""
+    for module in record_model.modules():
+        if "inv_freq" in module._buffers:
+            module.inv_freq = cast(module.inv_freq)
+    return record_model
+
+
 # ---------------------------------------------------------------------------------------------- RoPE train length
 
 @pytest.mark.parametrize("preset, train_len", [("record_0323", 1024), ("record_0409", 2048)])
@@ -119,6 +128,41 @@ def test_rotary_tables_equal_the_formula_with_the_presets_train_length(preset, t
     cos, sin = tg.rotary_tables(seq_len, model.rope_dims, model.rope_base, "cpu", model.rope_train_len)
     assert torch.allclose(cos[0, :, 0].double(), freqs.cos(), atol=2e-4)
     assert torch.allclose(sin[0, :, 0].double(), freqs.sin(), atol=2e-4)
+
+
+def _record_rotary(module, rope_dims, train_len):
+    """The record's own Rotary module (04-27 on: yarn off; 04-09: no yarn argument)."""
+    try:
+        return module.Rotary(32, base=10000.0, train_seq_len=train_len, rope_dims=rope_dims, yarn=False)
+    except TypeError:
+        return module.Rotary(32, base=10000.0, train_seq_len=train_len, rope_dims=rope_dims)
+
+
+@pytest.mark.parametrize("name", ["record_0427", "record_0430", "record_0501"])
+def test_rope_frequencies_bf16_give_each_records_rotary_tables_as_it_ran(request, name):
+    """ROPE_FREQS_BF16=1 (rope_frequencies_bf16): #1855, #2014 and #2135 read their bf16 inv_freq buffer back with
+    .float(); their own Rotary with the buffer as .bfloat16() leaves it gives our tables bit for bit, and its fp32
+    buffer gives our ROPE_FREQS_BF16=0 tables (so the test can fail)."""
+    record = request.getfixturevalue(name) if name == "record_0427" else import_record(name)
+    for T in (64, 2048):
+        ours_on = tg.rotary_tables(T, 16, 10000.0, "cpu", 2048, freqs_bf16=True)
+        ours_off = tg.rotary_tables(T, 16, 10000.0, "cpu", 2048)
+        fp32 = _record_rotary(record, 16, 2048)(T, torch.device("cpu"), torch.float32)
+        bf16 = as_ran(_record_rotary(record, 16, 2048))(T, torch.device("cpu"), torch.float32)
+        for ours, theirs in ((ours_on, bf16), (ours_off, fp32)):
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), (name, T)
+        assert not torch.equal(ours_on[0], ours_off[0])
+
+
+def test_rope_frequencies_bf16_leave_ntk_stretched_tables_in_fp32_and_are_on_in_the_record_presets():
+    """Beyond ROPE_TRAIN_SEQ_LEN the records build fresh fp32 frequencies (the 03-23 record always does): the
+    setting changes nothing there. Off by default (03-23), on in record_0409 and every preset built on it."""
+    stretched = tg.rotary_tables(3072, 16, 10000.0, "cpu", 1024, freqs_bf16=True)
+    assert all(torch.equal(a, b) for a, b in zip(stretched, tg.rotary_tables(3072, 16, 10000.0, "cpu", 1024)))
+    assert not tg.Hyperparameters({}).rope_freqs_bf16
+    for preset in tg.PRESETS:
+        assert tg.Hyperparameters({"PRESET": preset}).rope_freqs_bf16 == (preset != "record_0323"), preset
+    assert not tg.Hyperparameters({"PRESET": "record_0427", "ROPE_FREQS_BF16": "0"}).rope_freqs_bf16
 
 
 def test_rope_train_seq_len_is_validated():
@@ -144,21 +188,28 @@ def _record_h(module, ours):
 
 @pytest.mark.parametrize("looping", [False, True])
 def test_record_0409_preset_logits_equal_the_records_code_at_sequence_2048(record_0409, looping):
-    """Same weights, fp32, one 2048-token row: the 04-09 record's RoPE has no NTK stretch at 2048."""
+    """Same weights, fp32, one 2048-token row: the 04-09 record's RoPE has no NTK stretch at 2048. Its frequencies
+    as its compiled run used them (docs/frontier.md): the bf16 buffer's values, positions and angles in fp32 (its
+    eager code would also round the positions and angles to bf16, which Inductor's Triton kernel does not)."""
     h = tg.Hyperparameters({"PRESET": "record_0409", **SMALL_0409})
+    assert h.rope_freqs_bf16
     rh = _record_h(record_0409, h)
     rh.parallel_residual_start, rh.skip_gates_enabled = h.parallel_residual_start, h.skip_gates
     ours, theirs = tg.GPT(h), record_0409.GPT(rh)
     _randomise(ours)
     theirs.load_state_dict(tg.unbank_state_dict(ours.state_dict(), h.num_layers), strict=True)
+    as_ran(theirs, lambda f: f.to(torch.bfloat16).float())
     ours.looping = theirs.looping_active = looping
     ids = torch.randint(0, h.vocab_size, (1, 2048), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = theirs.forward_logits(ids)
         got = ours.forward_logits(ids)
         assert _rel(got, want) < 1e-6
-        ours.rope_train_len = 1024  # the old hard-coded length: a visible difference, so the test can fail
+        ours.rope_freqs_bf16 = False  # fp32 frequencies: a visible difference, so the test can fail
         assert _rel(ours.forward_logits(ids), want) > 1e-4
+        if not looping:  # the old hard-coded length
+            ours.rope_freqs_bf16, ours.rope_train_len = True, 1024
+            assert _rel(ours.forward_logits(ids), want) > 1e-4
 
 
 # ---------------------------------------------------------------------------------------------- SmearGate v2
@@ -335,7 +386,7 @@ def test_newest_logits_equal_the_04_27_records_code(record_0427, looping):
     h = tg.Hyperparameters({**NEWEST, **NARROW})
     rh = _record_h(record_0427, h)
     assert (rh.parallel_start_layer, rh.sparse_attn_gate_scale, rh.gate_window) == (8, 0.5, 12)
-    ours, theirs = tg.GPT(h), record_0427.GPT(rh)
+    ours, theirs = tg.GPT(h), as_ran(record_0427.GPT(rh))
     theirs.eval()
     _randomise(ours)
     theirs.load_state_dict(_to_record_names(ours.state_dict()), strict=True)
@@ -361,7 +412,7 @@ def test_newest_logits_on_a_packed_row_equal_the_04_27_records_varlen_forward(re
     bucket) against the record's forward_logits with the unpadded cu_seqlens of the same documents. SmearGate v2
     and attention must both stop at every BOS for the two to agree."""
     h = tg.Hyperparameters({**NEWEST, **NARROW})
-    ours, theirs = tg.GPT(h), record_0427.GPT(_record_h(record_0427, h))
+    ours, theirs = tg.GPT(h), as_ran(record_0427.GPT(_record_h(record_0427, h)))
     theirs.eval()
     _randomise(ours, seed=3)
     theirs.load_state_dict(_to_record_names(ours.state_dict()), strict=True)

@@ -1,11 +1,13 @@
-"""PRESET=record_0427 (#1855) and PRESET=record_0430 (#2014) (issue 22; SPEC-FRONTIER 18, 19): every value each run
-logged (../shared/anchors/frontier/record_04*_hparams.txt) against our settings dump, name by name, with the exact
-list of names we do not map and why; the presets' models and document LoRA TTT against the records' own code
-(imported, never copied) at tiny scale; and tiny end-to-end runs on the CaseOps sample, 1 and 2 processes, with
-EVAL_ONLY reproducing the final scores."""
+"""PRESET=record_0427 (#1855), PRESET=record_0430 (#2014) (issue 22; SPEC-FRONTIER 18, 19) and PRESET=record_0501
+(#2135, issue 29; SPEC-FRONTIER 20): every value each run logged (../shared/anchors/frontier/record_0*_hparams.txt,
+and the values its header says were read outside the dump) against our settings dump, name by name, with the exact
+list of names we do not map and why; the presets' models and document LoRA TTT (#2135's with its n-gram tilt)
+against the records' own code (imported, never copied) at tiny scale; and tiny end-to-end runs on the CaseOps
+sample, 1 and 2 processes, with EVAL_ONLY reproducing the final scores."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +17,9 @@ import torch
 import train_gpt as tg
 from conftest import REPO, read_log, run_training
 from test_documents import caseops_sample  # noqa: F401 (fixture: the vocab-8192 CaseOps sample)
-from test_model_0427 import _needs_frontier, _randomise, _record_h, _rel, _to_record_names, logged
-from test_model_0427 import record_0427  # noqa: F401 (fixture)
+from test_model_0427 import FRONTIER, _needs_frontier, _randomise, _record_h, _rel, _to_record_names, as_ran
+from test_model_0427 import import_record, logged, record_0427  # noqa: F401 (fixture)
+from test_ngram_tilt import bench_ngram, record  # noqa: F401 (fixture: #2135's online_ngram_tilt.py, its C built)
 from test_ttt_lora import assert_matches_record, luts_for, record_0430, record_totals, stream  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
@@ -62,7 +65,8 @@ SAME = {
     "xsa_last_n": "XSA_LAST_N", "eval_include_tail": "EVAL_INCLUDE_TAIL", "seq_change_warmup_steps":
     "SEQ_LEN_REWARMUP_STEPS", "warmdown_iters": "WARMDOWN_ITERS", "awq_lite_enabled": "AWQ_LITE",
     "awq_lite_bits": "AWQ_LITE_BITS", "awq_lite_group_size": "AWQ_LITE_GROUP", "awq_lite_group_top_k":
-    "AWQ_LITE_TOP_K",
+    "AWQ_LITE_TOP_K", "ngram_tilt_enabled": "NGRAM_TILT", "token_order": "NGRAM_TILT_ORDER",
+    "token_threshold": "NGRAM_TILT_THRESHOLD", "token_boost": "NGRAM_TILT_BOOST",
 }
 
 
@@ -138,7 +142,54 @@ UNMAPPED = {
     "ttt_warm_start_mean_doc_len": "off feature: ttt_warm_start_mean_enabled False",
     "ttt_warm_start_mean_enabled": "off feature: False, no running-mean LoRA template for short documents",
     "ttt_warm_start_mean_momentum": "off feature: ttt_warm_start_mean_enabled False",
+    "asym_logit_rescale": "no-op: its softcap_pos and softcap_neg start at LOGIT_SOFTCAP and nothing trains them, so "
+                          "its eval softcap stays 30*tanh(x/30) (SPEC-FRONTIER 19, 20(e)2)",
+    "ngram_hint_precompute_outside": "fixed: False, our hints are always built inside the timer of the score they tilt",
+    "within_tau": "off feature: 99, the within-word channel never gates (it reads the target itself, SPEC-FRONTIER "
+                  "20(g)1)",
+    "within_boost": "off feature: 0.0, the within-word channel (within_tau 99)",
+    "word_tau": "off feature: 99, the word-start channel never gates (it reads the target itself, SPEC-FRONTIER "
+                "20(g)1)",
+    "word_boost": "off feature: 0.0, the word-start channel (word_tau 99)",
+    "word_order": "off feature: the word-start channel (word_tau 99)",
+    "word_normalize": "off feature: the word-start channel (word_tau 99)",
+    "agree_add_boost": "off feature: 0.0, no bonus when channels agree (only the token channel gates)",
+    "qk_gain_schedule": "off feature: empty, every layer starts at QK_GAIN_INIT",
+    "muon_huber_wd": "off feature: False, Muon's plain decoupled weight decay, as ours",
+    "muon_huber_delta": "off feature: read only with muon_huber_wd True",
+    "optrot_enabled": "off feature: False, no rotation of the weights before GPTQ",
+    "global_ttt_optimizer": "fixed: 'sgd', our global TTT phase is SGD with TTT_MOMENTUM",
+    "global_ttt_muon_nesterov": "no-op: read only with global_ttt_optimizer muon",
+    "global_ttt_muon_ns_steps": "no-op: read only with global_ttt_optimizer muon",
+    "ttt_grad_steps_clean": "no-op: read only with ttt_grad_steps > 1",
 }
+
+# Logged names that a record reads nowhere in its run, each with our setting's different value and why.
+NOT_READ = {
+    ("record_0501", "rope_train_seq_len"): ("ROPE_TRAIN_SEQ_LEN", "2560",
+                                            "no-op there: with rope_yarn False its RoPE never stretches; ours "
+                                            "stretches beyond ROPE_TRAIN_SEQ_LEN, so the preset sets the longest "
+                                            "context, 2560"),
+}
+
+# The values a record read outside its Hyperparameters (its hparams file's header lists them): our setting with the
+# same value, or why there is none.
+OUTSIDE = {"TTT_LORA_ALPHA": "TTT_LORA_ALPHA", "TTT_WARM_START_A": "TTT_WARM_START_A",
+           "SMEAR_GATE_BOS_FIX": "SMEAR_GATE_BOS_FIX"}
+OUTSIDE_UNMAPPED = {
+    "TTT_LORA_EMA_DECAY": "off feature: 0.0, the LoRA scores with its own weights, no EMA copy",
+    "TTT_UPDATE_EVERY": "fixed: 1, one AdamW step per chunk, as ours",
+    "GPTQ_CALIBRATION_MODE": "fixed: 'random', windows from the shuffled loader (not at document starts), as ours",
+}
+
+
+def read_outside(record):
+    """The NAME=value pairs of the hparams file's 'Read ... missing from this dump:' header line ({} if none)."""
+    for line in (FRONTIER / f"{record}_hparams.txt").read_text(encoding="utf-8").splitlines():
+        m = re.fullmatch(r"# Read .* missing from this dump: (.*)\.", line)
+        if m:
+            return dict(item.split("=") for item in m.group(1).split(", "))
+    return {}
 
 
 def _value(text):
@@ -160,7 +211,7 @@ def _dumped(h):
     return out
 
 
-@pytest.mark.parametrize("record", ["record_0427", "record_0430"])
+@pytest.mark.parametrize("record", ["record_0427", "record_0430", "record_0501"])
 def test_every_logged_value_is_our_settings_dump_or_an_unmapped_name_with_its_reason(record):
     _needs_frontier()
     want = logged(record)
@@ -171,7 +222,11 @@ def test_every_logged_value_is_our_settings_dump_or_an_unmapped_name_with_its_re
     assert not set(SAME) & set(DERIVED) and not (set(SAME) | set(DERIVED)) & set(UNMAPPED)
     checked = 0
     for name, text in want.items():
-        if name in SAME:
+        if (record, name) in NOT_READ:
+            ours, value, _ = NOT_READ[record, name]
+            assert dump[ours] == value, (name, dump[ours])
+            checked += 1
+        elif name in SAME:
             ours, theirs = _value({"1": "True", "0": "False"}.get(dump[SAME[name]], dump[SAME[name]])), _value(text)
             if isinstance(theirs, bool) and not isinstance(ours, bool):  # an int setting logged as a flag
                 ours = bool(ours)
@@ -188,6 +243,14 @@ def test_every_logged_value_is_our_settings_dump_or_an_unmapped_name_with_its_re
     docs = DOCS.read_text(encoding="utf-8")
     for name in unmapped:
         assert re.search(rf"^\| `{name}` \| .*{re.escape(UNMAPPED[name].split(':')[0])}", docs, re.M), name
+    # the values read outside the dump: ours where mapped, else a reason docs/presets.md gives
+    outside = read_outside(record)
+    assert set(outside) <= set(OUTSIDE) | set(OUTSIDE_UNMAPPED) and (record != "record_0501" or len(outside) == 6)
+    for name, text in outside.items():
+        if name in OUTSIDE:
+            assert float(dump[OUTSIDE[name]]) == float(text), (name, dump[OUTSIDE[name]], text)
+        else:
+            assert re.search(rf"^\| `{name}` \| .*{re.escape(OUTSIDE_UNMAPPED[name].split(':')[0])}", docs, re.M)
 
 
 UNMAPPED_BY_RECORD = {
@@ -201,6 +264,11 @@ UNMAPPED_BY_RECORD["record_0430"] = UNMAPPED_BY_RECORD["record_0427"] + [
     "ttt_short_lora_lr", "ttt_short_lora_rank", "ttt_short_weight_decay", "ttt_short_chunk_size",
     "ttt_short_doc_len", "ttt_train_max_doc_len", "ttt_train_min_doc_len", "ttt_warm_start_mean_doc_len",
     "ttt_warm_start_mean_enabled", "ttt_warm_start_mean_momentum"]
+UNMAPPED_BY_RECORD["record_0501"] = UNMAPPED_BY_RECORD["record_0427"] + [
+    "asym_logit_rescale", "ngram_hint_precompute_outside", "within_tau", "within_boost", "word_tau", "word_boost",
+    "word_order", "word_normalize", "agree_add_boost", "qk_gain_schedule", "muon_huber_wd", "muon_huber_delta",
+    "optrot_enabled", "global_ttt_optimizer", "global_ttt_muon_nesterov", "global_ttt_muon_ns_steps",
+    "ttt_grad_steps_clean"]
 
 
 def test_the_mapping_can_fail():
@@ -211,6 +279,10 @@ def test_the_mapping_can_fail():
     assert float(_dumped(h)["TTT_BATCH_SIZE"]) != float(logged("record_0430")["ttt_batch_size"])
     assert _schedule(h) != logged("record_0430")["train_seq_schedule"]
     assert "new_knob" not in SAME and "new_knob" not in DERIVED and "new_knob" not in UNMAPPED
+    h = tg.Hyperparameters({"PRESET": "record_0501", "WORLD_SIZE": "8", "SMEAR_GATE_BOS_FIX": "1",
+                            "NGRAM_TILT_THRESHOLD": "0.9"})
+    assert _dumped(h)["SMEAR_GATE_BOS_FIX"] != read_outside("record_0501")["SMEAR_GATE_BOS_FIX"]
+    assert float(_dumped(h)["NGRAM_TILT_THRESHOLD"]) != float(logged("record_0501")["token_threshold"])
 
 
 def test_explicit_environment_wins_over_the_record_presets():
@@ -222,19 +294,29 @@ def test_explicit_environment_wins_over_the_record_presets():
     assert h.effective["MUON_NS_CA_FIRST"] == (False, "preset")
 
 
-def test_model_params_of_both_presets_and_the_two_softcap_scalars_of_2014(record_0430, monkeypatch):
-    """Both presets build the 04-27 model: 35,945,671 parameters (#1855's logged model_params). #2014 logs
-    35,945,673: its ASYM_LOGIT_RESCALE adds softcap_pos and softcap_neg (initialised to LOGIT_SOFTCAP), which no
-    training path reads, so they keep that value and the eval softcap stays 30*tanh(x/30); ours leaves them out."""
+@pytest.fixture(scope="module")
+def record_0501():
+    """#2135's script as shipped, imported with its logged hyperparameters in the environment (ASYM_LOGIT_RESCALE=1
+    among them)."""
+    return import_record("record_0501")
+
+
+def test_model_params_of_the_presets_and_the_two_softcap_scalars_of_2014_and_2135(record_0430, record_0501,
+                                                                                  monkeypatch):
+    """The three presets build the 04-27 model: 35,945,671 parameters (#1855's logged model_params). #2014 and #2135
+    log 35,945,673: ASYM_LOGIT_RESCALE adds softcap_pos and softcap_neg (initialised to LOGIT_SOFTCAP), which no
+    training path reads, so they keep that value and the eval softcap stays 30*tanh(x/30); ours leaves them out.
+    #2135's other changes (quant gate off, LQER groups, no K adapters, no BOS mask) change no parameter count."""
     monkeypatch.setattr(tg.GPT, "_init_weights", lambda self, h: None)  # the banks' orthogonal init: slow, not checked
-    for preset in ("record_0427", "record_0430"):
+    for preset in ("record_0427", "record_0430", "record_0501"):
         assert sum(p.numel() for p in tg.GPT(tg.Hyperparameters({"PRESET": preset})).parameters()) == 35_945_671
-    monkeypatch.setattr(record_0430.GPT, "_init_weights", lambda self: None)
     monkeypatch.setenv("ASYM_LOGIT_RESCALE", "1")  # #2014's launch sets it; its GPT reads it when built
-    theirs = record_0430.GPT(record_0430.Hyperparameters())
-    assert sum(p.numel() for p in theirs.parameters()) == 35_945_673
-    extra = {n: p for n, p in theirs.named_parameters() if n.startswith("softcap_")}
-    assert sorted(extra) == ["softcap_neg", "softcap_pos"] and all(p.item() == 30.0 for p in extra.values())
+    for record in (record_0430, record_0501):
+        monkeypatch.setattr(record.GPT, "_init_weights", lambda self: None)
+        theirs = record.GPT(record.Hyperparameters())
+        assert sum(p.numel() for p in theirs.parameters()) == 35_945_673
+        extra = {n: p for n, p in theirs.named_parameters() if n.startswith("softcap_")}
+        assert sorted(extra) == ["softcap_neg", "softcap_pos"] and all(p.item() == 30.0 for p in extra.values())
 
 
 # ---------------------------------------------------------------------------------------------- the models
@@ -243,11 +325,12 @@ NARROW = {"MODEL_DIM": "64", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "VOCAB_SIZE"
 
 
 def _pair(module, preset, seed, **env):
-    """Our preset's model (narrow, else as the preset) and the record's GPT with the same weights, fp32, eval."""
+    """Our preset's model (narrow, else as the preset) and the record's GPT with the same weights, fp32 but for its
+    RoPE frequencies in bf16 as the run had them (as_ran), eval."""
     h = tg.Hyperparameters({"PRESET": preset, **NARROW, **env})
     rh = _record_h(module, h)
     assert (rh.parallel_start_layer, rh.sparse_attn_gate_scale, rh.gate_window) == (8, 0.5, 12)
-    ours, theirs = tg.GPT(h), module.GPT(rh)
+    ours, theirs = tg.GPT(h), as_ran(module.GPT(rh))
     theirs.eval()
     _randomise(ours, seed=seed)
     missing, unexpected = theirs.load_state_dict(_to_record_names(ours.state_dict()), strict=False)
@@ -290,6 +373,34 @@ def test_record_0430_preset_logits_equal_the_records_at_its_3072_context(record_
         assert _rel(got, want) < 1e-6, _rel(got, want)
         ours.rope_train_len = 2048
         assert _rel(ours.forward_logits(ids), want) > 1e-4
+        ours.rope_train_len, ours.rope_freqs_bf16 = 3072, False  # fp32 frequencies (ROPE_FREQS_BF16=0)
+        assert _rel(ours.forward_logits(ids), want) > 1e-4
+
+
+def test_record_0501_preset_logits_equal_the_records_without_the_bos_mask_and_at_2560(record_0501, monkeypatch):
+    """Looped, #2135's forward_logits against the preset's: one packed 512-token row of four documents with the
+    run's SMEAR_GATE_BOS_FIX=0 (SmearGate mixes the previous token into every BOS position), and one 2560-token
+    document (its eval context, never NTK-stretched). The BOS mask back on (SMEAR_GATE_BOS_FIX=1) differs on the
+    row; ROPE_TRAIN_SEQ_LEN=2048 (its logged value, read by nothing in the record) would stretch the document."""
+    monkeypatch.delenv("SMEAR_GATE_BOS_FIX", raising=False)  # the record reads it at each forward; unset = 0
+    h, ours, theirs = _pair(record_0501, "record_0501", 8)
+    assert (h.smear_gate, h.smear_gate_bos_fix, h.eval_seq_len, h.quant_gate) == (2, False, 2560, False)
+    ours.looping = theirs.looping_active = True
+    ids = torch.randint(2, h.vocab_size, (1, 2560), generator=torch.Generator().manual_seed(9))
+    ids[0, 0] = 1
+    row, starts = ids[:, :512].clone(), [0, 100, 101, 300]
+    row[0, starts] = 1
+    docs = tg.DocBounds(torch.from_numpy(tg.packed_cu_seqlens(row[0].numpy(), 512)), 512)
+    with torch.no_grad():
+        want = theirs.forward_logits(row, cu_seqlens=torch.tensor(starts + [512], dtype=torch.int32), max_seqlen=200)
+        assert _rel(ours.forward_logits(row, docs), want) < 1e-6
+        ours.smear_bos.bos_mask = True
+        assert _rel(ours.forward_logits(row, docs), want) > 1e-4
+        ours.smear_bos.bos_mask = False
+        want = theirs.forward_logits(ids, cu_seqlens=torch.tensor([0, 2560], dtype=torch.int32), max_seqlen=2560)
+        assert _rel(ours.forward_logits(ids), want) < 1e-6
+        ours.rope_train_len = 2048
+        assert _rel(ours.forward_logits(ids), want) > 1e-4
 
 
 # ---------------------------------------------------------------------------------------------- document LoRA TTT
@@ -301,7 +412,7 @@ def test_record_0430_preset_logits_equal_the_records_at_its_3072_context(record_
 TTT_SCALE = {"NUM_LAYERS": "5", "LOOP_START": "1", "LOOP_END": "2", "XSA_LAST_N": "5", "PARALLEL_RESIDUAL_START": "3",
              "TTT_CHUNK_SIZE": "16", "TTT_EVAL_SEQ_LEN": "64", "TTT_BATCH_SIZE": "3", "TTT_LORA_RANK": "4",
              "TTT_LORA_LR": "0.001", "PHASED_TTT_PREFIX_DOCS": "0", "SEED": "7"}
-SHORT_STEPS = {"record_0427": {}, "record_0430": {"TTT_CHUNK_SIZE_BY_DOC_LEN": "20:4,45:8"}}
+SHORT_STEPS = {"record_0427": {}, "record_0430": {"TTT_CHUNK_SIZE_BY_DOC_LEN": "20:4,45:8"}, "record_0501": {}}
 
 
 @pytest.mark.parametrize("preset", ["record_0427", "record_0430"])
@@ -324,6 +435,33 @@ def test_preset_ttt_totals_equal_the_records_own_ttt_eval(request, preset):
     assert_matches_record(want, model, state, tokens, luts, env, ({"TTT_LORA_TARGETS": other},))
 
 
+def test_record_0501_tilted_ttt_totals_equal_the_records_own_ttt_eval(record_0501, record, monkeypatch):
+    """#2135's own eval_val_ttt_phased with its logged settings and the hints of its own build_hints_for_targets
+    with the run's settings (its C, order 16, gate 0.8, boost 2.625; a stub word decoder for the disabled word
+    channel), given as its precomputed hints, against ours with PRESET=record_0501 (NGRAM_TILT=1, hints from
+    ngram_tilt_hints): same weights and A draws, fp32, sidecar bytes, test_ttt_lora's toy TTT scale. The
+    stream repeats its first three documents at the end, so the copies' targets are gated (order 16 needs 15 repeated
+    targets). The totals move with the tilt off, with the other adapter targets, and with another boost."""
+    env = {"PRESET": "record_0501", **NARROW, **TTT_SCALE}
+    h = tg.Hyperparameters(env)
+    assert (h.ngram_tilt, h.ngram_tilt_order, h.ngram_tilt_threshold, h.ngram_tilt_boost) == (True, 16, 0.8, 2.625)
+    model = tg.GPT(h)
+    _randomise(model, seed=5)
+    model.looping = True
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    base = stream()[:-5]
+    tokens = torch.cat([base, base[:90 + 9 + 40]])  # the first three documents again (lengths 90, 9, 40)
+    theirs = bench_ngram.record_whole_hints(record, tokens[1:].numpy(), None, 512)
+    hints = (torch.from_numpy(theirs["hint_ids"].astype(np.int64)), torch.from_numpy(theirs["gate_mask"]),
+             torch.from_numpy(theirs["boost"].astype(np.float32)))
+    assert 50 < int(hints[1].sum()) < 139 and int(hints[1][:len(base) - 1].sum()) == 0
+    luts = luts_for(tokens, sidecar=True)
+    monkeypatch.setitem(sys.modules, "online_ngram_tilt", record)  # the record imports it by that name
+    want = record_totals(record_0501, h, state, tokens, luts, True, hints=hints)
+    assert_matches_record(want, model, state, tokens, luts, env,
+                          ({"NGRAM_TILT": "0"}, {"TTT_LORA_TARGETS": "q,k,v,o,mlp,head"}, {"NGRAM_TILT_BOOST": "1"}))
+
+
 # ---------------------------------------------------------------------------------------------- tiny runs
 
 # Both presets scaled to the CaseOps sample (vocab 8192, its tokenizer and sidecars) and 2 CPU cores: 5 narrow layers
@@ -340,6 +478,7 @@ RUN_SCALE = {
 }
 RUN_0430 = {"TRAIN_SEQ_LEN_SCHEDULE": "32@0,64@0.3,128@0.6", "SEQ_LEN_REWARMUP_STEPS": "2",
             "ROPE_TRAIN_SEQ_LEN": "128", "TTT_CHUNK_SIZE_BY_DOC_LEN": "64:4,256:8"}
+RUN_0501 = {"NGRAM_TILT_ORDER": "2", "PHASED_TTT_NUM_PHASES": "1"}  # order 2 gates ~270 of 1,152 targets; 1 phase
 EXACT = r"^(final_int6_roundtrip|final_int6_sliding_window|legal_ttt)_exact (.*)$"
 
 
@@ -358,23 +497,31 @@ def caseops_run_data(caseops_sample, tmp_path_factory):
 
 
 @pytest.mark.parametrize("preset, nproc", [("record_0427", 1), ("record_0427", 2), ("record_0430", 1),
-                                           ("record_0430", 2)])
+                                           ("record_0430", 2), ("record_0501", 1), ("record_0501", 2)])
 def test_tiny_preset_run_on_the_caseops_sample_and_eval_only_reproduces_it(caseops_run_data, tmp_path, preset,
                                                                            nproc):
     run_id = f"{preset}_{nproc}"
     env = {**caseops_run_data, "PRESET": preset, "RUN_ID": run_id, **RUN_SCALE,
-           **(RUN_0430 if preset == "record_0430" else {})}
+           **{"record_0430": RUN_0430, "record_0501": RUN_0501}.get(preset, {})}
     proc = run_training(env, tmp_path, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = read_log(tmp_path, run_id)
     for line in (f"preset:{preset} overridden_by_env:", "setting TTT_MODE=lora [preset]",
                  "setting COMPRESSOR=pergroup [preset]", "setting TRAIN_LOADER=packed [preset]",
-                 "bpb_bytes:sidecar", "attention_backend_packed:torch_doc_blocks", "ttt_lora_phase:2/2"):
+                 "bpb_bytes:sidecar", "attention_backend_packed:torch_doc_blocks",
+                 "ttt_lora_phase:{0}/{0}".format(env["PHASED_TTT_NUM_PHASES"])):
         assert line in log, line
     if preset == "record_0430":
         for line in ("setting AWQ_LITE=1 [preset]", "setting EVAL_INCLUDE_TAIL=1 [preset]", "seq_len:128 step:2",
                      "chunk_by_doc_len:64:4,256:8", "lr:7.5e-05"):
             assert line in log, line
+    if preset == "record_0501":
+        for line in ("setting NGRAM_TILT=1 [preset]", "setting SMEAR_GATE_BOS_FIX=0 [preset]",
+                     "smear_gate: v2 without its BOS mask", "targets:q,v,o,mlp,head", "lr:8e-05",
+                     "ngram_tilt: tilting legal_ttt order:2 threshold:0.8 boost:2.625 gated:",
+                     "(rank 0 builds, inside the legal_ttt timer)"):
+            assert line in log, line
+        assert int(re.search(r"ngram_tilt: tilting legal_ttt .* gated:(\d+)/", log).group(1)) > 0
     exact = re.findall(EXACT, log, re.M)
     assert [k for k, _ in exact] == ["final_int6_roundtrip", "final_int6_sliding_window", "legal_ttt"]
     artifact = next(tmp_path.glob("final_model.*"))

@@ -334,6 +334,58 @@ def test_student_t_cdf_known_values():
     assert rl.student_t_cdf(-math.inf, 3) == 0.0 and rl.student_t_cdf(math.inf, 3) == 1.0
 
 
+def test_student_t_cdf_at_welch_degrees_of_freedom_equals_the_integrated_density():
+    """Welch's df is not an integer: the CDF against Simpson's rule on the t density (1e-6), and against the
+    df=1 and df=2 closed forms at nearby non-integer df (continuity)."""
+    for df in (1.5, 2.7, 3.9010554829023127):
+        c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+        def density(x, df=df, c=c):
+            return c * (1 + x * x / df) ** (-(df + 1) / 2)
+
+        for t in (-3.4261944925361987, -1.0, 0.5):
+            n, a = 20000, 0.0  # F(t) = 1/2 + integral from 0 to t
+            h = (t - a) / n
+            simpson = density(a) + density(t) + sum((4 if i % 2 else 2) * density(a + i * h) for i in range(1, n))
+            assert rl.student_t_cdf(t, df) == pytest.approx(0.5 + simpson * h / 3, abs=1e-6), (df, t)
+    assert rl.student_t_cdf(0.0, 3.9) == 0.5
+    assert rl.student_t_cdf(-2.0, 1.000001) == pytest.approx(0.5 + math.atan(-2.0) / math.pi, abs=1e-6)
+    assert rl.student_t_cdf(-2.0, 2.000001) == pytest.approx(0.5 * (1 - 2 / math.sqrt(6)), abs=1e-6)
+
+
+# Per-seed val_bpb of the audited leaderboard's top two rows (SPEC-FRONTIER 19-20; the rows' submission.json).
+ROW_2014 = [1.05740567, 1.05730104, 1.05807084]  # #2014, seeds 42, 314, 0
+ROW_2135 = [1.05679341, 1.05610947, 1.05662016]  # #2135, seeds 0, 42, 314
+FRONTIER = REPO.parent / "shared" / "anchors" / "frontier"
+
+
+def test_welch_by_hand_and_2135_against_2014_is_p_0014():
+    """t = (m1 - m2) / sqrt(v1 + v2), v = s^2/n; Welch-Satterthwaite df; p = P(T_df <= t). #2135 was accepted
+    'under grace policy (p=0.014 vs PR #2014)' (SPEC-FRONTIER 20): its seeds against #2014's give p = 0.014."""
+    w = rl.welch_test(ROW_2135, ROW_2014)
+    v1, v2 = (sum((x - sum(r) / 3) ** 2 for x in r) / 2 / 3 for r in (ROW_2135, ROW_2014))
+    assert w.t == pytest.approx((sum(ROW_2135) - sum(ROW_2014)) / 3 / math.sqrt(v1 + v2), rel=1e-9)
+    assert w.df == pytest.approx((v1 + v2) ** 2 / (v1 ** 2 / 2 + v2 ** 2 / 2), rel=1e-9)
+    assert round(w.p, 3) == 0.014 and w.significant and w.alpha == 0.25
+    assert w.p == pytest.approx(rl.student_t_cdf(w.t, w.df), abs=0)
+    back = rl.welch_test(ROW_2014, ROW_2135)  # the other way round: p = 1 - 0.014, not accepted
+    assert back.p == pytest.approx(1 - w.p, abs=1e-12) and not back.significant
+    assert rl.welch_test([1.1], ROW_2014).p is None  # one seed: no test
+    assert rl.welch_test([1.0, 1.0], [1.1, 1.1]).p == 0.0 and rl.welch_test([1.1, 1.1], [1.0, 1.0]).p == 1.0
+
+
+def test_row_scores_from_numbers_and_from_the_rows_own_submission_json():
+    assert rl.row_scores("1.05740567, 1.05730104,1.05807084") == ROW_2014
+    with pytest.raises(rl.RecordError, match="not a folder, a submission.json or comma-separated numbers"):
+        rl.row_scores("no/such/row")
+    if not FRONTIER.is_dir():
+        pytest.skip(f"{FRONTIER} (the records' files) is not here")
+    assert sorted(rl.row_scores(str(FRONTIER / "record_0430"))) == sorted(ROW_2014)
+    assert sorted(rl.row_scores(str(FRONTIER / "record_0501" / "submission.json"))) == sorted(ROW_2135)
+    w = rl.welch_test(rl.row_scores(str(FRONTIER / "record_0501")), rl.row_scores(str(FRONTIER / "record_0430")))
+    assert round(w.p, 3) == 0.014
+
+
 def test_significance_three_seeds_by_hand():
     """values [1.10, 1.11, 1.12] against SOTA X = 1.13, bpb per nat = 0.5.
 
@@ -835,7 +887,8 @@ def test_check_10min_track_without_sota_is_not_ok(tmp_path, capsys):
     assert lines[0].startswith(f"WELL-FORMED: {folder} (10min track): 3 seed(s)")
     assert lines[1] == (
         "NOT CHECKED: whether it beats the current SOTA; a 10-minute record must beat it by >= 0.005 nats"
-        " at p < 0.01: pass --sota-bpb X (the current record's val_bpb)"
+        " at p < 0.01: pass --sota-bpb X (the current record's val_bpb), or --against ROW for the leaderboard's"
+        " rule (one-sided Welch p < 0.25 against that row's seeds)"
     )
 
 
@@ -849,6 +902,7 @@ def test_check_10min_track_sota_verdict(tmp_path, capsys):
     assert out.splitlines()[1] == (
         "RECORD: mean val_bpb 1.11700000 over 3 seed(s) beats SOTA 1.124 by >= 0.005 nats (0.00296 bpb)"
         " at p < 0.01 (t=-6.993, df=2, p=0.009921; threshold 1.12103750)"
+        " [README rule: beat --sota-bpb by >= 0.005 nats at p < 0.01]"
     )
     rc, out = run_check(folder, capsys, "--sota-bpb", "1.1205")
     assert rc == 1
@@ -864,6 +918,32 @@ def test_check_10min_track_sota_verdict(tmp_path, capsys):
     assert rc == 1 and out.splitlines()[1].startswith(
         "NOT A RECORD: mean val_bpb 1.11600000 over 1 seed(s): cannot run the t-test with n=1 seed(s)"
     )
+
+
+def test_check_against_a_row_applies_the_leaderboards_welch_rule(tmp_path, capsys):
+    """--against: the folder's seeds (1.116, 1.117, 1.118) against a row's, one-sided Welch p < 0.25, which then
+    decides the exit status; the README's rule with --sota-bpb becomes information; each line names its rule."""
+    folder = make_full_record(tmp_path)
+    mine = [1.116, 1.117, 1.118]
+    for row, accepted in (("1.1180,1.1190,1.1170", True), ("1.1170,1.1175,1.1168", False)):
+        rc, out = run_check(folder, capsys, "--against", row)
+        want = rl.welch_test(mine, [float(x) for x in row.split(",")])
+        lines = out.splitlines()
+        assert rc == (0 if accepted else 1) and len(lines) == 2, out
+        assert lines[0].startswith("OK: " if accepted else "WELL-FORMED: ")
+        assert lines[1].startswith("RECORD: " if accepted else "NOT A RECORD: ")
+        assert f"p={want.p:.4g}" in lines[1] and lines[1].endswith(f"[{rl.WELCH_RULE}]")
+    assert 0.1 < rl.welch_test(mine, [1.1180, 1.1190, 1.1170]).p < 0.25  # accepted, though far from p < 0.01
+    # Both rules: --against decides (exit 0 here although the README's rule fails against 1.1205).
+    rc, out = run_check(folder, capsys, "--against", "1.1180,1.1190,1.1170", "--sota-bpb", "1.1205")
+    assert rc == 0 and out.splitlines()[2].startswith("INFO (not deciding: --against applies the leaderboard's")
+    assert out.splitlines()[2].endswith(f"[{rl.README_RULE}]")
+    # A row folder: its submission.json's per-seed scores (make_record's per_seed).
+    row = make_full_record(tmp_path / "row")
+    rc, out = run_check(folder, capsys, "--against", str(row))
+    assert rc == 1 and f"over 3 seed(s) against the row's 1.11700000 over 3 ({row})" in out and "p=0.5)" in out
+    rc, out = run_check(folder, capsys, "--against", str(tmp_path / "missing"))
+    assert rc == 1 and out.startswith("FAIL: ") and "comma-separated numbers" in out and len(out.splitlines()) == 1
 
 
 def test_check_non_record_track_sota_is_information(tmp_path, capsys):
