@@ -4875,7 +4875,8 @@ NGRAM_ORDERS = range(2, len(NGRAM_COEFFS) + 2)  # the C reads ROLLING_COEFFS[j] 
 def _mark_run_starts(sorted_vals, is_start):
     """is_start[k] = True where a run of equal values of the sorted 1-D tensor begins (in place; returns it)."""
     is_start[0] = True
-    return torch.ne(sorted_vals[1:], sorted_vals[:-1], out=is_start[1:])
+    torch.ne(sorted_vals[1:], sorted_vals[:-1], out=is_start[1:])
+    return is_start
 
 
 def _running_max(x, out, spare, width=1024):
@@ -4933,8 +4934,9 @@ def ngram_tilt_hints(targets, order):
     segmented running max of c (cummax of run_start*(m+1) + c) and top_tok the token where it last rose (cummax of
     the indices where it rises). Keys stay below 2^38 and pair keys below 2^58, so int64 holds the C's uint64 values.
 
-    Memory: peak about 11 int64 arrays of the stream's length (the sorts); measured on CPU for 47,851,520 targets in
-    docs/evaluation.md. Sorts, scans, gathers and scatters only: on a CUDA tensor it all runs on the GPU."""
+    Memory: about 9.5 int64 arrays of the stream's length at peak; for 47,851,520 targets 3.44 GiB above the input
+    (peak RSS on CPU, docs/evaluation.md). Sorts, scans, gathers and scatters only: on a CUDA tensor it all runs on
+    the GPU."""
     if targets.dim() != 1:
         raise ValueError(f"ngram_tilt_hints: targets must be 1-D, got shape {tuple(targets.shape)}")
     if order not in NGRAM_ORDERS:
@@ -4948,34 +4950,38 @@ def ngram_tilt_hints(targets, order):
     key, pair, tok = ngram_tilt_keys(targets, order)
     # Full-length work buffers, reused through out= (fewer fresh allocations: on CPU each costs page faults).
     # cummax's indices output is unused; it goes to whichever buffer is free at that step.
-    idx = torch.arange(m, device=dev)
-    run_start, spare = torch.empty_like(key), torch.empty_like(key)
-    is_start = torch.empty(m, dtype=torch.bool, device=dev)
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
     vals, perm = torch.sort(pair, stable=True)
-    _mark_run_starts(vals, is_start)
-    _running_max(torch.mul(idx, is_start, out=pair), run_start, vals)
+    idx, run_start = torch.arange(m, device=dev), torch.empty_like(key)
+    is_start = _mark_run_starts(vals, torch.empty(m, dtype=torch.bool, device=dev))
+    _running_max(torch.where(is_start, idx, zero, out=pair), run_start, vals)
     count = pair.scatter_(0, perm, torch.sub(idx, run_start, out=run_start).add_(1))  # pair count, stream order
+    del idx, run_start  # (lower peak: the sort's own buffers come next)
     torch.sort(key, stable=True, out=(vals, perm))  # perm: targets by key, each key's in stream order
     _mark_run_starts(vals, is_start)
-    _running_max(torch.mul(idx, is_start, out=key), run_start, vals)
+    idx, run_start = torch.arange(m, device=dev), torch.empty_like(key)
+    _running_max(torch.where(is_start, idx, zero, out=key), run_start, vals)
+    spare = torch.empty_like(key)
     base = torch.mul(run_start, m + 1, out=spare)
     _running_max(torch.gather(count, 0, perm, out=key).add_(base), vals, pair)  # (count is consumed here)
     top_count = vals.sub_(base)  # running max of the pair counts within each key's run
     rises = is_start.clone()
     rises[1:] |= top_count[1:] > top_count[:-1]
-    _running_max(torch.mul(idx, rises, out=key), pair, spare)  # where top_count last rose
+    _running_max(torch.where(rises, idx, zero, out=key), pair, spare)  # where top_count last rose
     del rises
     best = tok.gather(0, torch.gather(perm, 0, pair, out=key))
-    del tok
+    del tok, pair, key
     # a key's k-th target (k >= 1) emits the state left by its (k-1)-th: (best, top_count / k); its first (0, 0.0)
     out_tok = spare
     out_tok[0] = 0
     out_tok[1:].copy_(best[:-1])
     del best
-    out_prob = torch.empty(m, dtype=torch.float32, device=dev)
+    count_f = top_count.to(torch.float32)
+    del vals, top_count
+    out_prob = torch.sub(idx, run_start, out=run_start).to(torch.float32)  # k
+    del idx, run_start
+    torch.div(count_f[:-1], out_prob[1:], out=out_prob[1:])
     out_prob[0] = 0.0
-    torch.div(top_count[:-1].to(torch.float32), torch.sub(idx, run_start, out=run_start)[1:].to(torch.float32),
-              out=out_prob[1:])
     top_tok[L - 1:].scatter_(0, perm, out_tok.masked_fill_(is_start, 0))
     top_prob[L - 1:].scatter_(0, perm, out_prob.masked_fill_(is_start, 0.0))
     return top_tok, top_prob

@@ -271,7 +271,8 @@ def main(argv=None):
     print(f"{args.tokens:,} tokens ({stream_name}), order {args.order}; {gated:,} positions with prob >= 0.8")
     print("| row | seconds | peak memory | identical to ours on CPU | note |")
     print("|---|---|---|---|---|")
-    notes = {"ours cpu": f"torch {torch.__version__}, {results['ours cpu']['threads']} threads",
+    threads = results["ours cpu"]["threads"]
+    notes = {"ours cpu": f"torch {torch.__version__}, {threads} thread{'s' if threads > 1 else ''}",
              "record token C": "cc -O3 -march=native, within channel idle, 1 thread",
              "record whole path": "build_hints_for_targets, #2135's settings, "
                                   + ("tokenizer " + Path(args.tokenizer).name if args.tokenizer else "stub decoder"),
