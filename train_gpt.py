@@ -2735,8 +2735,20 @@ def check_model_memory(h, device):
                           f"but {avail[0] / 1e9:,.1f} GB is {avail[1]}")
 
 
+def run_device_type(h):
+    """DEVICE, or cuda when this machine has it, else cpu."""
+    return h.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run_precision(h):
+    """(device type, autocast dtype name) this run computes with: what a checkpoint records and a resume compares
+    (DEVICE and AUTOCAST_DTYPE at auto resolve per machine)."""
+    device = run_device_type(h)
+    return device, str(choose_precision(h, torch.device(device))[0] or "fp32").replace("torch.", "")
+
+
 def setup_runtime(h, resume=None):
-    want = h.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    want = run_device_type(h)
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("DEVICE=cuda but CUDA is not available on this machine")
     if h.val_bytecount_device == "cuda" and want != "cuda":
@@ -3199,6 +3211,9 @@ def find_resume(h):
               if k not in RESUME_FREE_SETTINGS and now.get(k) != v]
     differ += [f"{k} (new, now {v})" for k, v in now.items()
                if k not in RESUME_FREE_SETTINGS and k not in manifest["settings"]]
+    saved, here = manifest.get("precision"), list(run_precision(h))
+    if saved is not None and saved != here:
+        differ.append(f"device/precision={'/'.join(saved)} (now {'/'.join(here)}; set DEVICE and AUTOCAST_DTYPE)")
     if differ:
         raise ConfigError(f"RESUME: {path} was written with settings that change the training: {', '.join(differ)}")
     newer = [p.name for s, p in complete_checkpoints(folder) if s > manifest["step"]]
@@ -3415,7 +3430,7 @@ class Checkpointer:
             for r in range(h.world_size):
                 files.update(json.loads((tmp / f"rank{r}.json").read_text(encoding="utf-8")))
             manifest = {"format": 1, "step": step, "world_size": h.world_size, "settings": settings_text(h),
-                        "code_crc32": code_crc(), "files": files}
+                        "precision": list(run_precision(h)), "code_crc32": code_crc(), "files": files}
             write_synced(tmp / CHECKPOINT_MANIFEST, json.dumps(manifest, indent=1).encode())
             final = self.folder / checkpoint_name(step)
             if final.exists():
@@ -3535,6 +3550,9 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
         if phases:
             loader.set_cut_len(phases[phase][0])
         rt.log(f"resumed_from:{rt.resume.path} step:{step} train_time:{train_ms:.0f}ms")
+        if rt.resume.manifest.get("code_crc32") != code_crc():
+            rt.log("resume_note: this train_gpt.py differs from the one that wrote the checkpoint (CRC-32); the "
+                   "settings match, but a change in the code's math would make this run differ from an unbroken one")
     trainer.data_wait_ms = 0.0
     wait_total, wait_max, wait_since_log, steps_since_log = 0.0, 0.0, 0.0, 0
     rt.sync()

@@ -54,6 +54,9 @@ def test_tiny_bench_runs_every_cpu_row_and_prints_one_table(tmp_path):
         assert tps == pytest.approx(512 / (ms / 1000.0), rel=1e-3, abs=1)  # TRAIN_BATCH_TOKENS=512 at tiny shapes
         assert number(r["data_wait_ms"]) >= 0 and number(r["compile_s"]) >= 0 and number(r["mfu"]) > 0
         assert r["peak_mib"] == "-"  # CUDA only
+    for preset in ("record_0427", "record_0430", "record_0501"):  # packed rows (record_0430's context scaled down)
+        assert rows[f"PRESET={preset} loop off"]["status"] == "ok", rows[f"PRESET={preset} loop off"]
+        assert rows[f"PRESET={preset} loop on"]["status"].startswith("skipped: tiny mode runs record_0409's")
     assert rows["ours p0c1"]["settings"] == "TRAIN_PREFETCH=0 TRAIN_COPY_STREAM=1"
     flops = {name: number(re.search(r"([\d.]+) MFLOP/token", rows[name]["note"]).group(1))
              for name in ("PRESET=record_0409 loop off", "PRESET=record_0409 loop on")}
@@ -173,8 +176,9 @@ def test_each_packing_preset_has_torch_varlen_against_the_masked_path():
     fallback), loops off, otherwise its row's settings; tiny mode (CPU) skips both, an old PyTorch the first."""
     tiny = bench_gpu.bench_config({"BENCH_TINY": "1"})
     cuda = {**tiny, "tiny": False}
-    packing = [p for p in ("record_0427", "record_0430") if tg.PRESETS[p].get("TRAIN_LOADER") == "packed"]
-    assert packing == ["record_0427", "record_0430"]
+    packing = [p for p in ("record_0409", "record_0427", "record_0430", "record_0501")
+               if tg.PRESETS[p].get("TRAIN_LOADER") == "packed"]
+    assert packing == ["record_0427", "record_0430", "record_0501"]
     for cfg, varlen_ok in ((cuda, True), (cuda, False), (tiny, False)):
         plan = {**bench_gpu.backend_plan(True), "torch_varlen": varlen_ok}
         rows = {r["name"]: r for r in bench_gpu.plan_rows(cfg, "", tg.PRESETS, plan)}

@@ -7,6 +7,7 @@ checkpoint's write leaves the previous one, which RESUME=auto takes; refused res
 change nothing on disk. Every comparison is between two runs made in this test, never a pinned number."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
@@ -208,6 +209,13 @@ def test_each_refusal_names_what_differs_or_the_file(scenario, data, tmp_path):
     assert "past the resumed step 2" in refusal(RESUME=str(folder / "step_00000002"), CHECKPOINT_EVERY="1")
     assert tree(folder) == before
     newest = folder / "step_00000003"
+    manifest = (newest / "manifest.json").read_text(encoding="utf-8")
+    saved = json.loads(manifest)
+    assert saved["precision"] == list(tg.run_precision(tg.Hyperparameters(base)))
+    # DEVICE and AUTOCAST_DTYPE left at auto resolve per machine: a checkpoint of a bf16 GPU run is refused here
+    (newest / "manifest.json").write_text(json.dumps({**saved, "precision": ["cuda", "bfloat16"]}), encoding="utf-8")
+    assert "device/precision=cuda/bfloat16 (now cpu/" in refusal(RESUME="auto")
+    (newest / "manifest.json").write_text(manifest, encoding="utf-8")
     with open(newest / "rank0.pt", "r+b") as f:  # truncated
         f.truncate(100)
     assert f"checkpoint file {newest / 'rank0.pt'} is truncated" in refusal(RESUME="auto")

@@ -384,6 +384,14 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _alive(pid):
+    """Whether process `pid` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_stalled_peer_fails_the_run_within_the_timeout(tmp_path, sample_data):
     """Rank 1 is stopped (SIGSTOP) mid-training: rank 0's next collective gives up after
     DIST_TIMEOUT_SECONDS and the run exits non-zero instead of hanging."""
@@ -406,8 +414,12 @@ def test_stalled_peer_fails_the_run_within_the_timeout(tmp_path, sample_data):
         assert set(ranks) == {0, 1}, ranks
         os.kill(ranks[1], signal.SIGSTOP)
         t0 = time.time()
-        out, err = proc.communicate(timeout=120)
+        while time.time() - t0 < 120 and _alive(ranks[0]):
+            time.sleep(0.2)
         elapsed = time.time() - t0
+        # torchrun's agent would give the stopped rank 30 s to answer SIGTERM: end it now
+        os.kill(ranks[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
