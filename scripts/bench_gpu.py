@@ -276,13 +276,21 @@ def plan_rows(cfg, help_text, presets, backends):
     elif not RECORD_SCRIPT.is_file():
         record.update(kind="skip", note=f"skipped: {RECORD_SCRIPT} is not here (BENCH_ANCHORS)")
     rows += [record, {"name": "eval", "kind": "eval", "env": {}}]
-    rows += [{"name": name, "kind": "ours", "env": env} for name, env in loader.items()]
+    for name, env in loader.items():
+        rows.append({"name": name, "kind": "ours", "env": env})
+        if cfg["tiny"] and name != "ours p0c0":  # copy streams are CUDA only: p0c1 = p0c0, p1c0 = p1c1 on CPU
+            rows[-1].update(kind="skip", note="skipped: tiny mode on CPU, where copy streams are off (CUDA only) and "
+                                              "this row would repeat " + ("ours p0c0" if name == "ours p0c1" else
+                                                                         "the default row"))
     if backends["fa4"]:
         rows.append({"name": "ours default, FA4", "kind": "ours", "env": {"ATTENTION_BACKEND": "flash_attn_4"}})
     for setting in ("FUSED_MLP", "FUSED_CE"):
         row = {"name": f"ours {setting}=1", "kind": "ours", "env": {setting: "1"}}
         if not re.search(rf"^\s*{setting}\s", help_text, re.M):
             row.update(kind="skip", note=f"skipped: {setting} is not a setting of this train_gpt.py (--help)")
+        elif cfg["tiny"]:
+            row.update(kind="skip", note="skipped: tiny mode on CPU, where the kernels fall back to eager (CUDA only; "
+                                         "tests/test_kernels.py runs them in Triton's interpreter)")
         rows.append(row)
     for preset in ("record_0409", "record_0427", "record_0430", "record_0501"):
         if preset not in presets:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log
+from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, short_val_data
 
 SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -625,7 +625,9 @@ def test_packed_train_gpt_trains_exactly_like_the_readable_one(packed_train_gpt,
     packed_path.write_text(packed, encoding="utf-8")
     cwd = tmp_path / "run"
     cwd.mkdir()
-    env = {**clean_environ(), **TINY_ENV, **sample_data, "TTT_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    (tmp_path / "data").mkdir()
+    data = short_val_data(sample_data, tmp_path / "data", 32 * 128 + 1)  # the sample's first 32 sequences of val
+    env = {**clean_environ(), **TINY_ENV, **data, "TTT_ENABLED": "0", "OMP_NUM_THREADS": "1"}
     logs = {}
     for run_id, script in (("readable", SCRIPT), ("packed", packed_path)):
         proc = subprocess.run([sys.executable, str(script)], cwd=cwd, env={**env, "RUN_ID": run_id},
