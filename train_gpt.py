@@ -745,6 +745,15 @@ def list_shards(pattern):
     return files
 
 
+def switch_shard(loader, file_idx):
+    """Point a shard-walking loader (its .files, .vocab_size, .reader, .file_idx) at shard `file_idx`: the new
+    shard is opened (and checked), then the one it had open, if any, is closed."""
+    old, loader.reader = loader.reader, ShardReader(loader.files[file_idx], loader.vocab_size)
+    loader.file_idx = file_idx
+    if old is not None:
+        old.close()
+
+
 class TokenStream:
     """One endless stream over the sorted shards, wrapping after the last."""
 
@@ -759,9 +768,7 @@ class TokenStream:
         while n > 0:
             avail = self.reader.num_tokens - self.pos
             if avail <= 0:  # open (and re-check) the next shard only when reached
-                self.file_idx = (self.file_idx + 1) % len(self.files)
-                old, self.reader = self.reader, ShardReader(self.files[self.file_idx], self.vocab_size)
-                old.close()
+                switch_shard(self, (self.file_idx + 1) % len(self.files))
                 self.pos = 0
                 continue
             k = min(n, avail)
@@ -781,9 +788,8 @@ class TokenStream:
     def seek(self, file_idx, pos):
         """Continue from token `pos` of shard `file_idx` (a checkpoint's loader position)."""
         if file_idx != self.file_idx:
-            old, self.reader = self.reader, ShardReader(self.files[file_idx], self.vocab_size)
-            old.close()
-        self.file_idx, self.pos = file_idx, pos
+            switch_shard(self, file_idx)
+        self.pos = pos
 
 
 class _HostLoader:
@@ -963,14 +969,11 @@ class DocumentPackingLoader(_HostLoader):
             reader.close()
 
     def _next_shard(self):
-        while True:
-            self.file_idx = (self.file_idx + 1) % len(self.files)
-            if self.first_bos[self.file_idx] is not None:
-                break
-        if self.reader is not None:
-            self.reader.close()
-        self.reader = ShardReader(self.files[self.file_idx], self.vocab_size)
-        self.pos = self.first_bos[self.file_idx]
+        nxt = (self.file_idx + 1) % len(self.files)
+        while self.first_bos[nxt] is None:
+            nxt = (nxt + 1) % len(self.files)
+        switch_shard(self, nxt)
+        self.pos = self.first_bos[nxt]
 
     def next_host(self):
         """(this rank's local_tokens + 1 tokens, where its documents start)."""
@@ -988,9 +991,8 @@ class DocumentPackingLoader(_HostLoader):
 
     def restore(self, position):
         if position["file_idx"] != self.file_idx:
-            self.reader.close()
-            self.reader = ShardReader(self.files[position["file_idx"]], self.vocab_size)
-        self.file_idx, self.pos = position["file_idx"], position["pos"]
+            switch_shard(self, position["file_idx"])
+        self.pos = position["pos"]
 
     def doc_bounds(self, starts, device):
         cu = cut_cu_seqlens(starts, self.local_tokens, self.seq_len)
