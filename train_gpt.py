@@ -3419,9 +3419,7 @@ class Checkpointer:
             return
         if self.pending[2] is not None:
             self.pending[2].join()
-        flag = self.rt.all_reduce(torch.tensor(2.0 if self.failure else 0.0, dtype=torch.float64,
-                                               device=self.rt.device), op=dist.ReduceOp.MAX).item()
-        self.poll(flag)
+        self.poll(self.rt.all_reduce(self.pending_flag(), op=dist.ReduceOp.MAX).item())  # joined: 0 or 2
 
     def _finish(self):
         rt, h = self.rt, self.h
