@@ -270,8 +270,8 @@ def warn_incomplete(logs: list[rl.RunLog]) -> None:
         missing = rl.missing_final_lines(log)
         if missing:
             print(f"warning: {log.path}: missing {', '.join(missing)}", file=sys.stderr)
-        if rl.resumed_note(log):
-            print(f"warning: {log.path}: {rl.resumed_note(log)}", file=sys.stderr)
+        if note := rl.resumed_note(log):
+            print(f"warning: {log.path}: {note}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
