@@ -31,7 +31,7 @@ import time
 import traceback
 import uuid
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -181,6 +181,7 @@ class Hyperparameters:
         self.seed = self._env("SEED", 1337)
         self.device = self._env("DEVICE", "", str)
         self.compile = self._env("COMPILE", None, bool)
+        self.compile_backend = self._env("COMPILE_BACKEND", "inductor", str)
         self.autocast_dtype = self._env("AUTOCAST_DTYPE", "auto", str)
         self.debug_traceback = self._env("DEBUG_TRACEBACK", False, bool)
         # ---- schedule
@@ -1441,6 +1442,8 @@ def doc_causal_attention(q, k, v, docs):
     if flash is not None:
         out = fn(*[t.reshape(B * T, *t.shape[2:]) for t in flash], cu, docs.max_len)
         return out.view(B, T, H, D)
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        return per_document_attention(q, k, v, cu)
     S, N = docs.max_len, B * T
     nb = -(-N // S)
     pad = nb * S - N
@@ -1463,6 +1466,23 @@ def doc_causal_attention(q, k, v, docs):
     mask = (doc_q[:, :, None] == doc_k[:, None, :]) & (pos_k[:, None, :] <= pos_q[:, :, None])
     y = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None], enable_gqa=kb.size(1) != qb.size(1))
     return y.transpose(1, 2).reshape(nb * S, H, D)[:N].view(B, T, H, D)
+
+
+def per_document_attention(q, k, v, cu):
+    """Exact per-document causal attention on CPU in eager mode (issue 34): one causal SDPA call per non-empty
+    segment of cu_seqlens, which CPU runs with its fused (flash) kernel, no mask; cost sum(L_i^2 / 2) per head, where
+    the masked blocks of doc_causal_attention cost N * 2S and a mask. Its loop reads cu_seqlens on the host, so a
+    compiled graph takes the blocks instead (traceable, no sync)."""
+    B, T, H, D = q.shape
+    flat = [t.reshape(B * T, *t.shape[2:]) for t in (q, k, v)]
+    bounds = cu.tolist()
+    gqa = k.size(2) != H
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:
+            seg = [t[a:b].transpose(0, 1) for t in flat]  # (h, L, D)
+            outs.append(F.scaled_dot_product_attention(*seg, is_causal=True, enable_gqa=gqa).transpose(0, 1))
+    return torch.cat(outs).view(B, T, H, D)
 
 
 def rms_norm(x):
@@ -2253,6 +2273,11 @@ class GPT(nn.Module):
     def qat_on(self):
         return any(m.qat for m in self.modules() if isinstance(m, CastedLinear))
 
+    def graph_state(self):
+        """What a compiled graph of this model depends on besides its inputs (CompiledFunction's key): train/eval
+        mode, the layer order, late QAT, and which weights train (LoRA and SGD TTT freeze some)."""
+        return self.training, self.looping, self.qat_on(), tuple(p.requires_grad for p in self.parameters())
+
     def forward_logits(self, ids, docs=None, lora=None):
         return softcap_logits(self.raw_logits(ids, docs, lora), self.logit_softcap)
 
@@ -2564,6 +2589,7 @@ class Runtime:
     precision_note: str = ""
     threads_note: str = ""
     resume: ResumePoint | None = None  # RESUME's checked checkpoint (find_resume)
+    compiled: list = field(default_factory=list)  # this run's CompiledFunctions, in creation order
 
     def __post_init__(self):
         # The timing breakdown turns overlap off; copy streams need CUDA.
@@ -2831,12 +2857,135 @@ def muon_momentum_at(h, step):
     return (1 - frac) * h.muon_momentum_warmup_start + frac * h.muon_momentum
 
 
-def maybe_compile(fn, rt):
-    return torch.compile(fn, dynamic=False, fullgraph=True) if compile_enabled(rt) else fn
-
-
 def compile_enabled(rt):
     return rt.h.compile if rt.h.compile is not None else rt.device.type == "cuda"
+
+
+# ---- torch.compile with a graph plan (issue 34; docs/gpu.md "Compiled graphs")
+# Each compiled callable knows how many graphs the run's settings need of it (its plan); the warmups compile them
+# before the timers; inside a timed region a call whose graph was not warmed runs eager once per shape (logged), and
+# a graph Dynamo compiles there anyway is counted and logged (compile_region lines), never hidden.
+
+_REGION = [None]  # the timed region running now (compile_region), else None
+
+
+@contextlib.contextmanager
+def compile_region(name):
+    """Marks a timed region (the training steps, each scored evaluation): compiled callables compile nothing in it."""
+    outer, _REGION[0] = _REGION[0], name
+    try:
+        yield
+    finally:
+        _REGION[0] = outer
+
+
+class CompiledFunction:
+    """One callable under torch.compile(fullgraph=True, backend=COMPILE_BACKEND) with its plan: `planned` graphs. The
+    backend is wrapped to count graphs (per function and per region) and calls that compiled are timed (trace, compile
+    and that call's run: compile_s). A graph is keyed as Dynamo guards it: argument shapes and dtypes (only their
+    number of dims with dynamic=True), DocBounds' lengths (cu_seqlens' length is marked dynamic: one graph serves every
+    number of documents), grad and inference mode, autocast, and state() (the model's train/eval, loop and QAT flags
+    and which weights train). Outside timed regions new keys compile; inside, an unseen key runs eager (logged once),
+    and a call past Dynamo's recompile limit runs eager instead of ending the run."""
+
+    def __init__(self, rt, name, fn, state, planned, dynamic=False):
+        self.rt, self.name, self.fn, self.state, self.planned, self.dynamic = rt, name, fn, state, planned, dynamic
+        self.graphs, self.compile_s, self.eager_calls = 0, 0.0, 0
+        self.region_graphs, self.region_eager = {}, {}
+        self.keys, self.logged = set(), set()
+        if isinstance(fn, nn.Module):
+            self._orig_mod = fn  # what set_train_mode switches
+        self.compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True, backend=self._backend)
+        rt.compiled.append(self)
+        # Dynamo's per-code-object limit (default 8) from the plan: functions of one model share code objects
+        # (forward and forward_logits), so the limit is the plan's total over the run, never below the default
+        limit = max(8, sum(f.planned for f in rt.compiled))
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                               4 * limit)
+
+    def _backend(self, gm, example_inputs):
+        self.graphs += 1
+        if _REGION[0] is not None:
+            self.region_graphs[_REGION[0]] = self.region_graphs.get(_REGION[0], 0) + 1
+        return torch._dynamo.lookup_backend(self.rt.h.compile_backend)(gm, example_inputs)
+
+    def _sig(self, a):
+        if isinstance(a, Tensor):
+            return (a.dim() if self.dynamic else tuple(a.shape)), a.dtype, a.requires_grad
+        if isinstance(a, DocBounds):
+            return "docs", a.max_len, a.rope_len
+        if isinstance(a, (tuple, list)):
+            return tuple(self._sig(x) for x in a)
+        if isinstance(a, nn.Module):
+            return type(a).__name__
+        return a
+
+    def key(self, args, kwargs):
+        dev = self.rt.device.type
+        autocast = torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev)
+        return (self._sig(args), self._sig(sorted(kwargs.items())), self.state(), torch.is_grad_enabled(),
+                torch.is_inference_mode_enabled(), autocast)
+
+    def _eager(self, why, key, args, kwargs):
+        self.eager_calls += 1
+        region = _REGION[0] or "-"
+        self.region_eager[region] = self.region_eager.get(region, 0) + 1
+        if key not in self.logged:
+            self.logged.add(key)
+            self.rt.log(f"compile: {self.name} ran eager in {region}: {why}")
+        return self.fn(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, DocBounds) and a.cu_seqlens.numel() > 1:
+                torch._dynamo.maybe_mark_dynamic(a.cu_seqlens, 0)
+        key = self.key(args, kwargs)
+        if _REGION[0] is not None and key not in self.keys:
+            return self._eager("a shape not warmed before the timer", key, args, kwargs)
+        self.keys.add(key)
+        graphs, t0 = self.graphs, time.perf_counter()
+        try:
+            out = self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            return self._eager(f"past Dynamo's recompile limit {torch._dynamo.config.recompile_limit}", key, args,
+                               kwargs)
+        if self.graphs > graphs:
+            self.rt.sync()
+            self.compile_s += time.perf_counter() - t0
+        return out
+
+    @property
+    def training(self):
+        return getattr(self.fn, "training", True)
+
+    def summary(self):
+        """The log line: graphs compiled against the plan, compile seconds, eager calls."""
+        return (f"compile: {self.name} graphs:{self.graphs} planned:{self.planned} "
+                f"recompiles:{max(self.graphs - 1, 0)} compile_s:{self.compile_s:.1f} eager_calls:{self.eager_calls} "
+                f"backend:{self.rt.h.compile_backend}" + (" dynamic:1" if self.dynamic else ""))
+
+
+def compile_fn(rt, name, fn, state, planned, dynamic=False):
+    """fn as a CompiledFunction where torch.compile is on (CUDA, or COMPILE=1), else fn itself."""
+    return CompiledFunction(rt, name, fn, state, planned, dynamic) if compile_enabled(rt) else fn
+
+
+def log_compile_region(rt, name):
+    """One line per timed region (all ranks' worst): graphs compiled inside it (0 when the warmups covered the plan)
+    and calls that ran eager."""
+    if not compile_enabled(rt):
+        return
+    counts = torch.tensor([[sum(f.region_graphs.get(name, 0) for f in rt.compiled),
+                            sum(f.region_eager.get(name, 0) for f in rt.compiled)]], dtype=torch.float64,
+                          device=rt.device)
+    graphs, eager = rt.all_reduce(counts, op=dist.ReduceOp.MAX)[0].tolist()
+    rt.log(f"compile_region: {name} graphs_compiled:{graphs:.0f} eager_calls:{eager:.0f}")
+
+
+def log_compiled(rt):
+    for f in rt.compiled:
+        rt.log(f.summary())
 
 
 class StepTimer:
@@ -2868,7 +3017,11 @@ class Trainer:
 
     def __init__(self, rt, model):
         self.rt, self.h, self.model = rt, rt.h, model
-        self.forward = maybe_compile(model, rt)
+        self.forward = compile_fn(rt, "train_forward", model, model.graph_state, len(training_graph_states(rt)))
+        # validation inside training (not timed): a callable of its own, compiled at its first call
+        self.val_forward = compile_fn(rt, "val_forward", model, model.graph_state,
+                                      3 * len(loop_states(model, rt.h)) * len(qat_states(rt)))
+        # (eval_val's row shapes: full batches, the last batch and the tail row, in each layer order and QAT flag)
         self.muon, self.adams = build_optimizers(self.h, model, rt.autocast_dtype or torch.float32)
         self.optimizers = [*self.adams, self.muon]
         bank_ids = {id(p) for p in self.muon.param_groups[0]["params"]}
@@ -2978,64 +3131,60 @@ def make_calibration_loader(rt):
                                   h.gptq_calibration_seqs * h.train_seq_len, h.train_seq_len, 0, h.vocab_size)
 
 
+def loop_states(model, h):
+    """The layer orders training runs: the starting one and, with NUM_LOOPS > 0, the looped one."""
+    return sorted({model.looping, h.num_loops > 0})
+
+
+def qat_states(rt):
+    """The QAT flags training runs with: QAT_ENABLED's, and on too when LATE_QAT_THRESHOLD switches it on mid-run
+    (a compiled graph each; warmed only where compiled: eager has nothing to warm)."""
+    h = rt.h
+    return sorted({h.qat_enabled, h.qat_enabled or (h.late_qat_threshold > 0 and compile_enabled(rt))})
+
+
+def training_graph_states(rt, model=None):
+    """Every (looping, cut length, QAT) the timed training steps can run in: one compiled graph each (the plan of
+    train_forward; cu_seqlens' length is dynamic, so the number of documents in a row adds none)."""
+    h = rt.h
+    loops = loop_states(model, h) if model is not None else sorted({False, h.num_loops > 0})
+    cuts = [n for n, _ in h.seq_len_phases] or [None]  # progressive context: every cut length
+    return [(lp, cut, qat) for lp in loops for cut in cuts for qat in qat_states(rt)]
+
+
 def warmup_and_restore(rt, trainer, position=None):
-    """WARMUP_STEPS real steps (compile, kernels) in every layer order the run will use (with NUM_LOOPS > 0 both,
-    so that both compiled graphs exist before the timer), then restore the initial state; returns a fresh loader
-    (at a resumed checkpoint's `position`)."""
+    """WARMUP_STEPS real steps (compile, kernels) in every state of training_graph_states (layer order, cut length,
+    QAT), so that every compiled graph the timed steps need exists before the timer, then restore the initial
+    state; returns a fresh loader (at a resumed checkpoint's `position`)."""
     h, model = rt.h, trainer.model
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt_states = [copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers]
     loader = make_train_loader(rt)
-    start = model.looping
+    start, qat_start = model.looping, model.qat_on()
+    states = training_graph_states(rt, model)
     rt.sync()
     t0 = time.perf_counter()
-    cut_lens = [n for n, _ in h.seq_len_phases] or [None]  # progressive context: every cut length
-    for looping in sorted({start, h.num_loops > 0}):
+    for looping, cut, qat in states:
         model.looping = looping
-        for cut in cut_lens:
-            if cut is not None:
-                loader.set_cut_len(cut)
-            for i in range(h.warmup_steps):
-                trainer.step(loader, 1.0, muon_momentum_at(h, 0))
-                rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}" + (" looping:1" if looping else "")
-                       + (f" seq_len:{cut}" if cut is not None else ""))
-            if h.train_loader == "packed" and compile_enabled(rt):
-                warm_packed_shapes(rt, trainer, cut or h.train_seq_len, loader)
+        model.set_qat(qat)
+        if cut is not None:
+            loader.set_cut_len(cut)
+        for i in range(h.warmup_steps):
+            trainer.step(loader, 1.0, muon_momentum_at(h, 0))
+            rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}" + (" looping:1" if looping else "")
+                   + (f" seq_len:{cut}" if cut is not None else "") + (" qat:1" if qat != h.qat_enabled else ""))
     model.looping = start
+    model.set_qat(qat_start)
     rt.sync()
-    rt.log(f"warmup_time: steps:{h.warmup_steps * len({start, h.num_loops > 0}) * len(cut_lens)} "
+    rt.log(f"warmup_time: steps:{h.warmup_steps * len(states)} "
            f"ms:{1000.0 * (time.perf_counter() - t0):.0f} (compile and first steps; not in train_time)")
+    log_compiled(rt)
     loader.shutdown()  # first: its thread must not advance the stream during the rewind
     model.load_state_dict(weights, strict=True)
     for opt, state in zip(trainer.optimizers, opt_states):
         opt.load_state_dict(state)
     trainer.zero_grad()
     return make_train_loader(rt, position)
-
-
-WARM_BUCKETS = (64, 128, 192, 256)  # cu_seqlens sizes compiled before the timer (the 04-10+ records)
-
-
-def packed_warm_buckets(local_tokens, cut_len):
-    """The cu_seqlens sizes of WARM_BUCKETS a packed row of local_tokens cut at cut_len can have."""
-    fewest = -(-local_tokens // cut_len) + 1  # entries with no BOS inside the row
-    return [b for b in WARM_BUCKETS if b >= fewest and b - 1 <= local_tokens]
-
-
-def warm_packed_shapes(rt, trainer, cut_len, loader):
-    """Compile the packed training graph for every bucket size of packed_warm_buckets before the timer: one
-    forward and backward each on a real row with synthetic, evenly spaced boundaries; gradients dropped."""
-    x, y, *_ = loader.next_batch()
-    n = x.numel()
-    for entries in packed_warm_buckets(n, cut_len):
-        cu = np.linspace(0, n, entries).round().astype(np.int32)
-        docs = DocBounds(torch.from_numpy(cu).to(x.device), cut_len, loader.rope_len)
-        with rt.autocast():
-            loss = trainer.forward(x, y, docs)
-        loss.backward()
-        trainer.zero_grad()
-        rt.log(f"warmup_shape: seq_len:{cut_len} cu_seqlens:{entries}"
-               + (" looping:1" if trainer.model.looping else ""))
 
 
 class WeightAverager:
@@ -3563,7 +3712,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
             rt.sync()
             train_ms += 1000.0 * (time.perf_counter() - t0)
             with (timer or contextlib.nullcontext)("val"):
-                val_loss, val_bpb = eval_val(rt, trainer.forward, val_tokens, luts)
+                val_loss, val_bpb = eval_val(rt, trainer.val_forward, val_tokens, luts)
             rt.log(f"step:{step}/{h.iterations} val_loss:{val_loss:.4f} val_bpb:{val_bpb:.4f} "
                    f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(step, 1):.2f}ms")
             rt.sync()
@@ -3588,7 +3737,8 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
             model.set_qat(True)
             rt.log(f"late_qat:enabled step:{step} scale:{scale:.4f}")
         profiler.before_step(step + 1)
-        train_loss = trainer.step(loader, lr_scale, muon_momentum_at(h, step), timer)
+        with compile_region("training"):
+            train_loss = trainer.step(loader, lr_scale, muon_momentum_at(h, step), timer)
         averager.update(step + 1, scale)
         step += 1
         profiler.after_step(step)
@@ -3625,6 +3775,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
                     loop_due=loop_due, looping=model.looping, qat_on=qat_on, phase=phase, switch_step=switch_step)))
     if ckpt is not None:
         ckpt.wait()
+    log_compile_region(rt, "training")
     profiler.finish()
     rt.log(f"data_wait: total_ms:{wait_total:.1f} mean_ms_per_step:{wait_total / max(step, 1):.3f} "
            f"max_step_ms:{wait_max:.3f}")
@@ -4401,12 +4552,29 @@ def finish_loss_bpb(rt, sums):
     return val_loss, val_loss / math.log(2.0) * tokens / nbytes
 
 
+def eval_val_split(h, num_targets):
+    """(first, last) sequence of this rank, rows per batch, whole EVAL_SEQ_LEN sequences of eval_val."""
+    L = h.eval_seq_len
+    batch_seqs = h.val_batch_size // (h.world_size * h.grad_accum_steps) // L
+    total = num_targets // L
+    return total * h.rank // h.world_size, total * (h.rank + 1) // h.world_size, batch_seqs, total
+
+
+def eval_val_shapes(h, num_targets):
+    """The (rows, length) of this rank's eval_val forwards: its batches (the last may be shorter) and, with
+    EVAL_INCLUDE_TAIL on the last rank, the tail row."""
+    L = h.eval_seq_len
+    first, last, batch_seqs, total = eval_val_split(h, num_targets)
+    shapes = {(min(batch_seqs, last - s), L) for s in range(first, last, batch_seqs)}
+    if h.eval_include_tail and h.rank == h.world_size - 1 and total * L < num_targets:
+        shapes.add((1, num_targets - total * L))
+    return sorted(shapes)
+
+
 def eval_val(rt, forward, val_tokens, luts):
     """SPEC 7 standard eval: contiguous EVAL_SEQ_LEN sequences split across ranks, through the prefetcher."""
     h, dev, L = rt.h, rt.device, rt.h.eval_seq_len
-    batch_seqs = h.val_batch_size // (h.world_size * h.grad_accum_steps) // L
-    total = (val_tokens.numel() - 1) // L
-    first, last = total * h.rank // h.world_size, total * (h.rank + 1) // h.world_size
+    first, last, batch_seqs, total = eval_val_split(h, val_tokens.numel() - 1)
     starts = iter(range(first, last, batch_seqs))
     num_batches = len(range(first, last, batch_seqs))
     host_bytes = h.val_bytecount_device == "cpu" or luts.sidecar is not None
@@ -4547,22 +4715,10 @@ def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None, ti
     """Legal score-first TTT (SPEC 7): score each chunk under inference_mode (tilted with NGRAM_TILT), then train on
     it (not the last; the training loss is never tilted)."""
     h = rt.h
-    L, C = h.eval_seq_len, h.ttt_chunk_tokens
-    num_targets = val_tokens.numel() - 1
-    windows = sliding_windows(num_targets, L, h.eval_stride)
-    num_chunks = -(-num_targets // C)
-    chunk_windows = [[] for _ in range(num_chunks)]
-    for start, first in windows:
-        chunk_windows[min((start + first) // C, num_chunks - 1)].append((start, first))
-    batch_rows = eval_batch_rows(h, [len(rank_slice(w, h)) for w in chunk_windows])
-
-    frozen_prefixes = tuple(f"blocks.{i}." for i in range(h.ttt_freeze_blocks))
+    chunk_windows, batch_rows = ttt_chunk_windows(h, val_tokens.numel() - 1)
+    num_chunks = len(chunk_windows)
     frozen_rows = frozen_bank_rows(h) if h.ttt_freeze_blocks > 0 else {}
-    params = []
-    for name, p in model.named_parameters():
-        p.requires_grad_(not name.startswith(frozen_prefixes))
-        if p.requires_grad:
-            params.append((name, p))
+    params = ttt_params(model, h)
     opt = torch.optim.SGD([p for _, p in params], lr=h.ttt_lr, momentum=h.ttt_momentum)
     sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
     t0 = time.perf_counter()
@@ -4580,6 +4736,42 @@ def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None, ti
         p.requires_grad_(True)
     model.eval()
     return finish_loss_bpb(rt, sums)
+
+
+def ttt_chunk_windows(h, num_targets):
+    """eval_ttt's sliding windows grouped by the TTT_CHUNK_TOKENS chunk of their first scored target, and the rows
+    of its scoring batches."""
+    L, C = h.eval_seq_len, h.ttt_chunk_tokens
+    num_chunks = -(-num_targets // C)
+    chunk_windows = [[] for _ in range(num_chunks)]
+    for start, first in sliding_windows(num_targets, L, h.eval_stride):
+        chunk_windows[min((start + first) // C, num_chunks - 1)].append((start, first))
+    return chunk_windows, eval_batch_rows(h, [len(rank_slice(w, h)) for w in chunk_windows])
+
+
+def ttt_train_rows(h, num_targets):
+    """The row counts of this rank's SGD TTT training forwards (ttt_train_chunk's batches of TTT_BATCH_SEQS
+    sequences, split over the ranks), over every chunk but the last."""
+    L, C = h.eval_seq_len, h.ttt_chunk_tokens
+    num_chunks = -(-num_targets // C)
+    rows = set()
+    for ci in range(num_chunks - 1 if h.ttt_epochs > 0 else 0):
+        num_seqs = (min(ci * C + C, num_targets) - ci * C) // L
+        for b in range(0, num_seqs, h.ttt_batch_seqs):
+            rows.add(len(rank_slice(list(range(b, min(b + h.ttt_batch_seqs, num_seqs))), h)))
+    return sorted(rows - {0})
+
+
+def ttt_params(model, h):
+    """SGD TTT's trained weights, (name, parameter): all but the first TTT_FREEZE_BLOCKS blocks' (requires_grad set
+    accordingly on every weight)."""
+    frozen_prefixes = tuple(f"blocks.{i}." for i in range(h.ttt_freeze_blocks))
+    params = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(frozen_prefixes))
+        if p.requires_grad:
+            params.append((name, p))
+    return params
 
 
 def ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, tokens, ci, num_chunks):
@@ -4702,12 +4894,12 @@ def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None, forward=None, til
     return finish_loss_bpb(rt, lora_ttt_sums(rt, model, val_tokens, luts, per_token, forward, tilt))
 
 
-def lora_forward(rt, model):
+def lora_forward(rt, model, planned):
     """TTT_MODE=lora's forward and how it runs: model.forward_logits compiled with dynamic shapes where
-    torch.compile is on (CUDA, or COMPILE=1; the 04-27/04-30 records' torch.compile(dynamic=True)), else eager."""
-    if compile_enabled(rt):
-        return torch.compile(model.forward_logits, dynamic=True), "compiled"
-    return model.forward_logits, "eager"
+    torch.compile is on (CUDA, or COMPILE=1; the 04-27/04-30 records' torch.compile(dynamic=True)), else eager;
+    planned: the warmup's shape count (an upper bound on its graphs)."""
+    fn = compile_fn(rt, "ttt_lora", model.forward_logits, model.graph_state, planned, dynamic=True)
+    return fn, "compiled" if fn is not model.forward_logits else "eager"
 
 
 @contextlib.contextmanager
@@ -4733,6 +4925,13 @@ def lora_optimizer(h, lora, device):
                              fused=device.type == "cuda")
 
 
+def lora_warm_shapes(h, batch_sizes):
+    """warm_lora_ttt's (rows, width): each chunk width at TTT_BATCH_SIZE rows, the first for every other batch size."""
+    L = h.ttt_eval_seq_len or h.eval_seq_len
+    widths = sorted({min(c, L) for c in [h.ttt_chunk_size] + [c for _, c in h.ttt_chunk_steps]} | {L})
+    return [(h.ttt_batch_size, w) for w in widths] + [(n, widths[0]) for n in sorted(set(batch_sizes) - {h.ttt_batch_size})]
+
+
 def warm_lora_ttt(rt, model, forward, batch_sizes):
     """One LoRA TTT step (forward, backward, AdamW) on random tokens with throwaway adapters for each chunk width the
     evaluation starts with (each chunk size of TTT_CHUNK_SIZE and TTT_CHUNK_SIZE_BY_DOC_LEN, and the full context)
@@ -4741,10 +4940,7 @@ def warm_lora_ttt(rt, model, forward, batch_sizes):
     scored time (SPEC-FRONTIER 18). The model's weights and every generator the evaluation uses stay untouched.
     Returns [(rows, width)] warmed."""
     h = rt.h
-    L = h.ttt_eval_seq_len or h.eval_seq_len
-    widths = sorted({min(c, L) for c in [h.ttt_chunk_size] + [c for _, c in h.ttt_chunk_steps]} | {L})
-    shapes = [(h.ttt_batch_size, w) for w in widths]
-    shapes += [(n, widths[0]) for n in sorted(set(batch_sizes) - {h.ttt_batch_size})]
+    shapes = lora_warm_shapes(h, batch_sizes)
     g = torch.Generator().manual_seed(h.seed)
     with frozen_weights(model):
         for rows, width in shapes:
@@ -5091,15 +5287,27 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
     evaluation_time, the TTT loop's and the whole evaluation's wall time since t_eval (perf_counter)."""
     h = rt.h
     model = rt.prepare_model(model)
-    forward = maybe_compile(model, rt)
-    logits_fn = maybe_compile(model.forward_logits, rt)
+    n = val_tokens.numel() - 1
+    sgd_ttt = h.ttt_enabled and h.ttt_mode != "lora"
+    forward = compile_fn(rt, "eval_forward", model, model.graph_state,
+                         len(eval_val_shapes(h, n)) + (len(ttt_train_rows(h, n)) if sgd_ttt else 0))
+    logits_fn = compile_fn(rt, "eval_logits", model.forward_logits, model.graph_state,
+                           int(h.eval_stride > 0) + int(sgd_ttt))
+    if compile_enabled(rt):
+        stage("evaluation (warming the compiled evaluation graphs)")
+        t0 = time.perf_counter()
+        warm_evaluation(rt, model, forward, logits_fn, n)
+        rt.log(f"eval_warmup: time:{time.perf_counter() - t0:.1f}s (every scored evaluation's graphs, random tokens, "
+               "before their timers)")
 
     def timed(label, fn, extra=""):
         stage(f"evaluation ({label})")
         rt.sync()
         t0 = time.perf_counter()
-        loss, bpb = fn()
+        with compile_region(label):
+            loss, bpb = fn()
         rt.sync()
+        log_compile_region(rt, label)
         if not math.isfinite(loss):
             raise RunError(f"{label}: val_loss is {loss}" + (" (lower TTT_LR)" if label == "legal_ttt" else ""))
         ms = 1000.0 * (time.perf_counter() - t0)
@@ -5116,9 +5324,9 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
     ttt_s = None
     if h.ttt_enabled and h.ttt_mode == "lora":
         stage("evaluation (warming the LoRA TTT step)")
-        lora_fn, how = lora_forward(rt, model)
-        t0 = time.perf_counter()
         sizes = [len(b) for _, b in lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)]
+        lora_fn, how = lora_forward(rt, model, len(lora_warm_shapes(h, sizes)))
+        t0 = time.perf_counter()
         shapes = warm_lora_ttt(rt, model, lora_fn, sizes)
         rt.log(f"ttt_lora_warmup: forward:{how} shapes:{' '.join(f'{n}x{w}' for n, w in shapes)} "
                f"time:{time.perf_counter() - t0:.1f}s (random tokens, before the TTT timer)")
@@ -5128,6 +5336,55 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
         ttt_s = timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts,
                                                     tilt=build_ngram_tilt(rt, val_tokens, "legal_ttt")))
     log_evaluation_time(rt, ttt_s, time.perf_counter() - t_eval)
+    log_compiled(rt)
+
+
+def warm_evaluation(rt, model, forward, logits_fn, num_targets):
+    """Compiled evaluation: one call of each graph the scored evaluations will make (eval_val_shapes through
+    forward; the sliding window's and SGD TTT's scoring batch through logits_fn; SGD TTT's training batches through
+    forward with its frozen blocks and a backward), before their timers, on random tokens cut and moved exactly as
+    each evaluation cuts its own (Dynamo guards on strides, and tells tensors made in inference mode apart). Weights,
+    their requires_grad flags and the model's mode are left as they were; gradients are dropped."""
+    h, dev, L = rt.h, rt.device, rt.h.eval_seq_len
+    g = torch.Generator().manual_seed(h.seed)
+
+    def tokens(*shape):
+        return torch.randint(0, h.vocab_size, shape, generator=g, dtype=torch.int32)
+
+    def docs_of(x):
+        docs = eval_doc_bounds(rt, x.cpu().numpy())
+        return () if docs is None else (docs,)
+
+    sgd_ttt = h.ttt_enabled and h.ttt_mode != "lora"
+    was_training = model.training
+    model.eval()
+    for rows, width in eval_val_shapes(h, num_targets):
+        if width == L:  # eval_val: rows of one flat span, moved outside inference mode (its loader)
+            x, y = host_to_device(tokens(rows * L + 1), L, dev)
+        with torch.inference_mode(), rt.autocast():
+            if width != L:  # score_tail: one shorter row, made inside
+                span = tokens(width + 1).long()
+                x, y = (t[None].to(dev) for t in (span[:-1], span[1:]))
+            forward(x, y, *docs_of(x))
+    score_rows = ([eval_batch_rows(h, [len(rank_slice(sliding_windows(num_targets, L, h.eval_stride), h))])]
+                  if h.eval_stride > 0 else []) + ([ttt_chunk_windows(h, num_targets)[1]] if sgd_ttt else [])
+    for rows in sorted(set(score_rows)):  # score_windows: (rows, L + 1) windows cut into views
+        with torch.inference_mode(), rt.autocast():
+            x, _ = cut_batch(tokens(rows, L + 1).to(dev).to(torch.int64), L)
+            logits_fn(x, *docs_of(x))
+    if sgd_ttt:
+        saved = [(p, p.requires_grad) for p in model.parameters()]
+        ttt_params(model, h)
+        model.train()
+        for rows in ttt_train_rows(h, num_targets):  # ttt_train_batch
+            x, y = host_to_device(tokens(rows * L + 1), L, dev)
+            with rt.autocast():
+                forward(x, y, *docs_of(x)).backward()
+        for p, requires in saved:
+            p.grad = None
+            p.requires_grad_(requires)
+    model.train(was_training)
+    rt.sync()
 
 
 def log_evaluation_time(rt, ttt_s, total_s):
