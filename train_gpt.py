@@ -2905,10 +2905,12 @@ class CompiledFunction:
                                                                4 * limit)
 
     def _backend(self, gm, example_inputs):
+        compiled = torch._dynamo.lookup_backend(self.rt.h.compile_backend)(gm, example_inputs)
+        # counted once it returns: a backend that asks Dynamo to restart its analysis raises, and is called again
         self.graphs += 1
         if _REGION[0] is not None:
             self.region_graphs[_REGION[0]] = self.region_graphs.get(_REGION[0], 0) + 1
-        return torch._dynamo.lookup_backend(self.rt.h.compile_backend)(gm, example_inputs)
+        return compiled
 
     def _sig(self, a):
         if isinstance(a, Tensor):

@@ -566,9 +566,6 @@ def test_seq_len_schedule_phases_and_rewarmup_values(monkeypatch):
     assert [tg.seq_len_rewarmup(h, k) for k in (None, 0, 1, 2, 3, 4, 50)] == [1, 0.25, 0.5, 0.75, 1, 1, 1]
     assert tg.seq_len_rewarmup(tg.Hyperparameters({}), None) == 1.0
     assert tg.Hyperparameters({}).seq_len_phases == []
-    assert tg.packed_warm_buckets(98_304, 2048) == [64, 128, 192, 256]
-    assert tg.packed_warm_buckets(98_304, 1024) == [128, 192, 256]
-    assert tg.packed_warm_buckets(100, 10) == [64]
 
 
 @pytest.mark.parametrize("value,words", [
@@ -580,18 +577,6 @@ def test_bad_seq_len_schedule_is_a_one_line_error(value, words):
                         "TRAIN_SEQ_LEN_SCHEDULE": value})
     assert msg.startswith(f"TRAIN_SEQ_LEN_SCHEDULE={value!r}") and words in msg
     assert "needs TRAIN_LOADER=packed" in config_error({"TRAIN_SEQ_LEN_SCHEDULE": "64@0,128@0.5"})
-
-
-def test_warm_packed_shapes_runs_every_bucket(tiny_env, monkeypatch):
-    rt = packed_runtime(monkeypatch, tiny_env["DATA_PATH"], TRAIN_PREFETCH=0, TRAIN_BATCH_TOKENS=512,
-                        GRAD_ACCUM_STEPS=1, TRAIN_SEQ_LEN=8, NUM_LAYERS=1, VE_LAYERS="0", XSA_LAST_N=1)
-    trainer = tg.Trainer(rt, tg.build_model(rt.h))
-    lines = []
-    rt.log = lambda msg, console=True: lines.append(msg)
-    loader = tg.make_train_loader(rt)
-    tg.warm_packed_shapes(rt, trainer, 8, loader)  # 512 tokens cut at 8: at least 65 entries
-    assert lines == [f"warmup_shape: seq_len:8 cu_seqlens:{b}" for b in (128, 192, 256)]
-    assert all(p.grad is None for p in trainer.model.parameters())
 
 
 SCHEDULE_RECORDER = """
