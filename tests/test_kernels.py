@@ -6,6 +6,7 @@ starts one (or run `TRITON_INTERPRET=1 python -m pytest tests/test_kernels.py`).
 the tile sizes; the interpreter is slow, so they are small."""
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -23,6 +24,19 @@ from conftest import REPO, clean_environ, read_log, run_training
 CPU = torch.device("cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set when this process started
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Triton's CPU interpreter before 3.9 cannot run these kernels (3.7.1, the version torch 2.13.0's CUDA wheel pins:
+# "KeyError: '_mlp_tile_kernel'" in its trial run, so select_fused_kernels falls back to eager); compiled for a GPU
+# they build with it (test_kernels_compile_for_an_h100_without_one).
+TRITON_VERSION = importlib.metadata.version("triton") if HAS_TRITON else None
+OLD_INTERPRETER = HAS_TRITON and tuple(int(p) for p in TRITON_VERSION.split(".")[:2]) < (3, 9)
+
+
+def needs_interpreter():
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed (pip install triton)")
+    if OLD_INTERPRETER:
+        pytest.skip(f"Triton {TRITON_VERSION}'s CPU interpreter cannot run these kernels (KeyError on the kernel's "
+                    "name); Triton >= 3.9 runs them (pip install 'triton>=3.9' on a CPU-only machine)")
 SMALL = {"MODEL_DIM": "32", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "VOCAB_SIZE": "64", "VE_LAYERS": "1",
          "NUM_LAYERS": "2", "XSA_LAST_N": "1"}
 
@@ -34,8 +48,7 @@ def hp(**env):
 @pytest.fixture
 def interpret():
     """Both kernels switched on through select_fused_kernels under Triton's CPU interpreter; off afterwards."""
-    if not HAS_TRITON:
-        pytest.skip("Triton is not installed (pip install triton)")
+    needs_interpreter()
     if not INTERPRETED:
         pytest.skip("needs TRITON_INTERPRET=1 from the process start (test_kernels_interpreted_in_a_fresh_process)")
     lines = tg.select_fused_kernels(hp(FUSED_MLP=1, FUSED_CE=1), CPU, torch.float32)
@@ -273,8 +286,7 @@ def test_kernels_interpreted_in_a_fresh_process():
     """The test_interpreted_* tests, in a process that sets TRITON_INTERPRET=1 before anything imports triton."""
     if INTERPRETED:
         pytest.skip("this process runs them itself")
-    if not HAS_TRITON:
-        pytest.skip("Triton is not installed (pip install triton)")
+    needs_interpreter()
     env = {**clean_environ(), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interpreted",
                            __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -286,8 +298,7 @@ def test_tiny_training_run_with_both_kernels_matches_the_eager_run(tmp_path, sam
     """Two steps with FUSED_MLP=1 FUSED_CE=1 (interpreted kernels; the second step's loss and the final one
     follow updates through both backward kernels) give the eager run's losses within bf16 rounding, and the log
     says the kernels ran."""
-    if not HAS_TRITON:
-        pytest.skip("Triton is not installed (pip install triton)")
+    needs_interpreter()
     losses = {}
     for on in (0, 1):
         cwd = tmp_path / f"fused{on}"
@@ -315,3 +326,24 @@ def test_bench_kernels_says_it_needs_cuda_on_cpu(capsys, monkeypatch):
         runpy.run_path(str(REPO / "scripts" / "bench_kernels.py"), run_name="__main__")
     assert done.value.code == 0
     assert "bench_kernels.py needs CUDA" in capsys.readouterr().out
+
+
+# torch 2.13.0's CUDA wheel for Linux x86_64 (what `pip install torch==2.13.0` takes on a GPU machine; `===2.13.0`
+# fetches it anywhere) declares, in its METADATA, read on 2026-11-25 from torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl:
+#   Requires-Dist: triton==3.7.1; platform_system == "Linux" and python_version < "3.15"
+TORCH_CUDA_TRITON_PIN = "3.7.1"
+
+
+def test_requirements_admit_the_triton_that_torchs_cuda_wheel_pins():
+    """requirements.txt's triton line (which requirements-gpu.txt includes) must admit torch's own pin, or a GPU
+    install cannot resolve (issue 34: 'triton>=3.9' could not)."""
+    from packaging.requirements import Requirement
+
+    lines = [line.split("#")[0].strip() for line in (REPO / "requirements.txt").read_text().splitlines()]
+    reqs = {r.name: r for r in (Requirement(line) for line in lines if line and not line.startswith("-"))}
+    torch_req, triton_req = reqs["torch"], reqs["triton"]
+    assert "2.13.0" in torch_req.specifier, "the pin above was read for torch 2.13.0: read it again for the new one"
+    assert triton_req.specifier.contains(TORCH_CUDA_TRITON_PIN), triton_req
+    assert triton_req.marker.evaluate({"sys_platform": "linux", "platform_machine": "x86_64"})
+    assert "-r requirements.txt" in (REPO / "requirements-gpu.txt").read_text()
+    assert not Requirement("triton>=3.9").specifier.contains(TORCH_CUDA_TRITON_PIN)  # the guard can fail
