@@ -2775,6 +2775,19 @@ def run_precision(h):
     return device, str(choose_precision(h, torch.device(device))[0] or "fp32").replace("torch.", "")
 
 
+def check_checkpoint_dir(folder):
+    """CHECKPOINT_DIR must be a folder this process can create or write in, refused at start-up (not at the first
+    checkpoint, minutes of training later): no part of the path is a file, and the nearest existing folder is writable."""
+    path = Path(folder).absolute()
+    for part in [path, *path.parents]:
+        if part.exists():
+            if not part.is_dir():
+                raise ConfigError(f"CHECKPOINT_DIR={folder}: {part} is a file, not a folder")
+            if not os.access(part, os.W_OK | os.X_OK):
+                raise ConfigError(f"CHECKPOINT_DIR={folder}: {part} is not writable by this user")
+            return
+
+
 def setup_runtime(h, resume=None):
     want = run_device_type(h)
     if want == "cuda" and not torch.cuda.is_available():
@@ -2786,6 +2799,8 @@ def setup_runtime(h, resume=None):
         raise ConfigError(f"WORLD_SIZE={h.world_size} but MASTER_ADDR/MASTER_PORT are not set: launch with "
                           "torchrun --standalone --nproc_per_node=N train_gpt.py")
     device = torch.device("cuda", h.local_rank) if want == "cuda" else torch.device("cpu")
+    if h.checkpoint_every > 0 and not h.eval_only:
+        check_checkpoint_dir(h.checkpoint_dir)
     check_model_memory(h, device)
     threads = choose_cpu_threads(h)
     log_path = open_log(h, append=resume is not None) if h.rank == 0 else None

@@ -147,6 +147,26 @@ def test_run_id_longer_than_a_file_name_is_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+# ---------------------------------------------------------------------------------------------- CHECKPOINT_DIR
+
+def test_checkpoint_dir_that_is_a_file_or_not_writable_is_refused_at_start(tmp_path, sample_data, monkeypatch):
+    """Refused before the log and the data (issue 34: it trained until its first checkpoint, then stopped)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    env = {**TINY_ENV, **sample_data, "CHECKPOINT_EVERY": "1", "RUN_ID": "ckpt"}
+    for folder, words in ((blocker, "is a file, not a folder"), (blocker / "sub", "is a file, not a folder")):
+        proc = run_training({**env, "CHECKPOINT_DIR": str(folder)}, tmp_path, timeout=60)
+        assert_one_line_error(proc, 2, f"error: CHECKPOINT_DIR={folder}: {blocker} ", words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no log, no checkpoints folder
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    access = os.access  # root may write anywhere: the permission answer is simulated for this folder
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else access(p, mode))
+    with pytest.raises(tg.ConfigError, match=f"CHECKPOINT_DIR={locked}/ckpt: {locked} is not writable by this user"):
+        tg.check_checkpoint_dir(str(locked / "ckpt"))
+    tg.check_checkpoint_dir(str(tmp_path / "new" / "deeper"))  # folders still to create are fine
+
+
 # ---------------------------------------------------------------------------------------------- EVAL_ONLY
 
 @pytest.fixture(scope="module")
