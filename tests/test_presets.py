@@ -102,8 +102,8 @@ DERIVED = {
     "train_seq_schedule_mode": (lambda h: "wallclock" if h.max_wallclock_seconds > 0 else None,
                                 "the schedule reads the training fraction of the (agreed) wall-clock cap"),
     "compile_shape_warmup": (lambda h: bool(h.seq_len_phases) and h.warmup_steps > 0,
-                             "our warmup runs every scheduled cut length in every loop mode (and, compiled, every "
-                             "cu_seqlens bucket) before the timer, whenever there is a schedule"),
+                             "our warmup runs every scheduled cut length in every loop mode before the timer "
+                             "(compiled, one graph serves every cu_seqlens length), whenever there is a schedule"),
     "ttt_short_score_first_enabled": (lambda h: bool(h.ttt_chunk_steps), "TTT_CHUNK_SIZE_BY_DOC_LEN set"),
     "grad_accum_steps": (lambda h: h.grad_accum_steps, "8 // WORLD_SIZE, as the record (checked at WORLD_SIZE=8)"),
     "world_size": (lambda h: h.world_size, "torchrun's WORLD_SIZE (checked at 8)"),
