@@ -496,8 +496,13 @@ def eval_compare():
         rt.sync()
         return {"warmup_s": t1 - t0, "s": time.perf_counter() - t1}, loss, bpb
 
+    def compiled_pair(rt, model):
+        """The evaluation's two callables as train_gpt.py's evaluation compiles them (eager without compile)."""
+        return (tg.compile_fn(rt, "eval_logits", model.forward_logits, model.graph_state, 2),
+                tg.compile_fn(rt, "eval_forward", model, model.graph_state, 4))
+
     out = {"backend": backend, "targets": total, "compile": int(tg.compile_enabled(rt)), "device": str(rt.device)}
-    logits_fn, forward = tg.maybe_compile(model.forward_logits, rt), tg.maybe_compile(model, rt)
+    logits_fn, forward = compiled_pair(rt, model)
     ours, loss, bpb = timed(lambda v: tg.eval_sliding(rt, model, logits_fn, v, luts))
     tail = record_tail_sums(rt, model, val, luts, 1)
     recs, _, rec_bpb = timed(lambda v: rec.eval_val_sliding(args, model, 0, 1, rt.device, v, *rec_luts,
@@ -505,7 +510,7 @@ def eval_compare():
                                                             eval_seq_len=h.eval_seq_len))
     out["sliding"] = {"ours": ours, "ours_bpb": bpb, "ours_as_record_bpb": with_tail(loss, bpb, total, tail),
                       "record": recs, "record_bpb": rec_bpb}
-    logits_fn, forward = tg.maybe_compile(model.forward_logits, rt), tg.maybe_compile(model, rt)
+    logits_fn, forward = compiled_pair(rt, model)
     ours, loss, bpb = timed(lambda v: tg.eval_ttt(rt, model, logits_fn, forward, v, luts))
     tail = record_tail_sums(rt, model, val, luts, h.eval_stride)  # the model as it scored the last chunk
     recs, _, rec_bpb = timed(lambda v: rec.eval_val_sliding_ttt(args, model, 0, 1, rt.device, v, *rec_luts,

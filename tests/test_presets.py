@@ -2,8 +2,8 @@
 (#2135, issue 29; SPEC-FRONTIER 20): every value each run logged (../shared/anchors/frontier/record_0*_hparams.txt,
 and the values its header says were read outside the dump) against our settings dump, name by name, with the exact
 list of names we do not map and why; the presets' models and document LoRA TTT (#2135's with its n-gram tilt)
-against the records' own code (imported, never copied) at tiny scale; and tiny end-to-end runs on the CaseOps
-sample, 1 and 2 processes, with EVAL_ONLY reproducing the final scores."""
+against the records' own code (imported, never copied) at tiny scale. The tiny end-to-end runs on the CaseOps sample
+(RUN_SCALE below) are in tests/test_compile.py and tests/test_compile_ranks.py."""
 from __future__ import annotations
 
 import re
@@ -496,39 +496,5 @@ def caseops_run_data(caseops_sample, tmp_path_factory):
     return {"DATA_PATH": str(out), "TOKENIZER_PATH": str(caseops_sample / "tokenizers" / "sample_8192_bpe_caseops.model")}
 
 
-# record_0501 is record_0427's recipe with other values and the tilt (the same code and more), so it stands for
-# record_0427 here; record_0430 adds its own code (progressive context, AWQ-lite, the tail, chunks by length).
-# Two processes for the newest preset only: record_0427 and record_0430 train on 2 gloo ranks in
-# tests/test_checkpoint.py (bit for bit against the same run resumed), LoRA TTT on 2 ranks equals one process in
-# tests/test_ttt_lora.py, and record_0501 runs all their code plus the tilt's broadcast here on 2 processes.
-@pytest.mark.parametrize("preset, nproc", [("record_0430", 1), ("record_0501", 1), ("record_0501", 2)])
-def test_tiny_preset_run_on_the_caseops_sample_and_eval_only_reproduces_it(caseops_run_data, tmp_path, preset,
-                                                                           nproc):
-    run_id = f"{preset}_{nproc}"
-    env = {**caseops_run_data, "PRESET": preset, "RUN_ID": run_id, **RUN_SCALE,
-           **{"record_0430": RUN_0430, "record_0501": RUN_0501}.get(preset, {})}
-    proc = run_training(env, tmp_path, nproc=nproc)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    log = read_log(tmp_path, run_id)
-    for line in (f"preset:{preset} overridden_by_env:", "setting TTT_MODE=lora [preset]",
-                 "setting COMPRESSOR=pergroup [preset]", "setting TRAIN_LOADER=packed [preset]",
-                 "bpb_bytes:sidecar", "attention_backend_packed:torch_doc_blocks",
-                 "ttt_lora_phase:{0}/{0}".format(env["PHASED_TTT_NUM_PHASES"])):
-        assert line in log, line
-    if preset == "record_0430":
-        for line in ("setting AWQ_LITE=1 [preset]", "setting EVAL_INCLUDE_TAIL=1 [preset]", "seq_len:128 step:2",
-                     "chunk_by_doc_len:64:4,256:8", "lr:7.5e-05"):
-            assert line in log, line
-    if preset == "record_0501":
-        for line in ("setting NGRAM_TILT=1 [preset]", "setting SMEAR_GATE_BOS_FIX=0 [preset]",
-                     "smear_gate: v2 without its BOS mask", "targets:q,v,o,mlp,head", "lr:8e-05",
-                     "ngram_tilt: tilting legal_ttt order:2 threshold:0.8 boost:2.625 gated:",
-                     "(rank 0 builds, inside the legal_ttt timer)"):
-            assert line in log, line
-        assert int(re.search(r"ngram_tilt: tilting legal_ttt .* gated:(\d+)/", log).group(1)) > 0
-    exact = re.findall(EXACT, log, re.M)
-    assert [k for k, _ in exact] == ["final_int6_roundtrip", "final_int6_sliding_window", "legal_ttt"]
-    artifact = next(tmp_path.glob("final_model.*"))
-    again = run_training({**env, "RUN_ID": f"{run_id}_eval", "EVAL_ONLY": str(artifact)}, tmp_path, nproc=nproc)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert re.findall(EXACT, read_log(tmp_path, f"{run_id}_eval"), re.M) == exact
+# The tiny end-to-end runs of the presets (eager and compiled, 1 and 2 processes, EVAL_ONLY reproducing them) are in
+# tests/test_compile.py and tests/test_compile_ranks.py, at RUN_SCALE.
