@@ -594,7 +594,8 @@ class Hyperparameters:
         need(self.ttt_mode in ("sgd", "lora"), f"TTT_MODE={self.ttt_mode!r} must be sgd or lora")
         backends = torch._dynamo.list_backends(exclude_tags=())
         need(self.compile_backend in backends,
-             f"COMPILE_BACKEND={self.compile_backend!r} is not a torch.compile backend ({', '.join(backends)})")
+             f"COMPILE_BACKEND={self.compile_backend!r} is not a torch.compile backend (inductor, aot_eager, eager, "
+             "...: torch._dynamo.list_backends(exclude_tags=()))")
         need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0")
         for name in ("TTT_LORA_RANK", "TTT_CHUNK_SIZE", "TTT_BATCH_SIZE", "TTT_LORA_LR", "PHASED_TTT_NUM_PHASES"):
             need(getattr(self, name.lower()) > 0, f"{name}={getattr(self, name.lower())} must be > 0")
@@ -4919,7 +4920,7 @@ def lora_forward(rt, model, planned):
     torch.compile is on (CUDA, or COMPILE=1; the 04-27/04-30 records' torch.compile(dynamic=True)), else eager;
     planned: the warmup's shape count (an upper bound on its graphs)."""
     fn = compile_fn(rt, "ttt_lora", model.forward_logits, model.graph_state, planned, dynamic=True)
-    return fn, "compiled" if fn is not model.forward_logits else "eager"
+    return fn, "compiled" if isinstance(fn, CompiledFunction) else "eager"
 
 
 @contextlib.contextmanager
