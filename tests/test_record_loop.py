@@ -1,6 +1,6 @@
 """The defaults train exactly as the 2026-03-23 record does, checked against the record's own code on this machine.
 
-A tiny run of train_gpt.py with its defaults (only sizes, step count and the data set in the environment) is
+A tiny run of train_gpt.py with its defaults (only sizes, step counts and the data set in the environment) is
 compared with a frozen copy of the record's training loop driven by the record's own classes (its GPT, Parallel
 Muon, AdamW groups, loader, late QAT and EMA; `../shared/anchors/record_2026-03-23/train_gpt.py`, imported with its
 own Hyperparameters read from its README's run command). Both run in this test's machine with bf16 autocast and
@@ -22,16 +22,17 @@ import train_gpt as tg
 from conftest import TINY_ENV, read_log, run_training, short_val_data
 from test_trust import ANCHOR, needs_anchor, record_command_env
 
-# Sizes and step count only: every other value is the default of each script. 7 steps with a 7-step warmdown
+# Sizes and step counts only: every other value is the default of each script. 7 steps with a 7-step warmdown
 # take the LR multiplier to 1/7 at the last step, below the record's late-QAT threshold of 0.15, so late QAT
-# switches on by each script's own rule.
+# switches on by each script's own rule. One warm-up step instead of the default 20 (each as long as a training
+# step): train_gpt.py still warms up and restores its initial state, which any leftover of that step would break.
 # Sequences are longer than 1,024 as in the record (2,048): at or below its RoPE train length of 1,024 the
 # record's rotary tables come from an inv_freq buffer that its .bfloat16() cast rounded (positions counted in
 # bf16 too), while above it they are recomputed in fp32, as train_gpt.py always computes them.
 SHAPE = {**{k: TINY_ENV[k] for k in ("NUM_LAYERS", "MODEL_DIM", "NUM_HEADS", "NUM_KV_HEADS", "VE_LAYERS",
                                      "XSA_LAST_N", "SEED")},
          "TRAIN_SEQ_LEN": "1152", "EVAL_SEQ_LEN": "1152", "TRAIN_BATCH_TOKENS": str(8 * 1152)}
-STEPS = {"ITERATIONS": "7", "WARMDOWN_ITERS": "7", "MAX_WALLCLOCK_SECONDS": "0"}
+STEPS = {"ITERATIONS": "7", "WARMDOWN_ITERS": "7", "WARMUP_STEPS": "1", "MAX_WALLCLOCK_SECONDS": "0"}
 
 
 def import_record(environ: dict[str, str], monkeypatch):
