@@ -437,9 +437,9 @@ def test_corrupt_pergroup_artifact_is_a_one_line_error(tmp_path):
 # 4. End to end: every option in one run, EVAL_ONLY, 1 vs 2 processes
 # =====================================================================================================
 
-VAL_TOKENS = 8192
-RUN_ENV = {**TINY_ENV, "NUM_LAYERS": "2", "MODEL_DIM": "128", "NUM_HEADS": "4", "NUM_KV_HEADS": "2",
-           "XSA_LAST_N": "1", "VE_ENABLED": "0", "BIGRAM_VOCAB_SIZE": "0", "MLP_MULT": "6", "ITERATIONS": "0", "WARMUP_STEPS": "0", "WARMDOWN_ITERS": "1",
+VAL_TOKENS = 1025
+RUN_ENV = {**TINY_ENV, "NUM_LAYERS": "2", "MODEL_DIM": "96", "NUM_HEADS": "4", "NUM_KV_HEADS": "2",
+           "XSA_LAST_N": "1", "VE_ENABLED": "0", "BIGRAM_VOCAB_SIZE": "0", "MLP_MULT": "8", "ITERATIONS": "0", "WARMUP_STEPS": "0", "WARMDOWN_ITERS": "1",
            "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "OMP_NUM_THREADS": "1", "QUANT": "gptq",
            "MLP_CLIP_SIGMAS": "11.5", "ATTN_CLIP_SIGMAS": "13", "EMBED_CLIP_SIGMAS": "14", "EMBED_BITS": "7",
            "LQER_RANK": "4", "LQER_TOP_K": "3", "AWQ_LITE": "1", "COMPRESSOR": "pergroup"}

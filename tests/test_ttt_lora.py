@@ -485,23 +485,24 @@ def test_a_rank_that_dies_or_stalls_mid_ttt_makes_the_other_fail_within_the_time
 
 # ---------------------------------------------------------------------------------------------- the script
 
-# The tiny CPU run of conftest with TTT_MODE=lora on 8192 sample val targets (37 documents, 5 batches), with phases
-# and a short-document chunk size, so that the warmup has three widths.
-LORA_RUN = {"TTT_MODE": "lora", "TTT_BATCH_SIZE": "8", "TTT_CHUNK_SIZE": "32", "TTT_LORA_RANK": "4",
-            "TTT_LORA_LR": "0.001", "EVAL_STRIDE": "0", "PHASED_TTT_PREFIX_DOCS": "12", "PHASED_TTT_NUM_PHASES": "2",
-            "TTT_CHUNK_TOKENS": "512", "TTT_EPOCHS": "1", "TTT_CHUNK_SIZE_BY_DOC_LEN": "100:16", "OMP_NUM_THREADS": "1"}
+# The tiny CPU run of conftest (one training step) with TTT_MODE=lora on 1024 sample val targets (7 documents,
+# 4 batches), with phases and a short-document chunk size, so that the warmup has three widths.
+LORA_RUN = {"TTT_MODE": "lora", "TTT_BATCH_SIZE": "2", "TTT_CHUNK_SIZE": "32", "TTT_LORA_RANK": "4",
+            "TTT_LORA_LR": "0.001", "EVAL_STRIDE": "0", "PHASED_TTT_PREFIX_DOCS": "4", "PHASED_TTT_NUM_PHASES": "2",
+            "TTT_CHUNK_TOKENS": "512", "TTT_EPOCHS": "1", "TTT_CHUNK_SIZE_BY_DOC_LEN": "100:16", "OMP_NUM_THREADS": "1",
+            "ITERATIONS": "1", "WARMUP_STEPS": "0"}
 
 
 def test_eval_only_repeats_the_lora_run_and_logs_the_ttt_loop_and_the_whole_evaluation(sample_data, tmp_path):
     """The run that writes the artifact and EVAL_ONLY of it print the same legal_ttt_exact line. Both log the
-    warmup (eager on CPU; 8 rows at widths 16, 32 and the 128 context, the last batch's 5 rows at 16) and
+    warmup (eager on CPU; 2 rows at widths 16, 32 and the 128 context, the last batch's 1 row at 16) and
     evaluation_time, whose ttt_loop is the legal_ttt
     eval_time and whose total is larger; EVAL_ONLY with MAX_WALLCLOCK_SECONDS=0.001 (the limit the warning
     derives from) warns once for each, the run without a limit never."""
     import re
     from conftest import TINY_ENV, read_log, run_training, short_val_data
     (tmp_path / "data").mkdir()
-    env = {**TINY_ENV, **short_val_data(sample_data, tmp_path / "data", 8193), **LORA_RUN}
+    env = {**TINY_ENV, **short_val_data(sample_data, tmp_path / "data", 1025), **LORA_RUN}
     logs = {}
     for name, extra in (("train", {}), ("eval", {"MAX_WALLCLOCK_SECONDS": "0.001",
                                                  "EVAL_ONLY": str(tmp_path / "train" / "final_model.int6.ptz")})):
@@ -510,7 +511,7 @@ def test_eval_only_repeats_the_lora_run_and_logs_the_ttt_loop_and_the_whole_eval
         assert proc.returncode == 0, proc.stderr[-3000:]
         logs[name] = read_log(tmp_path / name, name)
     for name, log in logs.items():
-        assert re.search(r"^ttt_lora_warmup: forward:eager shapes:8x16 8x32 8x128 5x16 time:\d+\.\ds \(", log, re.M)
+        assert re.search(r"^ttt_lora_warmup: forward:eager shapes:2x16 2x32 2x128 1x16 time:\d+\.\ds \(", log, re.M)
         assert re.search(r"^ttt_lora_phase:2/2 ", log, re.M)
         ms = int(re.search(r"^legal_ttt val_loss:\S+ val_bpb:\S+ eval_time:(\d+)ms$", log, re.M).group(1))
         loop, total = map(float, re.search(r"^evaluation_time: ttt_loop:(\d+\.\d)s total:(\d+\.\d)s$", log,
