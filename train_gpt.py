@@ -592,10 +592,6 @@ class Hyperparameters:
         need(self.eval_stride <= self.eval_seq_len,
              f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
         need(self.ttt_mode in ("sgd", "lora"), f"TTT_MODE={self.ttt_mode!r} must be sgd or lora")
-        backends = torch._dynamo.list_backends(exclude_tags=())
-        need(self.compile_backend in backends,
-             f"COMPILE_BACKEND={self.compile_backend!r} is not a torch.compile backend (inductor, aot_eager, eager, "
-             "...: torch._dynamo.list_backends(exclude_tags=()))")
         need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0")
         for name in ("TTT_LORA_RANK", "TTT_CHUNK_SIZE", "TTT_BATCH_SIZE", "TTT_LORA_LR", "PHASED_TTT_NUM_PHASES"):
             need(getattr(self, name.lower()) > 0, f"{name}={getattr(self, name.lower())} must be > 0")
@@ -2805,6 +2801,8 @@ def setup_runtime(h, resume=None):
     device = torch.device("cuda", h.local_rank) if want == "cuda" else torch.device("cpu")
     if h.checkpoint_every > 0 and not h.eval_only:
         check_checkpoint_dir(h.checkpoint_dir)
+    if h.compile or (h.compile is None and device.type == "cuda"):
+        check_compile_backend(h.compile_backend)
     check_model_memory(h, device)
     threads = choose_cpu_threads(h)
     log_path = open_log(h, append=resume is not None) if h.rank == 0 else None
@@ -2878,6 +2876,15 @@ def muon_momentum_at(h, step):
 
 def compile_enabled(rt):
     return rt.h.compile if rt.h.compile is not None else rt.device.type == "cuda"
+
+
+def check_compile_backend(name):
+    """COMPILE_BACKEND must name a torch.compile backend (checked at start-up where the run compiles: listing them
+    imports Dynamo, a second of every start otherwise)."""
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if name not in backends:
+        raise ConfigError(f"COMPILE_BACKEND={name!r} is not a torch.compile backend (inductor, aot_eager, eager, ...: "
+                          "torch._dynamo.list_backends(exclude_tags=()))")
 
 
 # ---- torch.compile with a graph plan (issue 34; docs/gpu.md "Compiled graphs")
@@ -5597,4 +5604,15 @@ def leave(code):
 
 
 if __name__ == "__main__":
-    main()
+    # Run as a script, the interpreter's teardown is skipped too (collecting torch's module graph took ~0.9 s of every
+    # single-process run's exit); imported, main() ends with SystemExit as any program's main.
+    try:
+        main()
+        status = 0
+    except SystemExit as e:
+        status = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

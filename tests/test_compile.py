@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import TINY_ENV, config_error, read_log, run_training, short_val_data
+from conftest import TINY_ENV, read_log, run_training, short_val_data
 from test_documents import caseops_sample, packed_runtime  # noqa: F401 (fixture: the vocab-8192 CaseOps sample)
+from test_trust import assert_one_line_error
 from test_presets import EXACT, RUN_0430, RUN_0501, RUN_SCALE, caseops_run_data  # noqa: F401 (fixture)
 
 CPU = torch.device("cpu")
@@ -212,11 +213,16 @@ def test_past_dynamos_recompile_limit_the_call_runs_eager_and_the_run_goes_on(ti
     assert lines == ["compile: train_forward ran eager in -: past Dynamo's recompile limit 1"]
 
 
-def test_compile_backend_is_checked_before_any_work():
+def test_compile_backend_is_checked_before_any_work(tmp_path):
     assert tg.Hyperparameters({}).compile_backend == "inductor"
-    assert tg.Hyperparameters({"COMPILE_BACKEND": "aot_eager"}).compile_backend == "aot_eager"
-    msg = config_error({"COMPILE_BACKEND": "inductr"})
-    assert msg.startswith("COMPILE_BACKEND='inductr' is not a torch.compile backend (inductor, aot_eager, eager")
+    tg.check_compile_backend("aot_eager")
+    proc = run_training({**TINY_ENV, "COMPILE": "1", "COMPILE_BACKEND": "inductr", "RUN_ID": "cb",
+                         "DATA_PATH": str(tmp_path / "no_data")}, tmp_path, timeout=60)
+    assert_one_line_error(proc, 2, "error: COMPILE_BACKEND='inductr' is not a torch.compile backend (inductor, ")
+    assert list(tmp_path.iterdir()) == []  # refused before the log
+    eager = run_training({**TINY_ENV, "COMPILE": "0", "COMPILE_BACKEND": "inductr", "RUN_ID": "cb",
+                          "DATA_PATH": str(tmp_path / "no_data")}, tmp_path, timeout=60)
+    assert "COMPILE_BACKEND" not in eager.stderr and "TOKENIZER_PATH" in eager.stderr  # not compiling: not read
 
 
 def test_the_plan_sets_dynamos_limit_and_counts_every_training_state(monkeypatch, tiny_env):
