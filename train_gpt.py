@@ -3048,7 +3048,7 @@ class Trainer:
         self.forward = compile_fn(rt, "train_forward", model, model.graph_state, len(training_graph_states(rt)))
         # validation inside training (not timed): a callable of its own, compiled at its first call
         self.val_forward = compile_fn(rt, "val_forward", model, model.graph_state,
-                                      3 * len(loop_states(model, rt.h)) * len(qat_states(rt)))
+                                      3 * len(loop_states(rt.h)) * len(qat_states(rt)))
         # (eval_val's row shapes: full batches, the last batch and the tail row, in each layer order and QAT flag)
         self.muon, self.adams = build_optimizers(self.h, model, rt.autocast_dtype or torch.float32)
         self.optimizers = [*self.adams, self.muon]
@@ -3159,9 +3159,9 @@ def make_calibration_loader(rt):
                                   h.gptq_calibration_seqs * h.train_seq_len, h.train_seq_len, 0, h.vocab_size)
 
 
-def loop_states(model, h):
+def loop_states(h, start=False):
     """The layer orders training runs: the starting one and, with NUM_LOOPS > 0, the looped one."""
-    return sorted({model.looping, h.num_loops > 0})
+    return sorted({start, h.num_loops > 0})
 
 
 def qat_states(rt):
@@ -3171,11 +3171,11 @@ def qat_states(rt):
     return sorted({h.qat_enabled, h.qat_enabled or (h.late_qat_threshold > 0 and compile_enabled(rt))})
 
 
-def training_graph_states(rt, model=None):
+def training_graph_states(rt, start=False):
     """Every (looping, cut length, QAT) the timed training steps can run in: one compiled graph each (the plan of
     train_forward; cu_seqlens' length is dynamic, so the number of documents in a row adds none)."""
     h = rt.h
-    loops = loop_states(model, h) if model is not None else sorted({False, h.num_loops > 0})
+    loops = loop_states(h, start)
     cuts = [n for n, _ in h.seq_len_phases] or [None]  # progressive context: every cut length
     return [(lp, cut, qat) for lp in loops for cut in cuts for qat in qat_states(rt)]
 
@@ -3189,7 +3189,7 @@ def warmup_and_restore(rt, trainer, position=None):
     opt_states = [copy.deepcopy(opt.state_dict()) for opt in trainer.optimizers]
     loader = make_train_loader(rt)
     start, qat_start = model.looping, model.qat_on()
-    states = training_graph_states(rt, model)
+    states = training_graph_states(rt, start)
     rt.sync()
     t0 = time.perf_counter()
     for looping, cut, qat in states:
@@ -4780,13 +4780,9 @@ def ttt_chunk_windows(h, num_targets):
 def ttt_train_rows(h, num_targets):
     """The row counts of this rank's SGD TTT training forwards (ttt_train_chunk's batches of TTT_BATCH_SEQS
     sequences, split over the ranks), over every chunk but the last."""
-    L, C = h.eval_seq_len, h.ttt_chunk_tokens
-    num_chunks = -(-num_targets // C)
-    rows = set()
-    for ci in range(num_chunks - 1 if h.ttt_epochs > 0 else 0):
-        num_seqs = (min(ci * C + C, num_targets) - ci * C) // L
-        for b in range(0, num_seqs, h.ttt_batch_seqs):
-            rows.add(len(rank_slice(list(range(b, min(b + h.ttt_batch_seqs, num_seqs))), h)))
+    num_chunks = -(-num_targets // h.ttt_chunk_tokens)
+    rows = {len(rank_slice(list(range(b, e)), h)) for ci in range(num_chunks - 1 if h.ttt_epochs > 0 else 0)
+            for b, e in ttt_chunk_batches(h, ci, num_targets)}
     return sorted(rows - {0})
 
 
@@ -4805,18 +4801,23 @@ def ttt_params(model, h):
 def ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, tokens, ci, num_chunks):
     """TTT_EPOCHS epochs of SGD on chunk ci of `tokens` (TTT_CHUNK_TOKENS each, whole EVAL_SEQ_LEN sequences in
     batches of TTT_BATCH_SEQS) at the cosine LR TTT_LR * (1 + cos(pi * ci / (num_chunks - 1))) / 2; returns it."""
-    h, L, C = rt.h, rt.h.eval_seq_len, rt.h.ttt_chunk_tokens
+    h, C = rt.h, rt.h.ttt_chunk_tokens
     lr = h.ttt_lr * 0.5 * (1.0 + math.cos(math.pi * ci / max(num_chunks - 1, 1)))
     for g in opt.param_groups:
         g["lr"] = lr
-    chunk_start = ci * C
-    num_seqs = (min(chunk_start + C, tokens.numel() - 1) - chunk_start) // L
     model.train()
     for _ in range(h.ttt_epochs):
-        for b in range(0, num_seqs, h.ttt_batch_seqs):
-            ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, tokens, chunk_start,
-                            b, min(b + h.ttt_batch_seqs, num_seqs))
+        for b, e in ttt_chunk_batches(h, ci, tokens.numel() - 1):
+            ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, tokens, ci * C, b, e)
     return lr
+
+
+def ttt_chunk_batches(h, ci, num_targets):
+    """The [b, e) sequence ranges of chunk ci's SGD batches: its whole EVAL_SEQ_LEN sequences, TTT_BATCH_SEQS at a
+    time."""
+    L, C = h.eval_seq_len, h.ttt_chunk_tokens
+    num_seqs = (min(ci * C + C, num_targets) - ci * C) // L
+    return [(b, min(b + h.ttt_batch_seqs, num_seqs)) for b in range(0, num_seqs, h.ttt_batch_seqs)]
 
 
 def ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, chunk_start, b, e):
@@ -5315,16 +5316,13 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
     evaluation_time, the TTT loop's and the whole evaluation's wall time since t_eval (perf_counter)."""
     h = rt.h
     model = rt.prepare_model(model)
-    n = val_tokens.numel() - 1
-    sgd_ttt = h.ttt_enabled and h.ttt_mode != "lora"
-    forward = compile_fn(rt, "eval_forward", model, model.graph_state,
-                         len(eval_val_shapes(h, n)) + (len(ttt_train_rows(h, n)) if sgd_ttt else 0))
-    logits_fn = compile_fn(rt, "eval_logits", model.forward_logits, model.graph_state,
-                           int(h.eval_stride > 0) + int(sgd_ttt))
+    shapes = evaluation_shapes(h, val_tokens.numel() - 1)
+    forward = compile_fn(rt, "eval_forward", model, model.graph_state, len(shapes.val) + len(shapes.train))
+    logits_fn = compile_fn(rt, "eval_logits", model.forward_logits, model.graph_state, len(shapes.score))
     if compile_enabled(rt):
         stage("evaluation (warming the compiled evaluation graphs)")
         t0 = time.perf_counter()
-        warm_evaluation(rt, model, forward, logits_fn, n)
+        warm_evaluation(rt, model, forward, logits_fn, shapes)
         rt.log(f"eval_warmup: time:{time.perf_counter() - t0:.1f}s (every scored evaluation's graphs, random tokens, "
                "before their timers)")
 
@@ -5367,12 +5365,29 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
     log_compiled(rt)
 
 
-def warm_evaluation(rt, model, forward, logits_fn, num_targets):
-    """Compiled evaluation: one call of each graph the scored evaluations will make (eval_val_shapes through
-    forward; the sliding window's and SGD TTT's scoring batch through logits_fn; SGD TTT's training batches through
-    forward with its frozen blocks and a backward), before their timers, on random tokens cut and moved exactly as
-    each evaluation cuts its own (Dynamo guards on strides, and tells tensors made in inference mode apart). Weights,
-    their requires_grad flags and the model's mode are left as they were; gradients are dropped."""
+class EvalShapes(NamedTuple):
+    """The shapes of this rank's scored-evaluation forwards (evaluation_shapes): eval_val's (rows, length), the rows
+    of the sliding window's and SGD TTT's scoring batches, the rows of SGD TTT's training batches."""
+    val: list
+    score: list
+    train: list
+
+
+def evaluation_shapes(h, num_targets):
+    """EvalShapes of the run's settings: the compiled evaluation's plan and what warm_evaluation runs."""
+    L, sgd_ttt = h.eval_seq_len, h.ttt_enabled and h.ttt_mode != "lora"
+    score = ([eval_batch_rows(h, [len(rank_slice(sliding_windows(num_targets, L, h.eval_stride), h))])]
+             if h.eval_stride > 0 else []) + ([ttt_chunk_windows(h, num_targets)[1]] if sgd_ttt else [])
+    return EvalShapes(eval_val_shapes(h, num_targets), sorted(set(score)),
+                      ttt_train_rows(h, num_targets) if sgd_ttt else [])
+
+
+def warm_evaluation(rt, model, forward, logits_fn, shapes):
+    """Compiled evaluation: one call of each graph of `shapes` (EvalShapes) the scored evaluations will make (eval_val's
+    through forward; the sliding window's and SGD TTT's scoring batch through logits_fn; SGD TTT's training batches
+    through forward with its frozen blocks and a backward), before their timers, on random tokens cut and moved
+    exactly as each evaluation cuts its own (Dynamo guards on strides, and tells tensors made in inference mode
+    apart). Weights, their requires_grad flags and the model's mode are left as they were; gradients are dropped."""
     h, dev, L = rt.h, rt.device, rt.h.eval_seq_len
     g = torch.Generator().manual_seed(h.seed)
 
@@ -5383,10 +5398,9 @@ def warm_evaluation(rt, model, forward, logits_fn, num_targets):
         docs = eval_doc_bounds(rt, x.cpu().numpy())
         return () if docs is None else (docs,)
 
-    sgd_ttt = h.ttt_enabled and h.ttt_mode != "lora"
     was_training = model.training
     model.eval()
-    for rows, width in eval_val_shapes(h, num_targets):
+    for rows, width in shapes.val:
         if width == L:  # eval_val: rows of one flat span, moved outside inference mode (its loader)
             x, y = host_to_device(tokens(rows * L + 1), L, dev)
         with torch.inference_mode(), rt.autocast():
@@ -5394,17 +5408,15 @@ def warm_evaluation(rt, model, forward, logits_fn, num_targets):
                 span = tokens(width + 1).long()
                 x, y = (t[None].to(dev) for t in (span[:-1], span[1:]))
             forward(x, y, *docs_of(x))
-    score_rows = ([eval_batch_rows(h, [len(rank_slice(sliding_windows(num_targets, L, h.eval_stride), h))])]
-                  if h.eval_stride > 0 else []) + ([ttt_chunk_windows(h, num_targets)[1]] if sgd_ttt else [])
-    for rows in sorted(set(score_rows)):  # score_windows: (rows, L + 1) windows cut into views
+    for rows in shapes.score:  # score_windows: (rows, L + 1) windows cut into views
         with torch.inference_mode(), rt.autocast():
             x, _ = cut_batch(tokens(rows, L + 1).to(dev).to(torch.int64), L)
             logits_fn(x, *docs_of(x))
-    if sgd_ttt:
+    if shapes.train:
         saved = [(p, p.requires_grad) for p in model.parameters()]
         ttt_params(model, h)
         model.train()
-        for rows in ttt_train_rows(h, num_targets):  # ttt_train_batch
+        for rows in shapes.train:  # ttt_train_batch
             x, y = host_to_device(tokens(rows * L + 1), L, dev)
             with rt.autocast():
                 forward(x, y, *docs_of(x)).backward()

@@ -249,7 +249,7 @@ def test_warmup_compiles_every_training_state_and_the_timed_steps_compile_nothin
     assert sum(line.startswith("warmup_step:") for line in lines) == 8
     model = trainer.model
     with tg.compile_region("training"):
-        for looping, cut, qat in tg.training_graph_states(rt, model):
+        for looping, cut, qat in tg.training_graph_states(rt, model.looping):
             model.looping = looping
             model.set_qat(qat)
             loader.set_cut_len(cut)
