@@ -7,8 +7,9 @@
 Defaults are one GPU's share of the 04-27 record (SPEC-FRONTIER 15, 18): the MLP on 98,304 x 512 bf16
 activations with a 2,048-wide hidden layer, the softcapped cross-entropy on 98,304 x 8,192 bf16 logits.
 For each: forward, forward + backward, and the backward alone (their difference), as the median of --reps
-timed runs after warm-up (CUDA events). The MLP's rate is in TFLOP/s (forward 4·M·K·N, forward + backward
-12·M·K·N); the cross-entropy's, which does next to no arithmetic, in GB/s of the least traffic it needs (read
+timed runs after warm-up (CUDA events). First, check_kernels compares both kernels' numbers on the GPU with
+fp64 (the bounds of tests/test_kernels.py) and exits 1 on a mismatch, before any timing. The MLP's rate is in
+TFLOP/s (forward 4·M·K·N, forward + backward 12·M·K·N); the cross-entropy's, which does next to no arithmetic, in GB/s of the least traffic it needs (read
 the logits; with backward read them twice and write their gradient). Then a full training step of
 train_gpt.py (Trainer.step, PRESET=record_0409 model, 8 micro-batches of 48 x 2,048 tokens, bf16, compiled as
 a run compiles it) with both switches off and on. Without CUDA it says so and exits 0.
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
@@ -73,6 +75,57 @@ def report(title, variants, inputs, grad, reps, rate):
         print(f"{title:<4} {phase:<17} " + " | ".join(cells) +
               f" | eager/fused {rows['eager'][phase] / fused:5.2f}x compiled/fused {rows['compiled'][phase] / fused:5.2f}x",
               flush=True)
+
+
+def rel(a, b):
+    """max |a - b| / max |b|, in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def mlp_outputs(fn, inputs, grad):
+    """fn's output and the gradients of its inputs for upstream `grad`, on fresh leaves."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad.to(out.dtype))
+    return [out] + [t.grad for t in leaves]
+
+
+def check_kernels(dev):
+    """Before any timing, the kernels' numbers on the GPU against fp64 on the same bf16 values (the bounds of
+    tests/test_kernels.py, which checks them on CPU through Triton's interpreter): the MLP's output and three
+    gradients within twice eager bf16's error (and under 5%), the cross-entropy's losses to 1e-5 and its gradient
+    to bf16 rounding. One line per kernel; returns False on a mismatch."""
+    gen = torch.Generator(device=dev).manual_seed(3)
+    M, K, N = 4_000, 512, 2_048  # rows not a multiple of any tile
+    x = torch.randn(M, K, device=dev, generator=gen).bfloat16()
+    w1 = (torch.randn(N, K, device=dev, generator=gen) / K ** 0.5).bfloat16()
+    w2 = (torch.randn(K, N, device=dev, generator=gen) / N ** 0.5).bfloat16()
+    g = torch.randn(M, K, device=dev, generator=gen).bfloat16()
+    exact = mlp_outputs(tg.leaky_relu2_mlp, [t.double() for t in (x, w1, w2)], g.double())
+    eager = mlp_outputs(tg.leaky_relu2_mlp, [x, w1, w2], g)
+    fused = mlp_outputs(tg.fused_leaky_relu2_mlp, [x, w1, w2], g)
+    ok_mlp, cells = True, []
+    for name, a, e, b in zip(("out", "dx", "dW_up", "dW_down"), fused, eager, exact):
+        r, re_ = rel(a, b), rel(e, b)
+        ok_mlp &= r <= 2 * re_ + 1e-6 and r < 0.05
+        cells.append(f"{name} {r:.2e} (eager {re_:.2e})")
+    print(f"check mlp {'ok' if ok_mlp else 'MISMATCH'}: rel error against fp64, " + ", ".join(cells), flush=True)
+    R, V, cap = 3_000, 8_192, 30.0
+    logits = (torch.randn(R, V, device=dev, generator=gen) * 20).bfloat16()
+    targets = torch.randint(0, V, (R,), device=dev, generator=gen)
+    up = torch.rand(R, device=dev, generator=gen)
+    xe = logits.double().requires_grad_()
+    want = F.cross_entropy(cap * torch.tanh(xe / cap), targets, reduction="none")
+    want.backward(up.double())
+    xf = logits.clone().requires_grad_()
+    losses, _ = torch.ops.pgolf.softcapped_ce(xf, targets, cap)
+    losses.backward(up)
+    r_loss, r_grad = rel(losses, want), rel(xf.grad, xe.grad)
+    ok_ce = r_loss <= 1e-5 and r_grad <= 2 ** -8
+    print(f"check ce {'ok' if ok_ce else 'MISMATCH'}: rel error against fp64, losses {r_loss:.2e} (bound 1e-5), "
+          f"gradient {r_grad:.2e} (bound {2 ** -8:.2e})", flush=True)
+    return ok_mlp and ok_ce
 
 
 def bench_mlp(args, dev):
@@ -158,6 +211,8 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}; " + "; ".join(lines), flush=True)
     if not (tg._FUSED["mlp"] and tg._FUSED["ce"]):
         print("the kernels do not run here (see above)")
+        return 1
+    if not check_kernels(dev):
         return 1
     bench_mlp(args, dev)
     bench_ce(args, dev)
