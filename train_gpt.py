@@ -923,12 +923,22 @@ def rows_cu_seqlens(rows, bucket=CU_SEQLENS_BUCKET):
     return np.pad(cu, (0, -cu.size % bucket), constant_values=B * T)
 
 
+def small_to_device(array, device):
+    """A small host array (cu_seqlens) on `device` without stopping the host: on CUDA through pinned memory and a
+    non-blocking copy (a copy from pageable memory waits for all the GPU work already queued, which held the host
+    at every packed micro-batch until the GPU caught up, booked as data wait: issue 35), plainly elsewhere."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def eval_doc_bounds(rt, rows):
     """DocBounds of eval rows (host tensor or array, (B, T)) on the device when EVAL_SPLIT_AT_BOS, else None."""
     if not rt.h.eval_split_at_bos:
         return None
     rows = np.asarray(rows)
-    return DocBounds(torch.from_numpy(rows_cu_seqlens(rows)).to(rt.device), rows.shape[1])
+    return DocBounds(small_to_device(rows_cu_seqlens(rows), rt.device), rows.shape[1])
 
 
 class DocumentPackingLoader(_HostLoader):
@@ -997,7 +1007,7 @@ class DocumentPackingLoader(_HostLoader):
 
     def doc_bounds(self, starts, device):
         cu = cut_cu_seqlens(starts, self.local_tokens, self.seq_len)
-        return DocBounds(torch.from_numpy(cu).to(device), self.seq_len, self.rope_len)
+        return DocBounds(small_to_device(cu, device), self.seq_len, self.rope_len)
 
     def to_device(self, host):
         tokens, starts = host
@@ -1150,7 +1160,13 @@ class PrefetchingDistributedTokenLoader:
         return wide, aux, event, pos
 
     def next(self):
-        """(x, y, aux) of the next batch; raises StopIteration at the end of a finite source."""
+        """(x, y, aux) of the next batch; raises StopIteration at the end of a finite source. The tokens are
+        ordinary tensors even when called inside inference mode (evaluation), whichever thread made them: the
+        compiled graphs guard on it, and the evaluation's warmup makes its tokens outside inference mode too."""
+        with torch.inference_mode(False):
+            return self._next()
+
+    def _next(self):
         current = self._pending if self._pending is not None else self._copy(self._take())
         self._pending = None
         if isinstance(current, _WorkerFailure):
@@ -4629,7 +4645,7 @@ def eval_val(rt, forward, val_tokens, luts):
         with torch.inference_mode():
             for i in range(1, num_batches + 1):
                 x, y, (nbytes, cu) = loader.next()
-                docs = () if cu is None else (DocBounds(torch.from_numpy(cu).to(dev), L),)
+                docs = () if cu is None else (DocBounds(small_to_device(cu, dev), L),)
                 with rt.autocast():
                     loss = forward(x, y, *docs).detach()
                 sums[0] += loss.double() * y.numel()

@@ -645,7 +645,14 @@ def test_finite_source_ends_with_stop_iteration_and_carries_aux(threaded):
     worker = loader._thread
     try:
         for k, arr in enumerate(items):
-            x, y, aux = call_with_timeout(loader.next)
+            if k % 2 == 0:  # inside inference mode, as evaluation calls it (in this thread: the mode is per thread)
+                with torch.inference_mode():
+                    x, y, aux = loader.next()
+            else:  # outside, as training calls it
+                x, y, aux = call_with_timeout(loader.next)
+            # ordinary tensors either way, whichever thread made them: compiled graphs guard on inference tensors
+            # (an unthreaded val loader's batches compiled a graph inside the evaluation timer, issue 35)
+            assert not x.is_inference() and not y.is_inference()
             assert aux == f"aux{k}"
             assert x.dtype == torch.int64 and x.shape == (3, SEQ)
             assert np.array_equal(x.reshape(-1).numpy(), arr[:-1]) and np.array_equal(y.reshape(-1).numpy(), arr[1:])
