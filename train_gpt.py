@@ -8,6 +8,7 @@ record_0430 and record_0501 set those records' logged values (docs/presets.md). 
 from __future__ import annotations
 
 import contextlib
+import concurrent.futures
 import copy
 import datetime
 import glob
@@ -21,6 +22,7 @@ import math
 import os
 import queue
 import random
+import resource
 import shutil
 import signal
 import stat
@@ -46,6 +48,9 @@ from torch import Tensor
 # CONFIG
 # ==================================================
 
+# PREFLIGHT=1 changes these settings for the rehearsal (Hyperparameters._rehearse); the report gives both values
+PREFLIGHT_CHANGES = ("ITERATIONS", "WARMDOWN_ITERS", "MAX_WALLCLOCK_SECONDS", "GPTQ_CALIBRATION_BATCHES",
+                     "CHECKPOINT_EVERY", "VAL_LOSS_EVERY")
 SIZE_CAP_BYTES = 16_000_000  # the competition's artifact cap: compressed model + code, decimal bytes
 GET_DATA = ("build the offline sample: python3 data/build_sample_data.py && bash scripts/sample_run.sh; "
             "or download FineWeb: python3 data/cached_challenge_fineweb.py --variant sp1024")
@@ -314,6 +319,10 @@ class Hyperparameters:
         self.checkpoint_keep = self._env("CHECKPOINT_KEEP", 2)
         self.resume = self._env("RESUME", "", str)  # "": a fresh run; auto: the newest checkpoint of RUN_ID; a path
         self.test_kill_at_checkpoint = self._env("TEST_KILL_AT_CHECKPOINT", "", str)  # test hook: STEP:after|during
+        # ---- preflight (issue 36; docs/running.md): the whole run rehearsed in minutes before the real one
+        self.preflight = self._env("PREFLIGHT", False, bool)
+        self.preflight_steps = self._env("PREFLIGHT_STEPS", 3)  # timed training steps in each training state, at least
+        self.preflight_val_tokens = self._env("PREFLIGHT_VAL_TOKENS", 0)  # the evaluations' slice; 0: 4 rows a rank
         # ---- attention kernel (issue 23)
         self.attention_backend = self._env("ATTENTION_BACKEND", "auto", str)
         # ---- documents (issue 17; SPEC-FRONTIER 2, 3, 18, 19)
@@ -371,6 +380,25 @@ class Hyperparameters:
         self.omp_num_threads = self._env("OMP_NUM_THREADS", 0)
         self.dist_timeout_seconds = self._env("DIST_TIMEOUT_SECONDS", 600.0, float)
         self._validate()
+        self.real = None  # PREFLIGHT=1: the real run's settings that the rehearsal changes
+        if self.preflight:
+            self._rehearse()
+
+    def _rehearse(self):
+        """PREFLIGHT=1 (issue 36): keep the real values in self.real (what the report projects to), then set the
+        rehearsal's: no wallclock cap, so training fractions are step fractions; the fewest steps that give every
+        training state of the schedule PREFLIGHT_STEPS timed steps (preflight_iterations); WARMDOWN_ITERS over all of
+        them (rehearsal_warmdown); at most 2 GPTQ calibration batches; no checkpoints; validation only after the last
+        step."""
+        if self.resume or self.eval_only:
+            name, value = ("RESUME", self.resume) if self.resume else ("EVAL_ONLY", self.eval_only)
+            raise ConfigError(f"{name}={value!r}: PREFLIGHT=1 rehearses a fresh training run; unset {name}")
+        self.real = {name: getattr(self, name.lower()) for name in PREFLIGHT_CHANGES}
+        self.real["max_wallclock_ms"] = self.max_wallclock_ms
+        self.max_wallclock_seconds, self.checkpoint_every, self.val_loss_every = 0.0, 0, 0
+        self.gptq_calibration_batches = min(self.gptq_calibration_batches, 2)
+        self.iterations = preflight_iterations(self)
+        self.warmdown_iters = rehearsal_warmdown(self, self.iterations)
 
     def _env(self, name, default, kind=int):
         """Read one environment variable as `kind` (int, float, str or bool '0'/'1'); floats must be finite.
@@ -619,6 +647,11 @@ class Hyperparameters:
             need(self.swa_enabled, "SWA_APPLY=1 needs SWA_ENABLED=1 (the snapshots it averages)")
             need(self.swa_snapshot_possible(), f"SWA_APPLY=1 but no SWA snapshot would be taken (no step with LR "
                                                f"scale < 0.2 on a multiple of SWA_EVERY={self.swa_every})")
+
+    def rehearsal_settings(self):
+        """PREFLIGHT=1: the settings the rehearsal ran with in place of the real ones (a run with these and
+        MAX_WALLCLOCK_SECONDS=0 trains the same weights and writes the same artifact)."""
+        return {name: getattr(self, name.lower()) for name in PREFLIGHT_CHANGES}
 
     def swa_snapshot_possible(self):
         """Exact without a wallclock cap; under one the warmdown is timed, so only its presence is checked."""
@@ -2695,8 +2728,9 @@ def choose_cpu_threads(h):
 
 
 def open_log(h, append=False):
-    """Start logs/$RUN_ID.txt afresh (a rerun replaces, never appends); a resumed run (append) continues it."""
-    path = Path("logs") / f"{h.run_id}.txt"
+    """Start logs/$RUN_ID.txt afresh (a rerun replaces, never appends); a resumed run (append) continues it.
+    PREFLIGHT=1 writes logs/$RUN_ID.preflight.txt: a rehearsal's log never reads as a run's."""
+    path = Path("logs") / f"{h.run_id}{'.preflight' if h.preflight else ''}.txt"
     try:
         os.makedirs("logs", exist_ok=True)
         replaced = path.exists() and not append
@@ -2877,6 +2911,39 @@ def seq_len_phase(h, step, elapsed_ms):
     return max(i for i, (_, start) in enumerate(h.seq_len_phases) if start <= frac)
 
 
+def schedule_states(h, n):
+    """The training state (layer loop on, cut length, QAT on) of each of n steps without a wallclock cap, decided as
+    _train_loop decides: the loop from the step whose fraction reaches ENABLE_LOOPING_AT (from the start at 0), the
+    TRAIN_SEQ_LEN_SCHEDULE phase due, late QAT from the first step with LR scale below its threshold."""
+    g = copy.copy(h)
+    g.iterations, g.warmdown_iters, g.max_wallclock_seconds = n, rehearsal_warmdown(h, n), 0.0
+    looping, qat, states = g.num_loops > 0 and g.enable_looping_at == 0, g.qat_enabled, []
+    for step in range(n):
+        looping = looping or (g.num_loops > 0 and step > 0 and training_fraction(g, step, 0.0) >= g.enable_looping_at)
+        cut = g.seq_len_phases[seq_len_phase(g, step, 0.0)][0] if g.seq_len_phases else g.train_seq_len
+        qat = qat or (g.late_qat_threshold > 0 and lr_multiplier(g, step, 0.0) < g.late_qat_threshold)
+        states.append((looping, cut, qat))
+    return states
+
+
+def rehearsal_warmdown(h, n):
+    """PREFLIGHT=1's WARMDOWN_ITERS for n steps: all n when the real run has one (under the real wallclock cap its
+    share of the steps is only known from the step time, and a warmdown over the whole rehearsal gives late QAT the
+    steps it needs at any threshold); WARMDOWN_FRAC, a fraction already, is kept as it is."""
+    return n if h.warmdown_iters > 0 else 0
+
+
+def preflight_iterations(h, most=400):
+    """PREFLIGHT=1's step count: the fewest steps in which every training state that takes a share of a long run
+    (schedule_states over 1,000 steps) gets PREFLIGHT_STEPS steps; `most` at most."""
+    wanted = set(schedule_states(h, 1000))
+    for n in range(max(h.preflight_steps * len(wanted), 1), most):
+        states = schedule_states(h, n)
+        if all(states.count(s) >= h.preflight_steps for s in wanted):
+            return n
+    return most
+
+
 def seq_len_rewarmup(h, steps_since_switch):
     """LR factor after a training-context switch (#2014, SPEC-FRONTIER 19): linear 1/N, 2/N, ... 1 over the
     N = SEQ_LEN_REWARMUP_STEPS steps from the switch; 1 before any switch (None) and with N = 0."""
@@ -3025,6 +3092,8 @@ def log_compile_region(rt, name):
                           device=rt.device)
     graphs, eager = rt.all_reduce(counts, op=dist.ReduceOp.MAX)[0].tolist()
     rt.log(f"compile_region: {name} graphs_compiled:{graphs:.0f} eager_calls:{eager:.0f}")
+    if _PREFLIGHT[0] is not None:
+        _PREFLIGHT[0].regions[name] = (int(graphs), int(eager))
 
 
 def log_compiled(rt):
@@ -3694,8 +3763,10 @@ def train(rt, model, val_tokens, luts):
     model.looping = h.num_loops > 0 and h.enable_looping_at == 0
     resumed = load_checkpoint(rt) if rt.resume is not None else None
     position = None if resumed is None else resumed[1]["loader"]
+    stage("warmup (every training graph)")
     loader = warmup_and_restore(rt, trainer, position) if h.warmup_steps > 0 else make_train_loader(rt, position)
     try:
+        stage("training")
         qat_on, train_ms = _train_loop(rt, trainer, loader, val_tokens, luts, resumed)
         if h.num_loops > 0 and not model.looping:
             model.looping = True
@@ -3790,6 +3861,8 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
         wait_total, wait_max = wait_total + wait, max(wait_max, wait)
         wait_since_log, steps_since_log = wait_since_log + wait, steps_since_log + 1
         approx_ms = train_ms + 1000.0 * (time.perf_counter() - t0)
+        if _PREFLIGHT[0] is not None:
+            _PREFLIGHT[0].training_step(model.looping, phases[phase][0] if phases else h.train_seq_len, qat_on, approx_ms)
         if h.train_log_every > 0 and (step <= 10 or step % h.train_log_every == 0 or stop_after is not None):
             rt.log(f"step:{step}/{h.iterations} train_loss:{train_loss.item():.4f} "
                    f"train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms "
@@ -4405,6 +4478,18 @@ def pergroup_codec_decompress(data):
     return zpaq.decompress(data) if data else b""
 
 
+def pergroup_codec_map(fn, streams, workers=None):
+    """fn (ZPAQ compress or decompress) over the group streams, up to `workers` at once (default: torch's thread
+    count): libzpaq releases the GIL, so threads run the groups in parallel; each stream is still one ZPAQ call
+    in one thread, so the bytes are those of the one-by-one loop on any machine. The largest group (an MLP matrix
+    group) bounds the time."""
+    workers = max(1, min(len(streams), workers or torch.get_num_threads()))
+    if workers == 1:
+        return [fn(x) for x in streams]
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="pergroup") as pool:
+        return list(pool.map(fn, streams))
+
+
 def pack_streams(streams):
     """The per-group container (SPEC-FRONTIER 12): b"PGRP", uint32 stream count, uint32 lengths, then (beyond
     the record's) uint32 CRC-32 of each stream, so that any damaged byte is found before decoding; the streams."""
@@ -4431,21 +4516,22 @@ def unpack_streams(data, path):
     return out
 
 
-def pergroup_serialize(obj):
-    """COMPRESSOR=pergroup: one stream per group blob (pergroup_layout) through pergroup_codec_compress, then the
-    rest (scales, passthrough, LQER/AWQ entries, meta, layout) as torch.save + brotli q11 lgwin 24, then the
-    permutations (brotli q11), in pack_streams' container."""
+def pergroup_serialize(obj, workers=None):
+    """COMPRESSOR=pergroup: one stream per group blob (pergroup_layout) through pergroup_codec_compress (the groups
+    in parallel: pergroup_codec_map), then the rest (scales, passthrough, LQER/AWQ entries, meta, layout) as
+    torch.save + brotli q11 lgwin 24, then the permutations (brotli q11), in pack_streams' container."""
     import brotli
     blobs, perms, rest, layout = pergroup_layout(obj["w"])
     buf = io.BytesIO()
     torch.save({**obj, "w": rest, "layout": layout}, buf)
-    streams = [pergroup_codec_compress(blobs[role]) for role in PERGROUP_ROLES]
+    streams = pergroup_codec_map(pergroup_codec_compress, [blobs[role] for role in PERGROUP_ROLES], workers)
     streams += [brotli.compress(buf.getvalue(), quality=11, lgwin=24), brotli.compress(perms, quality=11)]
     return pack_streams(streams)
 
 
-def pergroup_deserialize(data, path):
-    """Inverse of pergroup_serialize: the artifact's dict ({"w", "m", "late_qat"}); any damage is one line."""
+def pergroup_deserialize(data, path, workers=None):
+    """Inverse of pergroup_serialize (the groups decoded in parallel too): the artifact's dict ({"w", "m",
+    "late_qat"}); any damage is one line."""
     for module, package in missing_modules("pergroup"):
         raise ConfigError(f"{path}: per-group artifacts need the {module} module: pip install {package}")
     import brotli
@@ -4453,7 +4539,8 @@ def pergroup_deserialize(data, path):
     try:
         rest = torch.load(io.BytesIO(brotli.decompress(streams[-2])), map_location="cpu")
         perms = np.frombuffer(brotli.decompress(streams[-1]), dtype=np.uint16)
-        blobs = [np.frombuffer(pergroup_codec_decompress(s), dtype=np.int8) for s in streams[:-2]]
+        blobs = [np.frombuffer(b, dtype=np.int8)
+                 for b in pergroup_codec_map(pergroup_codec_decompress, streams[:-2], workers)]
     except Exception as e:  # any codec or unpickling error: the file is damaged
         raise ConfigError(f"{path}: corrupt per-group artifact ({type(e).__name__}: {first_line(e)})") from None
     w, layout, p_at = dict(rest["w"]), rest.pop("layout"), 0
@@ -5295,25 +5382,30 @@ def build_ngram_tilt(rt, val_tokens, label):
     h = rt.h
     if not h.ngram_tilt:
         return None
+    pf = _PREFLIGHT[0]
+    source = val_tokens if pf is None else pf.full_val  # PREFLIGHT=1: built on the whole stream, as the run builds it
     rt.sync()
     t0 = time.perf_counter()
     if rt.is_main:
-        top, prob = ngram_tilt_hints(val_tokens[1:].to(rt.device), h.ngram_tilt_order)
+        top, prob = ngram_tilt_hints(source[1:].to(rt.device), h.ngram_tilt_order)
         gate = prob >= torch.tensor(h.ngram_tilt_threshold, dtype=torch.float32, device=prob.device)
         hint = torch.where(gate, top, -1).to(torch.int32)
         del top, prob, gate
     else:
-        hint = torch.empty(val_tokens.numel() - 1, dtype=torch.int32, device=rt.device)
+        hint = torch.empty(source.numel() - 1, dtype=torch.int32, device=rt.device)
     rt.sync()
     t1 = time.perf_counter()
     if rt.distributed:
         dist.broadcast(hint, 0)
     hint = hint.cpu()
     t2 = time.perf_counter()
+    if pf is not None:
+        pf.tilt_build_s[label] = round(t2 - t0, 3)
     rt.log(f"ngram_tilt: tilting {label} order:{h.ngram_tilt_order} threshold:{h.ngram_tilt_threshold:g} "
            f"boost:{h.ngram_tilt_boost:g} gated:{int((hint >= 0).sum())}/{hint.numel()} build:{t1 - t0:.2f}s "
            f"broadcast:{t2 - t1:.2f}s device:{rt.device.type} (rank 0 builds, inside the {label} timer)")
-    return NgramTilt(hint, h.ngram_tilt_boost)
+    # PREFLIGHT=1: the slice's targets are the stream's first
+    return NgramTilt(hint[:val_tokens.numel() - 1], h.ngram_tilt_boost)
 
 
 # ==================================================
@@ -5323,8 +5415,193 @@ def build_ngram_tilt(rt, val_tokens, label):
 _STAGE = ["start-up"]  # what the run is doing: a failure's one-line error names it
 
 
+_PREFLIGHT = [None]  # PREFLIGHT=1: the run's Preflight (what it measured, its report), else None
+
+
 def stage(name):
     _STAGE[0] = name
+    if _PREFLIGHT[0] is not None:
+        _PREFLIGHT[0].begin(name)
+
+
+def artifact_files(h):
+    """The raw state dict and the artifact a run writes; PREFLIGHT=1 writes its own, removed after its report."""
+    return ("preflight_model.pt", "preflight_model.int6.ptz") if h.preflight else ("final_model.pt", "final_model.int6.ptz")
+
+
+def merge_shapes(a, b):
+    """Two EvalShapes as one: every shape of either (PREFLIGHT=1 warms the whole val set's and its slice's)."""
+    return EvalShapes(*(sorted(set(x) | set(y)) for x, y in zip(a, b)))
+
+
+class Preflight:
+    """PREFLIGHT=1 (issue 36; docs/running.md): the whole run rehearsed before the real one, through the run's own
+    code (run(): every stage once on the real shapes, the evaluations on a slice of the val set). This object only
+    keeps what the rehearsal measured: each stage's seconds (stage()), each training state's step times, the timed
+    evaluations, the tilt's build, the compiled regions and the artifact; report() projects them to the real
+    settings (Hyperparameters.real), writes preflight.json and the log's preflight: lines, and gives the verdict."""
+
+    def __init__(self, rt):
+        self.rt, self.stages, self.current = rt, [], None
+        self.full_val = self.targets = None  # the tilt's hints come from the whole stream: its cost is the stream's
+        self.steps, self.last_ms = {}, 0.0  # training state -> [ms of each timed step]
+        self.evals, self.tilt_build_s, self.regions, self.artifact = {}, {}, {}, None
+        self.begin("start-up")
+
+    def slice(self):
+        """The evaluations' val tokens: a prefix of the stream (so the whole stream's hints are its hints too) with
+        PREFLIGHT_VAL_TOKENS targets (0: 4 EVAL_SEQ_LEN rows a rank, and with chunked SGD TTT 2 chunks at least, so
+        that a chunk is trained on and the next scored after it: TTT's step runs)."""
+        h = self.rt.h
+        sgd_ttt = 2 * h.ttt_chunk_tokens if h.ttt_enabled and h.ttt_mode != "lora" else 0
+        n = min(h.preflight_val_tokens or max(4 * h.world_size * h.eval_seq_len, sgd_ttt), self.full_val.numel() - 1)
+        return self.full_val[:n + 1]
+
+    def begin(self, name):
+        now = time.perf_counter()
+        if self.current is not None:
+            self.stages.append({"stage": self.current[0], "status": "ok", "seconds": round(now - self.current[1], 3)})
+        self.current = (name, now)
+
+    def training_step(self, looping, cut, qat, approx_ms):
+        key = f"loop:{int(looping)} seq:{cut} qat:{int(qat)}"
+        self.steps.setdefault(key, []).append(approx_ms - self.last_ms)
+        self.last_ms = approx_ms
+
+    def training(self):
+        """Each state's steps and mean ms per step, and the real run's projected steps: a state's share of the
+        rehearsal's steps is its share of the real run's time (fractions of the steps stand for fractions of the
+        time; exact for ENABLE_LOOPING_AT, TRAIN_SEQ_LEN_SCHEDULE and WARMDOWN_FRAC, approximate with
+        WARMDOWN_ITERS, whose warmdown the rehearsal puts in its own steps)."""
+        real, total = self.rt.h.real, sum(len(v) for v in self.steps.values())
+        states = {k: {"steps": len(v), "ms_per_step": round(sum(v) / len(v), 3)} for k, v in self.steps.items()}
+        out = {"timed_steps": total, "states": states, "max_wallclock_ms": real["max_wallclock_ms"]}
+        if total:
+            mean = sum(st["steps"] * st["ms_per_step"] for st in states.values()) / total
+            cap, steps = real["max_wallclock_ms"], real["ITERATIONS"]
+            if cap:
+                within = sum(st["steps"] / total * cap / max(st["ms_per_step"], 1e-9) for st in states.values())
+                steps = min(steps, int(within))
+            out["projected_steps"] = steps
+            # the cap binds: the loop stops at it; else ITERATIONS steps at the states' mean
+            binds = bool(cap) and steps < real["ITERATIONS"]
+            out["projected_train_s"] = round(cap / 1000.0 if binds else steps * mean / 1000.0, 1)
+        return out
+
+    def evaluation(self):
+        """Each evaluation stage's seconds and its projection to the whole val set: the scored evaluations and the
+        diagnostic scale with the targets (the tilt's build, already the whole stream's, does not); warmups and the
+        artifact's loading do not scale. Against the track's evaluation budget: MAX_WALLCLOCK_SECONDS (600)."""
+        sliced, full = self.targets
+        scale = full / max(sliced, 1)
+        rows, total = [], 0.0
+        for st in self.stages:
+            name = st["stage"]
+            label = name[len("evaluation ("):-1] if name.startswith("evaluation (") else None
+            if name == "evaluating the final weights" or label in self.evals:
+                build = self.tilt_build_s.get(label, 0.0)
+                projected = build + (st["seconds"] - build) * scale
+            elif label is not None or name == "loading the artifact":
+                projected = st["seconds"]
+            else:
+                continue
+            rows.append({"stage": name, "seconds": st["seconds"], "projected_s": round(projected, 1)})
+            total += projected
+        budget = self.rt.h.real["MAX_WALLCLOCK_SECONDS"] or 600.0
+        return {"slice_targets": sliced, "val_targets": full, "stages": rows, "tilt_build_s": self.tilt_build_s,
+                "projected_s": round(total, 1), "budget_s": budget}
+
+    def peak_memory_mib(self, collective):
+        """Each rank's peak memory (CUDA: allocated; CPU: the process's resident set), MiB."""
+        rt = self.rt
+        if rt.device.type == "cuda":
+            mine = torch.cuda.max_memory_allocated(rt.device) / 2 ** 20
+        else:
+            mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        peaks = torch.zeros(rt.h.world_size, dtype=torch.float64, device=rt.device)
+        peaks[rt.h.rank] = mine
+        if collective:
+            rt.all_reduce(peaks)
+        return [round(v, 1) for v in peaks.tolist()]
+
+    def report(self, error=None):
+        """The report (log lines and, on rank 0, preflight.json), then the rehearsal's files removed; returns the
+        exit status: 0 for `preflight: ready`, 1 for `preflight: NOT READY: <the first problem>`. After an error no
+        collective is made (the other ranks may be gone)."""
+        rt, h = self.rt, self.rt.h
+        if self.current is not None:
+            now = time.perf_counter()
+            self.stages.append({"stage": self.current[0], "status": "failed" if error else "ok",
+                                "seconds": round(now - self.current[1], 3)})
+            self.current = None
+        peaks = self.peak_memory_mib(collective=error is None)
+        rep = {"preset": h.preset, "world_size": h.world_size, "device": str(rt.device),
+               "settings": {"real": {k: v for k, v in h.real.items() if k in PREFLIGHT_CHANGES},
+                            "rehearsal": h.rehearsal_settings()},
+               "stages": self.stages, "training": self.training(), "peak_memory_mib": peaks,
+               "compile": [{"name": f.name, "graphs": f.graphs, "planned": f.planned, "compile_s": round(f.compile_s, 1),
+                            "eager_calls": f.eager_calls} for f in rt.compiled],
+               "compile_regions": {k: {"graphs_compiled": g, "eager_calls": e} for k, (g, e) in self.regions.items()}}
+        if self.targets is not None and error is None:
+            rep["evaluation"] = self.evaluation()
+        if self.artifact is not None:
+            model, code = self.artifact
+            rep["artifact"] = {"model_bytes": model, "code_bytes": code, "total_bytes": model + code,
+                               "cap_bytes": SIZE_CAP_BYTES}
+        rep["problems"] = problems = self.problems(rep, error)
+        rep["verdict"] = "preflight: ready" if not problems else f"preflight: NOT READY: {problems[0]}"
+        for line in self.lines(rep):
+            rt.log(line)
+        if rt.is_main:
+            write_atomically("preflight.json", (json.dumps(rep, indent=1) + "\n").encode())
+            for name in artifact_files(h):
+                with contextlib.suppress(OSError):
+                    os.remove(name)
+        _PREFLIGHT[0] = None
+        return 1 if problems else 0
+
+    @staticmethod
+    def problems(rep, error):
+        """What would make the real run fail or not count, most basic first."""
+        out = [error] if error else []
+        for region, c in rep["compile_regions"].items():
+            if c["graphs_compiled"] or c["eager_calls"]:
+                out.append(f"the timed region {region} compiled {c['graphs_compiled']} graphs and ran "
+                           f"{c['eager_calls']} calls eager (the warmups missed a shape)")
+        art = rep.get("artifact")
+        if art and art["total_bytes"] > SIZE_CAP_BYTES:
+            out.append(f"the artifact is {art['total_bytes']} bytes (model {art['model_bytes']} + code "
+                       f"{art['code_bytes']}), over the {SIZE_CAP_BYTES}-byte cap")
+        ev = rep.get("evaluation")
+        if ev and ev["projected_s"] > ev["budget_s"]:
+            out.append(f"the evaluation is projected to take {ev['projected_s']:.0f}s, over its {ev['budget_s']:g}s "
+                       "budget (MAX_WALLCLOCK_SECONDS)")
+        return out
+
+    @staticmethod
+    def lines(rep):
+        out = [f"preflight: stage {st['stage']}: {st['status']} {st['seconds']:.1f}s" for st in rep["stages"]]
+        tr = rep["training"]
+        states = "; ".join(f"{k} {v['steps']} steps {v['ms_per_step']:.1f}ms" for k, v in tr["states"].items())
+        cap = tr["max_wallclock_ms"]
+        out.append(f"preflight: training timed_steps:{tr['timed_steps']} ({states}) projected_steps:"
+                   f"{tr.get('projected_steps', 0)} projected_train:{tr.get('projected_train_s', 0):.1f}s "
+                   + (f"in the loop's {cap / 1000.0:.1f}s" if cap else "(no wallclock cap: ITERATIONS)"))
+        ev = rep.get("evaluation")
+        if ev:
+            parts = "; ".join(f"{r['stage']} {r['seconds']:.1f}s -> {r['projected_s']:.1f}s" for r in ev["stages"])
+            out.append(f"preflight: evaluation slice_targets:{ev['slice_targets']} of {ev['val_targets']} ({parts}) "
+                       f"projected:{ev['projected_s']:.1f}s budget:{ev['budget_s']:g}s")
+        art = rep.get("artifact")
+        if art:
+            out.append(f"preflight: artifact model:{art['model_bytes']} code:{art['code_bytes']} "
+                       f"total:{art['total_bytes']} cap:{art['cap_bytes']}")
+        out.append("preflight: peak_memory_mib " + " ".join(f"rank{i}:{v:.0f}" for i, v in enumerate(rep["peak_memory_mib"])))
+        for c in rep["compile"]:
+            out.append(f"preflight: compile {c['name']} graphs:{c['graphs']} planned:{c['planned']} "
+                       f"compile_s:{c['compile_s']} eager_calls:{c['eager_calls']}")
+        out.append(rep["verdict"])
+        return out
 
 
 def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
@@ -5333,6 +5610,9 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
     h = rt.h
     model = rt.prepare_model(model)
     shapes = evaluation_shapes(h, val_tokens.numel() - 1)
+    pf = _PREFLIGHT[0]
+    if pf is not None:  # the real run's graphs, and the slice's
+        shapes = merge_shapes(shapes, evaluation_shapes(h, pf.full_val.numel() - 1))
     forward = compile_fn(rt, "eval_forward", model, model.graph_state, len(shapes.val) + len(shapes.train))
     logits_fn = compile_fn(rt, "eval_logits", model.forward_logits, model.graph_state, len(shapes.score))
     if compile_enabled(rt):
@@ -5351,8 +5631,14 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
         rt.sync()
         log_compile_region(rt, label)
         if not math.isfinite(loss):
-            raise RunError(f"{label}: val_loss is {loss}" + (" (lower TTT_LR)" if label == "legal_ttt" else ""))
+            lr = "TTT_LORA_LR" if h.ttt_mode == "lora" else "TTT_LR"
+            raise RunError(f"{label}: val_loss is {loss}" + (f" (lower {lr})" if label == "legal_ttt" else ""))
         ms = 1000.0 * (time.perf_counter() - t0)
+        if pf is not None:  # a slice's score: no line that reads as a finished run's
+            pf.evals[label] = ms / 1000.0
+            rt.log(f"preflight_eval: {label} targets:{val_tokens.numel() - 1} val_loss:{loss:.4f} val_bpb:{bpb:.4f}"
+                   f"{extra} eval_time:{ms:.0f}ms")
+            return ms / 1000.0
         rt.log(f"{label} val_loss:{loss:.4f} val_bpb:{bpb:.4f}{extra} eval_time:{ms:.0f}ms")
         rt.log(f"{label}_exact val_loss:{loss:.8f} val_bpb:{bpb:.8f}")
         return ms / 1000.0
@@ -5366,7 +5652,8 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
     ttt_s = None
     if h.ttt_enabled and h.ttt_mode == "lora":
         stage("evaluation (warming the LoRA TTT step)")
-        sizes = [len(b) for _, b in lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)]
+        sizes = [len(b) for v in ([val_tokens] if pf is None else [val_tokens, pf.full_val])
+                 for _, b in lora_ttt_queue(lora_ttt_documents(v), h.ttt_batch_size)]
         lora_fn, how = lora_forward(rt, model, len(lora_warm_shapes(h, sizes)))
         t0 = time.perf_counter()
         shapes = warm_lora_ttt(rt, model, lora_fn, sizes)
@@ -5465,18 +5752,24 @@ def write_outputs(rt, model, late_qat, hessians):
     """Rank 0 writes the raw state dict and the int6 artifact, and logs the byte accounting."""
     if not rt.is_main:
         return
+    raw, artifact = artifact_files(rt.h)
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
-    write_atomically("final_model.pt", buf.getvalue())
-    rt.log(f"Serialized model: {os.path.getsize('final_model.pt')} bytes")
+    write_atomically(raw, buf.getvalue())
+    rt.log(f"Serialized model: {os.path.getsize(raw)} bytes")
     code = code_bytes()
-    size = save_artifact("final_model.int6.ptz", model, late_qat, rt.h, hessians, code, rt.log)
+    size = save_artifact(artifact, model, late_qat, rt.h, hessians, code, rt.log)
     for line in size_report(size, code, rt.h.compressor):
         rt.log(line)
+    if _PREFLIGHT[0] is not None:
+        _PREFLIGHT[0].artifact = (size, code)
 
 
 def run(rt):
+    """The recipe, stage by stage; with PREFLIGHT=1 the rehearsal of it, ending with its report (returns the exit
+    status)."""
     h = rt.h
+    pf = _PREFLIGHT[0] = Preflight(rt) if h.preflight else None
     log_environment(rt)
     backend = select_attention_backend(rt.device, h.attention_backend)
     overrides = [name for name in PRESETS[h.preset] if h.effective[name][1] == "env"]
@@ -5509,6 +5802,13 @@ def run(rt):
     val_tokens = load_validation_tokens(h.val_files, max(h.train_seq_len, h.eval_seq_len), h.vocab_size,
                                         h.eval_include_tail)
     luts, bpb_bytes = load_byte_sidecar(h.val_files, val_tokens, luts)
+    if pf is not None:
+        pf.full_val = val_tokens
+        val_tokens = pf.slice()
+        pf.targets = (val_tokens.numel() - 1, pf.full_val.numel() - 1)
+        rt.log(f"preflight: rehearsal of {h.preset} on {h.world_size} ranks: " + " ".join(
+            f"{k}:{h.real[k]:g}->{v:g}" for k, v in h.rehearsal_settings().items() if h.real[k] != v)
+            + f"; evaluations on the first {pf.targets[0]} of {pf.targets[1]} val targets")
     rt.log(f"val_tokens:{val_tokens.numel() - 1}")
     rt.log(f"bpb_bytes:{bpb_bytes}")
     if h.eval_split_at_bos or h.eval_include_tail:
@@ -5527,7 +5827,7 @@ def run(rt):
     stage("checking the training shards")
     for f in list_shards(h.train_files):
         read_shard_header(f)
-    for name in ("final_model.pt", "final_model.int6.ptz"):  # a failed run must not leave an older run's files
+    for name in artifact_files(h):  # a failed run must not leave an older run's files
         if rt.is_main and os.path.exists(name):
             os.remove(name)
             rt.log(f"removed {name} of an earlier run")
@@ -5538,7 +5838,7 @@ def run(rt):
         (enc, dec), (loop_enc, loop_dec) = model.orders[False], model.orders[True]
         rt.log(f"layer_loop: encoder:{enc} decoder:{dec}, looped from ENABLE_LOOPING_AT={h.enable_looping_at:g}: "
                f"encoder:{loop_enc} decoder:{loop_dec}")
-    stage("training")
+    stage("setting up training")
     qat_on, hessians = train(rt, model, val_tokens, luts)
 
     stage("evaluating the final weights")
@@ -5555,8 +5855,13 @@ def run(rt):
     # Evaluate what a user submits: a fresh model read back from the file on disk. The evaluation's wall time counts
     # the diagnostic above and everything from here on; writing the artifact (quantisation) is training's side.
     t_eval = time.perf_counter() - diagnostic_s
-    eval_model = load_artifact("final_model.int6.ptz", h)
+    stage("loading the artifact")
+    eval_model = load_artifact(artifact_files(h)[1], h)
     evaluate_artifact(rt, eval_model, val_tokens, luts, t_eval)
+    if pf is not None:
+        stage("report")
+        return pf.report()
+    return 0
 
 
 def fail(rt, message):
@@ -5596,23 +5901,30 @@ def main():
         print(f"error: unexpected argument {sys.argv[1]!r}: settings are environment variables (see --help)",
               file=sys.stderr)
         sys.exit(2)
-    h, rt, code = None, None, 0
+    h, rt, code, message = None, None, 0, None
     try:
         h = Hyperparameters()
         rt = setup_runtime(h, find_resume(h))
-        run(rt)
+        code = run(rt) or 0
     except (ConfigError, RunError) as e:
-        fail(rt, f"error: {e}")
+        message = f"error: {e}"
         code = 2 if isinstance(e, ConfigError) else 1
     except KeyboardInterrupt:
-        fail(rt, f"interrupted (Ctrl-C) during {_STAGE[0]}")
+        message = f"interrupted (Ctrl-C) during {_STAGE[0]}"
         code = 130
     except Exception as e:  # anything else: one line naming the stage
         if h is not None and h.debug_traceback:
             traceback.print_exc()
-        fail(rt, f"error: {_STAGE[0]} failed: {type(e).__name__}: {first_line(e)}"
-                 + ("" if h is not None and h.debug_traceback else " (DEBUG_TRACEBACK=1 shows the traceback)"))
+        message = (f"error: {_STAGE[0]} failed: {type(e).__name__}: {first_line(e)}"
+                   + ("" if h is not None and h.debug_traceback else " (DEBUG_TRACEBACK=1 shows the traceback)"))
         code = 1
+    if message is not None:
+        fail(rt, message)
+        if _PREFLIGHT[0] is not None:  # PREFLIGHT=1: the report, its verdict naming the error
+            code = _PREFLIGHT[0].report(error=message.removeprefix("error: "))
+        elif (h.preflight if h is not None else os.environ.get("PREFLIGHT", "").strip() == "1"):
+            print(f"preflight: NOT READY: {message.removeprefix('error: ')}", file=sys.stderr, flush=True)
+            code = 1
     leave(code)
 
 

@@ -10,6 +10,7 @@ no training and no Hessians, so the code statistics, not the bpb, are what this 
     python3 scripts/bench_pergroup.py            # every candidate installed; lrzip if the binary exists
     python3 scripts/bench_pergroup.py --sort     # also time the records' O(n^2) Python row sort at 8192 rows
     python3 scripts/bench_pergroup.py --orders   # only: tok_emb and c_q groups, L2 vs L1 vs no row order, ZPAQ-5
+    python3 scripts/bench_pergroup.py --threads  # only: the artifact's ZPAQ groups one by one vs at once
 
 Candidates: brotli q11 lgwin 24 (pip brotli), zstd level 22 with long-distance matching and a 2^27 window
 (pip zstandard), PPMd variant H order 3..16 (pip pyppmd), ZPAQ levels 3..5 in one thread (pip zpaq), and
@@ -82,6 +83,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sort", action="store_true", help="also time the records' Python row sort (minutes)")
     ap.add_argument("--orders", action="store_true", help="only compare row orders (see above)")
+    ap.add_argument("--threads", action="store_true", help="only: pergroup_serialize / pergroup_deserialize with "
+                    "the groups one by one (1 worker) and at once (torch's thread count), in one run")
     args = ap.parse_args()
     torch.manual_seed(0)
     h = tg.Hyperparameters(RECORD_SHAPE)
@@ -96,6 +99,8 @@ def main():
     w, meta = tg.quantize_state_dict(flat, h)
     if args.orders:
         return compare_orders(w)
+    if args.threads:
+        return compare_threads({"w": w, "m": meta, "late_qat": False})
     t0 = time.perf_counter()
     blobs, perms, rest, _ = tg.pergroup_layout(w)
     layout_s = time.perf_counter() - t0
@@ -161,6 +166,24 @@ def compare_orders(w):
             chain_s = time.perf_counter() - t0
             print(f"| {role} | {metric} | {chain_s:.1f} | {len(zpaq.compress(b''.join(parts), 5, threads=1)):,} |",
                   flush=True)
+
+
+def compare_threads(obj):
+    """pergroup_serialize and pergroup_deserialize of one artifact with 1 worker, then with torch's thread count
+    (pergroup_codec_map): seconds of each, and whether the bytes and the decoded tensors are the same."""
+    n = torch.get_num_threads()
+    print("| workers | serialize s | deserialize s | bytes | same bytes | same tensors |\n|---|---|---|---|---|---|")
+    first = None
+    for workers in (1, n):
+        t0 = time.perf_counter()
+        data = tg.pergroup_serialize(obj, workers=workers)
+        ser = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        back = tg.pergroup_deserialize(data, "memory", workers=workers)
+        de = time.perf_counter() - t0
+        same = all(torch.equal(back["w"][k], t) for k, t in obj["w"].items())
+        first = first or data
+        print(f"| {workers} | {ser:.1f} | {de:.1f} | {len(data):,} | {data == first} | {same} |", flush=True)
 
 
 def tg_record():
