@@ -24,12 +24,12 @@ from test_presets import caseops_run_data  # noqa: F401 (fixture)
 EXACT_LINE = re.compile(r"^\S+_exact ", re.M)
 
 
-def preflight(env, cwd, script=None, timeout=300):
-    """PREFLIGHT=1 in `cwd`: (process, preflight.json as a dict or None, the log or "")."""
+def preflight(env, cwd, script=None, timeout=300, nproc=0):
+    """PREFLIGHT=1 in `cwd` (nproc > 0: under torchrun): (process, preflight.json as a dict or None, the log or "")."""
     cwd.mkdir(exist_ok=True)
     env = {"PREFLIGHT_STEPS": "1", **env, "PREFLIGHT": "1", "RUN_ID": env.get("RUN_ID", "pf")}  # the suite's time
     if script is None:
-        proc = run_training(env, cwd, timeout=timeout)
+        proc = run_training(env, cwd, nproc=nproc, timeout=timeout)
     else:
         proc = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                               env={**clean_environ(), **env, "OMP_NUM_THREADS": "1"})
@@ -51,12 +51,13 @@ def test_each_presets_rehearsal_is_ready_and_agrees_with_a_real_run_of_its_setti
     """The rehearsal is ready, reports every stage, state, evaluation, compiled function and region, and leaves
     nothing that looks like a finished run; then a real run with the rehearsal's settings (the report's) writes an
     artifact of exactly the rehearsal's bytes, at the rehearsal's step time within a factor of 3 (two runs on a
-    shared CPU). record_0501's rehearsal runs compiled (COMPILE_BACKEND=eager: Dynamo's graphs and guards, which do
+    shared CPU). record_0323 runs on 2 processes (every rank rehearses; a peak memory for each). record_0501's rehearsal runs compiled (COMPILE_BACKEND=eager: Dynamo's graphs and guards, which do
     not give eager's last bits, so no real eager run could match its bytes, and a compiled one costs the suite
     another minute): its artifact is record_0427's code, whose pair stands for it."""
     env = {**preset_data[preset], **PRESET_ENV[preset], "PRESET": preset}
     compiled = {"COMPILE": "1", "COMPILE_BACKEND": "eager"} if preset == "record_0501" else {}
-    proc, rep, log = preflight({**env, **compiled}, tmp_path / "pf")
+    nproc = 2 if preset == "record_0323" else 0
+    proc, rep, log = preflight({**env, **compiled}, tmp_path / "pf", nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert rep["verdict"] == "preflight: ready" == log.strip().splitlines()[-1] and rep["problems"] == []
     stages = [s["stage"] for s in rep["stages"]]
@@ -75,7 +76,7 @@ def test_each_presets_rehearsal_is_ready_and_agrees_with_a_real_run_of_its_setti
     assert 0 < ev["slice_targets"] < ev["val_targets"] and ev["projected_s"] > 0
     assert rep["artifact"]["total_bytes"] == rep["artifact"]["model_bytes"] + rep["artifact"]["code_bytes"]
     assert rep["artifact"]["code_bytes"] == (REPO / "train_gpt.py").stat().st_size
-    assert len(rep["peak_memory_mib"]) == 1 and rep["peak_memory_mib"][0] > 0
+    assert rep["world_size"] == max(nproc, 1) == len(rep["peak_memory_mib"]) and min(rep["peak_memory_mib"]) > 0
     assert "preflight_eval: final_int6_roundtrip targets:" in log and not EXACT_LINE.search(log)
     if compiled:
         assert {c["name"] for c in rep["compile"]} >= {"train_forward", "eval_forward", "ttt_lora"}
@@ -90,7 +91,7 @@ def test_each_presets_rehearsal_is_ready_and_agrees_with_a_real_run_of_its_setti
         return
     same = {k: str(v) for k, v in rep["settings"]["rehearsal"].items()}
     (tmp_path / "real").mkdir()
-    real = run_training({**env, **same, "RUN_ID": "real"}, tmp_path / "real")
+    real = run_training({**env, **same, "RUN_ID": "real"}, tmp_path / "real", nproc=nproc)
     assert real.returncode == 0, real.stderr[-3000:]
     log = read_log(tmp_path / "real", "real")
     size = int(re.search(r"^Serialized model int6\+\S+: (\d+) bytes", log, re.M).group(1))
