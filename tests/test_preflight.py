@@ -55,6 +55,8 @@ def test_each_presets_rehearsal_is_ready_and_agrees_with_a_real_run_of_its_setti
     not give eager's last bits, so no real eager run could match its bytes, and a compiled one costs the suite
     another minute): its artifact is record_0427's code, whose pair stands for it."""
     env = {**preset_data[preset], **PRESET_ENV[preset], "PRESET": preset}
+    if preset in ("record_0427", "record_0430"):  # lzma: ZPAQ's seconds twice over; the per-group path is record_0501's
+        env["COMPRESSOR"] = "lzma"
     compiled = {"COMPILE": "1", "COMPILE_BACKEND": "eager"} if preset == "record_0501" else {}
     nproc = 2 if preset == "record_0323" else 0
     proc, rep, log = preflight({**env, **compiled}, tmp_path / "pf", nproc=nproc)
@@ -138,7 +140,8 @@ def test_a_missing_byte_sidecar_is_not_ready_before_training(caseops_run_data, t
 def test_a_ttt_rate_that_fails_only_at_evaluation_is_not_ready(preset_data, tmp_path):  # noqa: F811
     """TTT_LORA_LR=1e6 passes every start-up check; the real run would train for its ten minutes and then stop in
     the legal TTT evaluation with a NaN loss. The rehearsal finds it on its slice, in seconds."""
-    env = {**preset_data["record_0427"], **PRESET_ENV["record_0427"], "PRESET": "record_0427", "TTT_LORA_LR": "1e6"}
+    env = {**preset_data["record_0427"], **PRESET_ENV["record_0427"], "PRESET": "record_0427", "TTT_LORA_LR": "1e6",
+           "COMPRESSOR": "lzma"}
     proc, rep, log = preflight(env, tmp_path)
     assert_not_ready(proc, rep, log, tmp_path, "legal_ttt: val_loss is nan", "(lower TTT_LORA_LR)")
     assert rep["stages"][-1] == {**rep["stages"][-1], "stage": "evaluation (legal_ttt)", "status": "failed"}
