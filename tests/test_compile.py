@@ -135,11 +135,8 @@ def preset_data(caseops_run_data, sample_data, tmp_path_factory):
     return {"record_0323": short, **{p: caseops_run_data for p in PRESET_ENV if p != "record_0323"}}
 
 
-# record_0427's run is record_0501's code with other values and without the tilt: compiled, it runs here to its last
-# line within its plan, and record_0501's pair stands for its eager comparison (the suite's time, issue 34).
-@pytest.mark.parametrize("preset", list(PRESET_ENV))
-def test_every_preset_runs_compiled_to_its_last_line_with_the_eager_scores(preset, preset_data, tmp_path):
-    check_preset_run(preset, 1, preset_data[preset], tmp_path, eager=preset != "record_0427")
+# The presets' compiled runs on 1 process (check_preset_run): tests/test_compile_presets.py; on 2:
+# tests/test_compile_ranks.py. Files of their own, so that pytest-xdist spreads the suite's longest runs.
 
 
 # ---------------------------------------------------------------------------------------------- the graph plan
