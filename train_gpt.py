@@ -5434,6 +5434,34 @@ def merge_shapes(a, b):
     return EvalShapes(*(sorted(set(x) | set(y)) for x, y in zip(a, b)))
 
 
+def state_key(looping, cut, qat):
+    """A training state's name in the preflight report: 'loop:1 seq:2048 qat:0'."""
+    return f"loop:{int(looping)} seq:{cut} qat:{int(qat)}"
+
+
+def project_training(h, ms):
+    """PREFLIGHT=1: the real run's steps and training seconds from each training state's measured ms per step (`ms`,
+    by state_key). Each state's share of the schedule (schedule_states over 1,000 steps: ENABLE_LOOPING_AT,
+    TRAIN_SEQ_LEN_SCHEDULE and WARMDOWN_FRAC exactly; late QAT's part of a WARMDOWN_ITERS warmdown as if it spanned
+    the run, its length under a cap being known only from the step time) is taken as its share of the real run's
+    time, as the real loop decides them by elapsed time under its cap: steps = sum(share x cap / ms), ITERATIONS at most; a
+    cap that binds is the training time, else ITERATIONS steps at the shares' ms."""
+    counts = {}
+    for st in schedule_states(h, 1000):
+        counts[state_key(*st)] = counts.get(state_key(*st), 0) + 1
+    shares, mean = {k: c / 1000.0 for k, c in counts.items()}, sum(ms.values()) / len(ms)
+    cap, iterations = h.real["max_wallclock_ms"], h.real["ITERATIONS"]
+    steps = iterations
+    if cap:
+        steps = min(iterations, int(sum(f * cap / max(ms.get(k, mean), 1e-9) for k, f in shares.items())))
+    if cap and steps < iterations:
+        train_s = cap / 1000.0
+    else:
+        train_s = steps * sum(f * ms.get(k, mean) for k, f in shares.items()) / 1000.0
+    return {"shares": {k: round(f, 4) for k, f in shares.items()}, "projected_steps": steps,
+            "projected_train_s": round(train_s, 1)}
+
+
 class Preflight:
     """PREFLIGHT=1 (issue 36; docs/running.md): the whole run rehearsed before the real one, through the run's own
     code (run(): every stage once on the real shapes, the evaluations on a slice of the val set). This object only
@@ -5464,28 +5492,16 @@ class Preflight:
         self.current = (name, now)
 
     def training_step(self, looping, cut, qat, approx_ms):
-        key = f"loop:{int(looping)} seq:{cut} qat:{int(qat)}"
-        self.steps.setdefault(key, []).append(approx_ms - self.last_ms)
+        self.steps.setdefault(state_key(looping, cut, qat), []).append(approx_ms - self.last_ms)
         self.last_ms = approx_ms
 
     def training(self):
-        """Each state's steps and mean ms per step, and the real run's projected steps: a state's share of the
-        rehearsal's steps is its share of the real run's time (fractions of the steps stand for fractions of the
-        time; exact for ENABLE_LOOPING_AT, TRAIN_SEQ_LEN_SCHEDULE and WARMDOWN_FRAC, approximate with
-        WARMDOWN_ITERS, whose warmdown the rehearsal puts in its own steps)."""
-        real, total = self.rt.h.real, sum(len(v) for v in self.steps.values())
+        """Each state's timed steps and mean ms per step, and the real run projected from them (project_training)."""
+        total = sum(len(v) for v in self.steps.values())
         states = {k: {"steps": len(v), "ms_per_step": round(sum(v) / len(v), 3)} for k, v in self.steps.items()}
-        out = {"timed_steps": total, "states": states, "max_wallclock_ms": real["max_wallclock_ms"]}
+        out = {"timed_steps": total, "states": states, "max_wallclock_ms": self.rt.h.real["max_wallclock_ms"]}
         if total:
-            mean = sum(st["steps"] * st["ms_per_step"] for st in states.values()) / total
-            cap, steps = real["max_wallclock_ms"], real["ITERATIONS"]
-            if cap:
-                within = sum(st["steps"] / total * cap / max(st["ms_per_step"], 1e-9) for st in states.values())
-                steps = min(steps, int(within))
-            out["projected_steps"] = steps
-            # the cap binds: the loop stops at it; else ITERATIONS steps at the states' mean
-            binds = bool(cap) and steps < real["ITERATIONS"]
-            out["projected_train_s"] = round(cap / 1000.0 if binds else steps * mean / 1000.0, 1)
+            out.update(project_training(self.rt.h, {k: v["ms_per_step"] for k, v in states.items()}))
         return out
 
     def evaluation(self):

@@ -176,3 +176,21 @@ def test_preflight_iterations_give_every_state_its_steps():
         assert h.iterations == 1 or not all(tg.schedule_states(h, h.iterations - 1).count(s) >= 2 for s in wanted)
         assert h.real["ITERATIONS"] == tg.Hyperparameters({"PRESET": preset}).iterations
     assert np.isclose(tg.Hyperparameters({"PREFLIGHT": "1"}).real["max_wallclock_ms"], 600_000.0)
+
+
+def test_projected_training_takes_each_states_share_of_the_schedule():
+    """project_training: equal step times give the cap over that time, whatever the shares; the layer loop's share
+    (1 - ENABLE_LOOPING_AT) of the capped time runs at the looped step time; with a cap that does not bind,
+    ITERATIONS steps at the shares' step time."""
+    h = tg.Hyperparameters({"PRESET": "record_0427", "PREFLIGHT": "1"})
+    off, on = tg.state_key(False, 2048, False), tg.state_key(True, 2048, False)
+    cap = h.real["max_wallclock_ms"]
+    p = tg.project_training(h, {off: 100.0, on: 100.0})
+    assert p["projected_steps"] == pytest.approx(cap / 100.0, abs=1) and p["projected_train_s"] == round(cap / 1e3, 1)
+    assert p["shares"] == {off: pytest.approx(h.enable_looping_at, abs=2e-3), on: pytest.approx(1 - h.enable_looping_at, abs=2e-3)}
+    f_on = p["shares"][on]
+    p = tg.project_training(h, {off: 100.0, on: 200.0})
+    assert p["projected_steps"] == pytest.approx(cap * ((1 - f_on) / 100.0 + f_on / 200.0), abs=1)
+    h.real = {**h.real, "ITERATIONS": 10}
+    p = tg.project_training(h, {off: 100.0, on: 200.0})
+    assert p["projected_steps"] == 10 and p["projected_train_s"] == round(10 * (100.0 * (1 - f_on) + 200.0 * f_on) / 1e3, 1)
