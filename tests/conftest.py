@@ -127,6 +127,13 @@ LONGEST_FIRST = ("test_compile_presets.py", "test_compile_ranks.py", "test_check
                  "test_bench_gpu.py", "test_model_0427.py", "test_gptq.py", "test_kernels.py")
 
 
+def pytest_configure(config):
+    """pytest-xdist reorders --dist loadfile's files by their number of tests unless told not to: keep LONGEST_FIRST's
+    order (the option exists only where pytest-xdist is installed)."""
+    if getattr(config.option, "loadscopereorder", None):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Order the tests by LONGEST_FIRST's files (the others after them, in their usual order; within a file, as
     written)."""
