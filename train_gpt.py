@@ -5447,8 +5447,8 @@ def project_training(h, ms):
     time, as the real loop decides them by elapsed time under its cap: steps = sum(share x cap / ms), ITERATIONS at most; a
     cap that binds is the training time, else ITERATIONS steps at the shares' ms."""
     counts = {}
-    for st in schedule_states(h, 1000):
-        counts[state_key(*st)] = counts.get(state_key(*st), 0) + 1
+    for key in (state_key(*st) for st in schedule_states(h, 1000)):
+        counts[key] = counts.get(key, 0) + 1
     shares, mean = {k: c / 1000.0 for k, c in counts.items()}, sum(ms.values()) / len(ms)
     cap, iterations = h.real["max_wallclock_ms"], h.real["ITERATIONS"]
     steps = iterations
@@ -5473,7 +5473,7 @@ class Preflight:
         self.rt, self.stages, self.current = rt, [], None
         self.full_val = self.targets = None  # the tilt's hints come from the whole stream: its cost is the stream's
         self.steps, self.last_ms = {}, 0.0  # training state -> [ms of each timed step]
-        self.evals, self.tilt_build_s, self.regions, self.artifact = {}, {}, {}, None
+        self.scored, self.tilt_build_s, self.regions, self.artifact = set(), {}, {}, None  # scored: evaluation labels
         self.begin("start-up")
 
     def slice(self):
@@ -5486,10 +5486,15 @@ class Preflight:
         return self.full_val[:n + 1]
 
     def begin(self, name):
-        now = time.perf_counter()
+        self._close("ok")
+        self.current = (name, time.perf_counter())
+
+    def _close(self, status):
+        """The current stage into self.stages with its status and seconds."""
         if self.current is not None:
-            self.stages.append({"stage": self.current[0], "status": "ok", "seconds": round(now - self.current[1], 3)})
-        self.current = (name, now)
+            name, since = self.current
+            self.stages.append({"stage": name, "status": status, "seconds": round(time.perf_counter() - since, 3)})
+            self.current = None
 
     def training_step(self, looping, cut, qat, approx_ms):
         self.steps.setdefault(state_key(looping, cut, qat), []).append(approx_ms - self.last_ms)
@@ -5514,7 +5519,7 @@ class Preflight:
         for st in self.stages:
             name = st["stage"]
             label = name[len("evaluation ("):-1] if name.startswith("evaluation (") else None
-            if name == "evaluating the final weights" or label in self.evals:
+            if name == "evaluating the final weights" or label in self.scored:
                 build = self.tilt_build_s.get(label, 0.0)
                 projected = build + (st["seconds"] - build) * scale
             elif label is not None or name == "loading the artifact":
@@ -5545,11 +5550,7 @@ class Preflight:
         exit status: 0 for `preflight: ready`, 1 for `preflight: NOT READY: <the first problem>`. After an error no
         collective is made (the other ranks may be gone)."""
         rt, h = self.rt, self.rt.h
-        if self.current is not None:
-            now = time.perf_counter()
-            self.stages.append({"stage": self.current[0], "status": "failed" if error else "ok",
-                                "seconds": round(now - self.current[1], 3)})
-            self.current = None
+        self._close("failed" if error else "ok")
         peaks = self.peak_memory_mib(collective=error is None)
         rep = {"preset": h.preset, "world_size": h.world_size, "device": str(rt.device),
                "settings": {"real": {k: v for k, v in h.real.items() if k in PREFLIGHT_CHANGES},
@@ -5651,7 +5652,7 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
             raise RunError(f"{label}: val_loss is {loss}" + (f" (lower {lr})" if label == "legal_ttt" else ""))
         ms = 1000.0 * (time.perf_counter() - t0)
         if pf is not None:  # a slice's score: no line that reads as a finished run's
-            pf.evals[label] = ms / 1000.0
+            pf.scored.add(label)
             rt.log(f"preflight_eval: {label} targets:{val_tokens.numel() - 1} val_loss:{loss:.4f} val_bpb:{bpb:.4f}"
                    f"{extra} eval_time:{ms:.0f}ms")
             return ms / 1000.0

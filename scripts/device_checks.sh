@@ -2,7 +2,7 @@
 # Issue 35's GPU checks in one device call (docs/gpu.md, "Measured on a GPU"): every step under its own time limit,
 # the whole inside a 10-minute command, each step's output also written to $OUT (default logs/device_checks/).
 #   bash scripts/device_checks.sh                 # on a machine with one CUDA GPU
-#   P=record_0430 bash scripts/device_checks.sh   # another preset for the compiled end-to-end step
+#   P=record_0430 bash scripts/device_checks.sh   # another preset for the preflight step
 # Steps: versions; the CUDA-only tests; PREFLIGHT=1 of one preset compiled at full model shapes on the offline
 # CaseOps sample (its report: compile lines, step times, evaluation projection, artifact, peak memory, and how long
 # it took); the Triton kernels checked against fp64 and timed; #2135's n-gram hints (ours on CPU and CUDA, the
