@@ -552,7 +552,7 @@ class Hyperparameters:
              "TRAIN_LOADER=packed needs BIGRAM_VOCAB_SIZE=0 and SMEAR_GATE=0 or 2 (the bigram hash and SmearGate "
              "v1 mix each token with the previous one across document boundaries; v2 is masked at BOS)")
         for module, package in missing_modules(self.compressor):
-            need(False, f"COMPRESSOR={self.compressor} needs the {module} package: pip install {package}")
+            need(False, f"COMPRESSOR={self.compressor} needs the {module} package: {module_fix(module, package)}")
         need(not self.awq_lite or self.quant == "gptq", "AWQ_LITE=1 needs QUANT=gptq (its saliency reads the "
                                                        "calibration activations)")
         need(self.gptq_calibration_seqs == 0 or self.quant == "gptq",
@@ -3920,9 +3920,36 @@ BANK_SLOTS = {  # bank -> per-layer names of its [0, n) and [n, 2n) halves (SPEC
 }
 
 
+# zpaq 0.3.7 publishes wheels for glibc 2.34 or newer only (manylinux_2_34); elsewhere pip builds it from source.
+ZPAQ_GLIBC = "zpaq's wheels need glibc 2.34 or newer; on older Linux pip builds it from source with a C++ compiler"
+
+
+def import_error(module):
+    """Why `module` does not import: None when it does, "" when it is not installed, else the first line of the
+    error its import raises (installed but broken, e.g. a binary built for a newer glibc)."""
+    if importlib.util.find_spec(module) is None:
+        return ""
+    try:
+        importlib.import_module(module)
+    except Exception as e:
+        return f"{type(e).__name__}: {first_line(e)}"
+    return None
+
+
 def missing_modules(compressor):
-    """The (module, PyPI package) pairs COMPRESSOR=`compressor` needs that this Python cannot import."""
-    return [(m, p) for m, p in COMPRESSOR_MODULES.get(compressor, {}).items() if importlib.util.find_spec(m) is None]
+    """The (module, PyPI package) pairs COMPRESSOR=`compressor` needs that this Python cannot import (not
+    installed, or installed and failing to import)."""
+    return [(m, p) for m, p in COMPRESSOR_MODULES.get(compressor, {}).items() if import_error(m) is not None]
+
+
+def module_fix(module, package):
+    """The one-line fix for a module missing_modules reports: `pip install PACKAGE`; for one installed whose import
+    fails, a reinstall, with the import's error (and, for zpaq, the glibc its wheels need)."""
+    why = import_error(module)
+    if not why:
+        return f"pip install {package}"
+    note = f"; {ZPAQ_GLIBC}" if module == "zpaq" else ""
+    return f"pip install --force-reinstall {package} (it is installed, but its import fails: {why}{note})"
 
 
 def unbank_state_dict(sd, n):
@@ -4533,7 +4560,7 @@ def pergroup_deserialize(data, path, workers=None):
     """Inverse of pergroup_serialize (the groups decoded in parallel too): the artifact's dict ({"w", "m",
     "late_qat"}); any damage is one line."""
     for module, package in missing_modules("pergroup"):
-        raise ConfigError(f"{path}: per-group artifacts need the {module} module: pip install {package}")
+        raise ConfigError(f"{path}: per-group artifacts need the {module} module: {module_fix(module, package)}")
     import brotli
     streams = unpack_streams(data, path)
     try:

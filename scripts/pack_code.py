@@ -6,7 +6,8 @@
 SRC (default train_gpt.py) is minified (comments, docstrings, blank lines and function-signature annotations
 removed, one space per indentation level, bracketed continuation lines joined, function-local variables
 renamed to short names), compressed with ZPAQ and written 7 bits a byte as a string literal inside a
-wrapper of two statements: an import of zpaq, then an exec of the decoded source. Without -o only the
+wrapper of two statements: an import of zpaq (without it the file stops with one line: the import's error and
+`pip install zpaq`), then an exec of the decoded source. Without -o only the
 sizes are printed; --table prints them for each packing step. --check PACKED verifies that PACKED is the packed form of
 SRC (compares the decoded payload with minify(SRC); nothing is executed) and exits 1 if not.
 
@@ -49,6 +50,8 @@ MIN_PYTHON = (3, 10)
 ZPAQ_METHOD = ("x2,0w1,65,26,223,20,0i1,1w1,95,32,255,20,0i1c256ci1,1,1,1,1,1,2,3,4ac0,2,0,255i1c0,3,0,0,255i1"
                "c0,4,0,0,0,255i1mm16ts19t0")
 ZPAQ_LEVEL = 5  # the previous format's, for `--table`
+# zpaq 0.3.7 publishes wheels for glibc 2.34 or newer only (manylinux_2_34); elsewhere pip builds it from source.
+ZPAQ_GLIBC = "zpaq's wheels need glibc 2.34 or newer; on older Linux pip builds it from source with a C++ compiler"
 BROTLI_QUALITY, BROTLI_LGWIN = 11, 24  # for `--table`
 
 # ... written 7 bits a byte in a string literal (a valid UTF-8 file, as the counted size requires: SPEC-FRONTIER
@@ -61,18 +64,22 @@ BROTLI_QUALITY, BROTLI_LGWIN = 11, 24  # for `--table`
 # 7 bits (1.143 characters a byte; base 116 took 1.167, Base85 1.25). The wrapper turns each character back
 # into 7 or 14 bits, drops the SHIFT trailing bits (PAD, plus 7 when the last chunk was escaped) and takes the
 # N bytes. VT FF FS GS RS may appear: line breaks for str.splitlines only, not for Python or `wc -l`.
+# The wrapper's import of zpaq, when it fails (zpaq not installed, or its binary not loading: zpaq 0.3.7 publishes
+# wheels for glibc 2.34 or newer only), ends the run with one line, the import's error and the fix, instead of a
+# traceback: SystemExit prints its message on stderr and exits 1.
 ESCAPED = b"\0\r\16\17\33\"\\"
 TWO_BYTE_START = 0xA0
-WRAPPER_HEAD = ("import zpaq as Z\nexec(Z.decompress((int(\"\".join(format(c,\"07b\")if c<128 else format(b\"\\0\\r\\16"
+WRAPPER_HEAD = ("try:import zpaq as Z\nexcept ImportError as e:raise SystemExit(f\"{e}: pip install zpaq\")\nexec(Z.decompress((int(\"\".join(format(c,\"07b\")if c<128 else format(b\"\\0\\r\\16"
                 "\\17\\33\\\"\\\\\"[c-160>>7]*128+(c-160&127),\"014b\")for c in map(ord,\"\"\"")
 WRAPPER_TAIL = "\"\"\")),2)>>{shift}).to_bytes({n},\"big\")))\n"
 _TAIL_PATTERN = re.compile(r'"""\)\),2\)>>([0-9]+)\)\.to_bytes\(([1-9][0-9]*),"big"\)\)\)\n\Z')
 
-# Files in an older format are refused with one line: LZMA2 + Base85 (before local renaming and ZPAQ), and
-# ZPAQ level 5 in base 116 (before ZPAQ_METHOD and the 7-bit literal).
+# Files in an older format are refused with one line: LZMA2 + Base85 (before local renaming and ZPAQ), ZPAQ level
+# 5 in base 116 (before ZPAQ_METHOD and the 7-bit literal), and this format before its one-line zpaq error.
 LEGACY_HEADS = {
     "import lzma as L,base64 as B\nexec(L.decompress(B.b85decode(\"": "LZMA2 + Base85, locals not renamed",
     "import zpaq as Z\nexec(Z.decompress((lambda s:b\"\".join(": "ZPAQ level 5 in base 116",
+    "import zpaq as Z\nexec(Z.decompress((int(": "the 7-bit literal without the one-line error for a missing zpaq",
 }
 
 # Raw LZMA2, the format before ZPAQ, kept for `--table`: preset 9 extreme with pb=0 and an 8 MiB dictionary.
@@ -526,11 +533,17 @@ def minify(src: str, rename: bool = True) -> str:
 
 
 def _module(name: str):
-    """zpaq or brotli, imported here: minify and the checks of the wrapper need neither."""
+    """zpaq or brotli, imported here: minify and the checks of the wrapper need neither. Not installed, or installed
+    and failing to import: a PackError naming the package and the fix."""
     try:
         return importlib.import_module(name)
-    except ImportError:
-        raise PackError(f"packing needs the {name} package: pip install {name}") from None
+    except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == name:
+            raise PackError(f"packing needs the {name} package: pip install {name}") from None
+        error = (str(exc).strip().splitlines() or [""])[0]
+        note = f"; {ZPAQ_GLIBC}" if name == "zpaq" else ""
+        raise PackError(f"packing needs the {name} package: pip install --force-reinstall {name} (it is installed, but"
+                        f" its import fails: {type(exc).__name__}: {error}{note})") from None
 
 
 def compress(data: bytes) -> bytes:

@@ -1,9 +1,11 @@
 """The last bad inputs (issue 22, item 5): each ends in one line and an exit code before any work, and leaves
 nothing behind. Absurd model sizes (refused from a parameter-count formula checked here against the built model
 and a real optimizer step), an over-long RUN_ID, an EVAL_ONLY artifact with wrongly typed entries, a record
-folder's unreadable README.md, and a bad downloader variant (refused before the hub is touched)."""
+folder's unreadable README.md, a bad downloader variant (refused before the hub is touched), and a zpaq that is
+installed but does not import (issue 42, item 4)."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import lzma
 import os
@@ -264,3 +266,28 @@ def test_downloader_checks_the_variant_before_the_hub(tmp_path, variant, touched
     assert_one_line_error(proc, 2, "--variant")
     assert not trip.exists(), trip.read_text()
     assert sorted(os.listdir(folder)) == ["cached_challenge_fineweb.py", "shards.py"]
+
+
+# ---------------------------------------------------------------------------------------------- a broken zpaq
+
+GLIBC_ERROR = "/lib/x86_64-linux-gnu/libc.so.6: version `GLIBC_2.34' not found (required by zpaq/_zpaq.so)"
+
+
+def test_a_zpaq_that_does_not_import_is_refused_at_start_in_one_line(monkeypatch, tmp_path):
+    """COMPRESSOR=pergroup with a zpaq that find_spec finds but whose import fails (a stand-in failing as a wheel
+    built for a newer glibc does): one line naming the package, the import's error, the fix and the glibc the
+    wheels need, from the settings (before any work) and from reading a per-group artifact; lzma never looks."""
+    (tmp_path / "zpaq").mkdir()
+    (tmp_path / "zpaq" / "__init__.py").write_text(f"raise ImportError({GLIBC_ERROR!r})\n", encoding="utf-8")
+    monkeypatch.delitem(sys.modules, "zpaq", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importlib.util.find_spec("zpaq") is not None and tg.import_error("zpaq") == f"ImportError: {GLIBC_ERROR}"
+    assert tg.missing_modules("pergroup") == [("zpaq", "zpaq")] and tg.missing_modules("lzma") == []
+    fix = (f"pip install --force-reinstall zpaq (it is installed, but its import fails: ImportError: {GLIBC_ERROR}; "
+           "zpaq's wheels need glibc 2.34 or newer; on older Linux pip builds it from source with a C++ compiler)")
+    assert config_error({"COMPRESSOR": "pergroup"}) == f"COMPRESSOR=pergroup needs the zpaq package: {fix}"
+    with pytest.raises(tg.ConfigError) as err:
+        tg.pergroup_deserialize(b"", "x.ptz")
+    assert str(err.value) == f"x.ptz: per-group artifacts need the zpaq module: {fix}"
+    tg.Hyperparameters({"COMPRESSOR": "lzma"})
+    assert tg.import_error("brotli") is None and tg.import_error("no_such_module_here") == ""

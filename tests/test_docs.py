@@ -1,14 +1,19 @@
 """The README and docs/ are what users read: every setting documented in docs/settings.md with the real default,
-the test command CI runs is the one the README gives, and every relative link leads to a file and heading that
-exist."""
+the test command CI runs is the one the README gives, the quick start installs PyTorch's CPU build first, the
+record rule and the FlashAttention 3 route are told one way, and every relative link leads to a file and heading
+that exist."""
 from __future__ import annotations
 
 import re
+import sys
 import unicodedata
 from pathlib import Path
 
 import train_gpt as tg
 from conftest import REPO, SCRIPT, TINY_ENV
+
+sys.path.insert(0, str(REPO / "scripts"))
+import recordlib as rl  # noqa: E402  (needs the path above)
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
 SETTINGS = (REPO / "docs" / "settings.md").read_text(encoding="utf-8")
@@ -59,13 +64,74 @@ def test_documented_numeric_defaults_are_the_real_ones(monkeypatch):
     assert checked > 50
 
 
+def quick_start_commands() -> list[str]:
+    """The command lines of the README's quick-start block (one line each; comments left out)."""
+    block = README.split("\n## Quick start\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def torch_pin() -> str:
+    return re.search(r"^torch==(\S+)$", (REPO / "requirements.txt").read_text(encoding="utf-8"), re.M).group(1)
+
+
 def test_ci_runs_the_readme_test_command():
-    commands = re.findall(r"^(python3 -m pip install -r requirements\.txt && .+)$", README, re.M)
+    commands = quick_start_commands()
     assert len(commands) == 2, commands
     test_command = commands[1]
-    assert "pytest" in test_command
+    assert test_command.startswith("python3 -m pip install -r requirements.txt && ") and "pytest" in test_command
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     assert test_command in ci.splitlines()
+    assert f"python3 -m pip install torch=={torch_pin()}" in ci.splitlines()  # the pin requirements.txt has
+
+
+def test_readme_command_1_installs_pytorchs_cpu_build_before_the_requirements():
+    """On Linux PyPI's torch is the multi-GB CUDA build: command 1 takes the CPU build, at the pinned version, before
+    requirements.txt would pull PyPI's."""
+    steps = quick_start_commands()[0].split(" && ")
+    assert steps == [f"python3 -m pip install torch=={torch_pin()} --index-url https://download.pytorch.org/whl/cpu",
+                     "python3 -m pip install -r requirements.txt", "bash scripts/sample_run.sh"], steps
+
+
+def test_the_record_rule_is_the_leaderboards_welch_test():
+    """The README's submitting commands ship packed code and check against the top row with --against, and the
+    record track's README states that rule (one-sided Welch, p < WELCH_ALPHA), not the older 0.005-nat one."""
+    submitting = README.split("\n## Submitting a record\n", 1)[1].split("\n## ", 1)[0]
+    assert "PACK_CODE=1 " in submitting and "check_record.py" in submitting and "--against " in submitting
+    assert f"Welch t-test p < {rl.WELCH_ALPHA}" in submitting and "--sota-bpb" not in submitting
+    track = (REPO / "records" / "track_10min_16mb" / "README.md").read_text(encoding="utf-8")
+    assert f"p < {rl.WELCH_ALPHA}" in track and "Welch" in track and "--against" in track
+    assert "0.005" not in track and "--sota-bpb" not in track
+
+
+def test_one_flashattention_3_route():
+    """docs/gpu.md says how to install FlashAttention 3, the README's Real use block runs the same build, and no
+    other doc or requirements file tells a route of its own (they point to docs/gpu.md)."""
+    build = "(cd flash-attention/hopper && python3 -m pip install . --no-build-isolation)"
+    files = [*markdown_files(), REPO / "requirements.txt", REPO / "requirements-gpu.txt"]
+    texts = {f.relative_to(REPO).as_posix(): f.read_text(encoding="utf-8") for f in files}
+    route = r"flash-attention/hopper|hopper/|flash.attention3.wheels|flash_attn_3 --"  # a build, or the records' index
+    telling = {name for name, text in texts.items() if re.search(route, text)}
+    assert telling == {"README.md", "docs/gpu.md"}, telling
+    assert build in texts["README.md"] and build in texts["docs/gpu.md"]
+    for name in ("requirements-gpu.txt", "docs/presets.md"):
+        assert "gpu.md" in texts[name], name
+
+
+def test_log_format_documents_the_preflight_and_evaluation_time_lines():
+    """docs/log_format.md shows each of these lines as train_gpt.py writes them (the line's fixed start)."""
+    src, doc = SCRIPT.read_text(encoding="utf-8"), (REPO / "docs" / "log_format.md").read_text(encoding="utf-8")
+    for start in ("evaluation_time: ", "preflight: rehearsal of ", "preflight_eval: ", "preflight: stage ",
+                  "preflight: training timed_steps:", "preflight: evaluation slice_targets:",
+                  "preflight: artifact model:", "preflight: peak_memory_mib ", "preflight: compile "):
+        assert start in src and f"\n{start}" in doc, start
+
+
+def test_running_md_gives_autos_attention_order():
+    """docs/running.md's fallback order is AUTO_ATTENTION's: FlashAttention 3, 2, then PyTorch's varlen kernel."""
+    assert tg.AUTO_ATTENTION == ("flash_attn_3", "flash_attn_2", tg.TORCH_VARLEN)
+    text = (REPO / "docs" / "running.md").read_text(encoding="utf-8")
+    section = text.split("\n## One GPU, or CPU\n", 1)[1].split("\n## ", 1)[0]
+    assert "FlashAttention 3 → FlashAttention 2 → PyTorch" in section and f"`{tg.TORCH_VARLEN}`" in section
 
 
 def markdown_files() -> list[Path]:
