@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import launcher
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "train_gpt.py"
 if str(REPO) not in sys.path:
@@ -91,15 +93,23 @@ def tiny_env(monkeypatch, sample_data) -> dict[str, str]:
     return env
 
 
-def run_training(env: dict[str, str], cwd: Path, nproc: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Runs train_gpt.py in `cwd` with `env` added: plain python (nproc=0) or torchrun --nproc_per_node."""
+def run_training(env: dict[str, str], cwd: Path, nproc: int = 0, timeout: int = 600,
+                 real: bool = False) -> subprocess.CompletedProcess:
+    """Runs train_gpt.py in `cwd` with `env` added, as `python3 train_gpt.py` (nproc=0) or `torchrun --standalone
+    --nproc_per_node=nproc train_gpt.py` would: forked from the worker's zygote (tests/launcher.py: the same program
+    without paying the imports again), or with `real` through those very commands. As torchrun's, a failed
+    nproc run's exit status is 1."""
     full = {**clean_environ(), **env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
-    if nproc > 0:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(SCRIPT)]
-    else:
+    if real:
         cmd = [sys.executable, str(SCRIPT)]
-    return subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
+        if nproc > 0:
+            cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        return subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
+    if nproc > 0:
+        proc = launcher.run_ranks([SCRIPT], full, cwd, nproc, timeout=timeout)
+        proc.returncode = 1 if proc.returncode else 0
+        return proc
+    return launcher.run([SCRIPT], full, cwd, timeout=timeout)
 
 
 def read_log(cwd: Path, run_id: str) -> str:

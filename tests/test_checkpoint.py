@@ -10,9 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -21,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import launcher
 import train_gpt as tg
 from conftest import SCRIPT, clean_environ, config_error, read_log, run_training, short_val_data
 from test_documents import caseops_sample, write_tokens  # noqa: F401 (fixture: the vocab-8192 CaseOps sample)
@@ -70,22 +68,14 @@ def data(sample_data, caseops_sample, tmp_path_factory):  # noqa: F811
 
 
 def launch(env, cwd, nproc):
-    """train_gpt.py as one process (nproc 0), or as nproc gloo ranks started here as torchrun would start them
-    (RANK, WORLD_SIZE, MASTER_ADDR/PORT), without torchrun's agent process: a CompletedProcess whose returncode is
-    the first non-zero rank's and whose stderr is every rank's."""
+    """train_gpt.py as one process (nproc 0), or as nproc gloo ranks started as torchrun would start them (RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT), without torchrun's agent process, which would end the other ranks when one dies:
+    a CompletedProcess whose returncode is the first non-zero rank's and whose stderr is every rank's. Both forked
+    from the worker's zygote (tests/launcher.py)."""
     if nproc == 0:
         return run_training(env, cwd)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    full = {**clean_environ(), **env, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DIST_TIMEOUT_SECONDS": "120"}
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT)], cwd=cwd, env={**full, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(nproc)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    codes = [p.returncode for p in procs]
-    return subprocess.CompletedProcess([str(SCRIPT)], next((c for c in codes if c), 0), "".join(o for o, _ in outs),
-                                       "".join(e for _, e in outs))
+    full = {**clean_environ(), **env, "OMP_NUM_THREADS": "1", "DIST_TIMEOUT_SECONDS": "120"}
+    return launcher.run_ranks([SCRIPT], full, cwd, nproc, timeout=600, stop_peers=False)
 
 
 def killed(proc):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import launcher
 import train_gpt as tg
 from conftest import TINY_ENV, clean_environ, config_error, read_log, run_training, short_val_data
 
@@ -610,8 +611,7 @@ def test_two_ranks_with_skewed_clocks_switch_context_at_one_step(tmp_path, sampl
            "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "WARMUP_STEPS": "0", "TRAIN_LOADER": "packed",
            "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "0", "TRAIN_SEQ_LEN_SCHEDULE": "32@0,64@0.25,128@0.5",
            "SEQ_LEN_REWARMUP_STEPS": "3", "TRAIN_BATCH_TOKENS": "2048"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(wrapper)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = launcher.run_ranks([wrapper], env, tmp_path, 2, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     p0, p1 = (json.loads((tmp_path / f"phases{r}.json").read_text()) for r in (0, 1))
     assert p0 == p1 and [p for _, p in p0] == [0, 1, 2], (p0, p1)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 
+import launcher
 import train_gpt as tg
 from conftest import REPO, TINY_ENV, clean_environ, config_error, read_log, run_training, short_val_data
 
@@ -406,8 +406,7 @@ def test_two_ranks_with_different_clocks_switch_looping_at_one_step_and_agree(tm
            "ITERATIONS": "100000", "MAX_WALLCLOCK_SECONDS": "3", "WARMDOWN_ITERS": "0", "WARMDOWN_FRAC": "0.5",
            "NUM_LOOPS": "1", "LOOP_START": "1", "LOOP_END": "2", "ENABLE_LOOPING_AT": "0.3", "TRAIN_LOG_EVERY": "0",
            "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "WARMUP_STEPS": "0"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(wrapper)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = launcher.run_ranks([wrapper], env, tmp_path, 2, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = read_log(tmp_path, "clock")
     switch = re.search(r"^layer_loop:enabled step:(\d+) frac:(\S+) encoder:\[0, 1, 2\] decoder:\[1, 2, 3\]$", log,

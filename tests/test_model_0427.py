@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import launcher
 import train_gpt as tg
 from conftest import config_error
 
@@ -568,13 +569,10 @@ tg.leave(0)
 def test_reduced_clip_on_two_ranks_equals_one_process_with_the_mean_gradient(tmp_path):
     """GRAD_CLIP_SCOPE=reduced: after the reduce-scatters and all-reduces, 2 gloo ranks hold the clipped mean
     gradient of one process (bank shards in bf16); the local clip (the default, as the records) does not."""
-    import subprocess
     from conftest import REPO, clean_environ
     script = tmp_path / "clip.py"
     script.write_text(CLIP_SCRIPT.replace("{repo!r}", repr(str(REPO))).replace("{{", "{").replace("}}", "}"))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**clean_environ(), "OMP_NUM_THREADS": "1"})
+    proc = launcher.run_ranks([script], {**clean_environ(), "OMP_NUM_THREADS": "1"}, tmp_path, 2, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         assert f"clip-reduced-equals-one-process:1 rank:{rank}" in proc.stdout, proc.stdout

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import launcher
 from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, short_val_data
 
 SCRIPTS = REPO / "scripts"
@@ -691,8 +692,7 @@ def test_packed_train_gpt_trains_exactly_like_the_readable_one(packed_train_gpt,
     env = {**clean_environ(), **TINY_ENV, **data, "TTT_ENABLED": "0", "OMP_NUM_THREADS": "1"}
     logs = {}
     for run_id, script in (("readable", SCRIPT), ("packed", packed_path)):
-        proc = subprocess.run([sys.executable, str(script)], cwd=cwd, env={**env, "RUN_ID": run_id},
-                              capture_output=True, text=True, timeout=600)
+        proc = launcher.run([script], {**env, "RUN_ID": run_id}, cwd, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         logs[run_id] = read_log(cwd, run_id)
     readable, packed_log = _result_lines(logs["readable"]), _result_lines(logs["packed"])

@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+import launcher
 import train_gpt as tg
 from conftest import REPO, clean_environ, read_log, run_training
 from test_compile import PRESET_ENV, preset_data  # noqa: F401 (fixture: each preset's tiny data)
@@ -31,8 +30,7 @@ def preflight(env, cwd, script=None, timeout=300, nproc=0):
     if script is None:
         proc = run_training(env, cwd, nproc=nproc, timeout=timeout)
     else:
-        proc = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                              env={**clean_environ(), **env, "OMP_NUM_THREADS": "1"})
+        proc = launcher.run([script], {**clean_environ(), **env, "OMP_NUM_THREADS": "1"}, cwd, timeout=timeout)
     report = cwd / "preflight.json"
     log = cwd / "logs" / f"{env['RUN_ID']}.preflight.txt"
     return (proc, json.loads(report.read_text()) if report.exists() else None,

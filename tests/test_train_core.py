@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import launcher
 import train_gpt as tg
 from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, run_training
 
@@ -449,8 +450,6 @@ def test_parallel_muon_equals_single_process_muon(tmp_path):
     gives exactly the single-process update of the averaged gradient, including padded shards."""
     script = tmp_path / "pm.py"
     script.write_text(PARALLEL_MUON_SCRIPT.replace("{repo!r}", repr(str(REPO))))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**clean_environ(), "OMP_NUM_THREADS": "1"})
+    proc = launcher.run_ranks([script], {**clean_environ(), "OMP_NUM_THREADS": "1"}, tmp_path, 2, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("parallel-muon-ok") == 2

@@ -416,16 +416,13 @@ def rank_main(out, fault):
 
 
 def run_ranks(tmp_path, env, fault="", timeout=120):
-    """Launches rank_main on 2 gloo ranks; waits for rank 0 (and rank 1 unless it stalls); returns
-    [(returncode, stderr, wall-clock end or None)] per rank."""
-    import socket
-    import subprocess
-    import sys
+    """Launches rank_main on 2 gloo ranks (forked from the worker's zygote, tests/launcher.py); waits for rank 0 (and
+    rank 1 unless it stalls); returns [(returncode, stderr, wall-clock end or None)] per rank."""
     import time
+
+    import launcher
     from conftest import REPO, clean_environ
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = launcher.free_port()
     code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; import test_ttt_lora as t; "
             f"t.rank_main(sys.argv[1], {fault!r})")
     procs, t0 = [], time.perf_counter()
@@ -433,9 +430,7 @@ def run_ranks(tmp_path, env, fault="", timeout=120):
         full = {**clean_environ(), **env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DEVICE": "cpu",
                 "AUTOCAST_DTYPE": "fp32", "OMP_NUM_THREADS": "1", "RUN_ID": "ranks"}
-        with open(tmp_path / f"err{rank}.txt", "w") as err:
-            procs.append(subprocess.Popen([sys.executable, "-c", code, str(tmp_path / f"sums{rank}.pt")],
-                                          cwd=tmp_path, env=full, stderr=err))
+        procs.append(launcher.start(["-c", code, str(tmp_path / f"sums{rank}.pt")], full, tmp_path))
     ended = [None, None]
     try:
         while (ended[0] is None or ended[1] is None and fault != "stall") and time.perf_counter() - t0 < timeout:
@@ -448,7 +443,7 @@ def run_ranks(tmp_path, env, fault="", timeout=120):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return [(p.returncode, (tmp_path / f"err{r}.txt").read_text(), ended[r]) for r, p in enumerate(procs)]
+    return [(p.returncode, p.output()[1], ended[r]) for r, p in enumerate(procs)]
 
 
 def test_two_gloo_ranks_give_the_totals_of_one_process(setup, tmp_path):
