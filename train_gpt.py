@@ -1372,13 +1372,28 @@ def import_flash_attn(module):
 
 
 def import_torch_varlen():
-    """torch.nn.attention.varlen.varlen_attn if this PyTorch has it with the window_size and enable_gqa
-    arguments (2.13 does), else None."""
+    """torch.nn.attention.varlen.varlen_attn if this PyTorch has it with a window_size argument (2.11 on: its
+    causal mask; an older one took is_causal), else None. enable_gqa came in 2.12: varlen_gqa_mode."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn if {"window_size", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys() else None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+# Whether varlen_attn without enable_gqa (2.11) takes k, v with fewer heads than q as they are (2.13 hands them so to
+# the same ATen FlashAttention 2 op, its enable_gqa a Python check); False until a GPU check shows it (issue 41;
+# docs/gpu.md "Attention"), so they are expanded.
+VARLEN_GQA_NATIVE = False
+
+
+def varlen_gqa_mode(signature):
+    """How torch_varlen hands varlen_attn k, v of H_kv < H_q heads (issue 41), from its inspect.signature:
+    "enable_gqa" where it takes that argument (2.12 on), else "native" (as they are) if VARLEN_GQA_NATIVE, else
+    "expand" (each KV head repeated for its H_q / H_kv query heads, as SDPA's enable_gqa groups them: exact)."""
+    if "enable_gqa" in signature.parameters:
+        return "enable_gqa"
+    return "native" if VARLEN_GQA_NATIVE else "expand"
 
 
 def flash_varlen(fn):
@@ -1389,12 +1404,16 @@ def flash_varlen(fn):
     return attend
 
 
-def torch_varlen(varlen_attn):
+def torch_varlen(varlen_attn, gqa):
     """PyTorch's varlen_attn as _ATTENTION["varlen"] (SPEC-FRONTIER 3's per-document attention): window
-    (-1, 0) is its causal mask within each segment, enable_gqa lets k, v have H_kv heads (H_q a multiple).
-    A torch.library custom op with a fake and an autograd formula: torch.compile(fullgraph=True) keeps one graph."""
+    (-1, 0) is its causal mask within each segment; k, v of H_kv heads (H_q a multiple) as varlen_gqa_mode's
+    gqa says. A torch.library custom op with a fake and an autograd formula: torch.compile(fullgraph=True) keeps one
+    graph."""
     def attend(q, k, v, cu, max_len):
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
+        if gqa == "expand" and k.size(1) != q.size(1):
+            k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+        kw = {"enable_gqa": True} if gqa == "enable_gqa" else {}
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), **kw)
     return attend
 
 
@@ -1414,10 +1433,11 @@ def select_attention_backend(device, choice="auto"):
         if name == TORCH_VARLEN:
             varlen_attn = import_torch_varlen()
             if varlen_attn is not None:
-                _ATTENTION.update(varlen=torch_varlen(varlen_attn), packed=TORCH_VARLEN)
+                gqa = varlen_gqa_mode(inspect.signature(varlen_attn))
+                _ATTENTION.update(varlen=torch_varlen(varlen_attn, gqa), packed=f"{TORCH_VARLEN} gqa:{gqa}")
                 break
             missing = (f"this PyTorch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn taking "
-                       "window_size and enable_gqa (2.13 has it)")
+                       "window_size (2.11 on)")
         else:
             mod = import_flash_attn(ATTENTION_MODULES[name])
             if mod is not None:
@@ -1433,7 +1453,7 @@ def select_attention_backend(device, choice="auto"):
 
 
 def varlen_backend_name():
-    """What attends on packed rows (the log's attention_backend_packed)."""
+    """What attends on packed rows (the log's attention_backend_packed; torch_varlen with its gqa mode)."""
     return _ATTENTION["packed"]
 
 
@@ -1481,9 +1501,7 @@ def causal_attention(q, k, v, docs=None):
 def doc_causal_attention(q, k, v, docs):
     """Per-document causal attention (varlen). Flash (FlashAttention's flash_attn_varlen_func or PyTorch's
     varlen_attn): the (B, T, H, D) tensors flattened to (B*T, H, D) with docs.cu_seqlens and docs.max_len. PyTorch
-    (CPU, or no varlen kernel): exact, in blocks of S = docs.max_len tokens: a segment is at most S long, so
-    the queries of block c see keys of blocks c-1 and c only; one masked SDPA call over all blocks, each
-    (S x 2S). Cost O(N * 2S) per head for N packed tokens (linear in N, not N^2) and a bool mask of N * 2S."""
+    (no varlen kernel): per_document_attention on CPU in eager mode, else doc_block_attention."""
     B, T, H, D = q.shape
     cu = docs.cu_seqlens
     fn = _ATTENTION["varlen"]
@@ -1493,6 +1511,16 @@ def doc_causal_attention(q, k, v, docs):
         return out.view(B, T, H, D)
     if q.device.type == "cpu" and not torch.compiler.is_compiling():
         return per_document_attention(q, k, v, cu)
+    return doc_block_attention(q, k, v, docs)
+
+
+def doc_block_attention(q, k, v, docs):
+    """The exact masked path of doc_causal_attention (torch_doc_blocks), in blocks of S = docs.max_len tokens: a
+    segment is at most S long, so the queries of block c see keys of blocks c-1 and c only; one masked SDPA call
+    over all blocks, each (S x 2S). Cost O(N * 2S) per head for N packed tokens (linear in N, not N^2) and a bool
+    mask of N * 2S."""
+    B, T, H, D = q.shape
+    cu = docs.cu_seqlens
     S, N = docs.max_len, B * T
     nb = -(-N // S)
     pad = nb * S - N

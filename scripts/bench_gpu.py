@@ -147,7 +147,7 @@ PEAK_LINE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
 WARMUP_TIME_LINE = re.compile(r"^warmup_time: steps:(\d+) ms:(\d+)")
 WARMUP_STEP_LINE = re.compile(r"^warmup_step:(\d+)/(\d+)")
 BACKEND_LINE = re.compile(r"attention_backend:(\S+)")
-PACKED_LINE = re.compile(r"attention_backend_packed:(\S+)")
+PACKED_LINE = re.compile(r"attention_backend_packed:(\S+(?: gqa:\S+)?)")  # torch_varlen with its GQA mode
 ERROR_LINE = re.compile(r"^(error|Traceback|RuntimeError|\w+Error)\b")
 
 
@@ -334,7 +334,7 @@ def packed_attention_rows(cfg, preset, base, backends):
         for row in rows:
             row.update(kind="skip", note="skipped: needs CUDA (the pair compares CUDA kernels)")
     elif not backends["torch_varlen"]:
-        rows[0].update(kind="skip", note="skipped: this PyTorch's varlen_attn lacks window_size or enable_gqa")
+        rows[0].update(kind="skip", note="skipped: this PyTorch's varlen_attn lacks window_size (2.11 on)")
     return rows
 
 

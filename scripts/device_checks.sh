@@ -17,10 +17,11 @@ left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 stamp versions
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -V
-  python3 -c "import torch, triton, train_gpt as t; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'torch_varlen usable:', t.import_torch_varlen() is not None)"
+  python3 -c "import inspect, torch, triton, train_gpt as t; v = t.import_torch_varlen(); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'torch_varlen usable:', v is not None, 'gqa:', v and t.varlen_gqa_mode(inspect.signature(v)))"
 } 2>&1 | tee "$OUT/env.txt"
 stamp cuda_tests
-timeout 100 python3 -m pytest -q -rs -p no:cacheprovider \
+# the varlen test (issue 41): expand and native GQA against the masked path, eager and inductor-compiled
+timeout 150 python3 -m pytest -q -rs -p no:cacheprovider \
   tests/test_varlen.py::test_torch_varlen_on_cuda_equals_the_masked_path \
   tests/test_data_path.py::test_copy_stream_batches_equal_plain_under_a_busy_compute_stream \
   tests/test_data_path.py::test_record_stream_keeps_held_batches_intact tests/test_data_path.py::test_pinned_ring_is_reused \
