@@ -30,13 +30,43 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTE
                   "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
 
-@pytest.fixture(scope="session")
-def sample_data(tmp_path_factory) -> dict[str, str]:
-    """Builds the offline sample dataset once; returns DATA_PATH and TOKENIZER_PATH."""
-    out = tmp_path_factory.mktemp("sample")
-    proc = subprocess.run([sys.executable, str(REPO / "data" / "build_sample_data.py"), "--out-dir", str(out)],
+def shared_folder(tmp_path_factory) -> Path:
+    """A folder that every pytest-xdist worker of this test session sees (the session's base temporary folder; under
+    xdist each worker's is a subfolder of it)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def computed_once(folder: Path, build) -> Path:
+    """`folder`, made by build(scratch) once for the whole session, whichever worker asks first: it builds under an
+    exclusive lock and renames the scratch folder into place; a worker asking meanwhile waits for the lock and uses
+    it (no data set or run made twice). A build that raises leaves nothing, and the next asker tries again."""
+    import fcntl
+    import shutil
+
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not folder.exists():
+            scratch = folder.parent / f"{folder.name}.building"
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir()
+            build(scratch)
+            scratch.rename(folder)
+    return folder
+
+
+def build_sample(out: Path, *args: str) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "data" / "build_sample_data.py"), "--out-dir", str(out), *args],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.fixture(scope="session")
+def sample_data(tmp_path_factory) -> dict[str, str]:
+    """The offline sample dataset, built once for the session; returns DATA_PATH and TOKENIZER_PATH."""
+    out = computed_once(shared_folder(tmp_path_factory) / "sample", build_sample)
     return {"DATA_PATH": str(out / "datasets" / "sample_sp1024"),
             "TOKENIZER_PATH": str(out / "tokenizers" / "sample_1024_bpe.model")}
 
@@ -112,6 +142,22 @@ def run_training(env: dict[str, str], cwd: Path, nproc: int = 0, timeout: int = 
     return launcher.run([SCRIPT], full, cwd, timeout=timeout)
 
 
+def shared_run(tmp_path_factory, name: str, env: dict[str, str], nproc: int = 0) -> Path:
+    """The folder of a successful run_training(env + RUN_ID=name, nproc) made once for the session (computed_once):
+    tests that compare against the same run share it and must not write into its folder (its log is
+    logs/NAME.txt). Keyed by the whole environment, the process count and train_gpt.py's bytes."""
+    import hashlib
+
+    env = {**env, "RUN_ID": name}
+    key = hashlib.sha256(repr((sorted(env.items()), nproc)).encode() + SCRIPT.read_bytes()).hexdigest()[:16]
+
+    def build(cwd: Path) -> None:
+        proc = run_training(env, cwd, nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return computed_once(shared_folder(tmp_path_factory) / f"run_{name}_{key}", build)
+
+
 def read_log(cwd: Path, run_id: str) -> str:
     return (cwd / "logs" / f"{run_id}.txt").read_text(encoding="utf-8")
 
@@ -137,11 +183,24 @@ LONGEST_FIRST = ("test_compile_presets.py", "test_compile_ranks.py", "test_check
                  "test_bench_gpu.py", "test_model_0427.py", "test_gptq.py", "test_kernels.py")
 
 
+def worker_threads() -> int:
+    """This pytest process's share of the CPU cores: the cores divided among pytest-xdist's workers (1 on CI's 2 cores
+    with -n 2), so that in-process tests of two workers do not leave OpenMP threads spin-waiting for cores the
+    other worker holds."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 def pytest_configure(config):
     """pytest-xdist reorders --dist loadfile's files by their number of tests unless told not to: keep LONGEST_FIRST's
-    order (the option exists only where pytest-xdist is installed)."""
+    order (the option exists only where pytest-xdist is installed). Each worker computes on its share of the cores
+    (worker_threads)."""
     if getattr(config.option, "loadscopereorder", None):
         config.option.loadscopereorder = False
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(worker_threads())
 
 
 def pytest_collection_modifyitems(session, config, items):

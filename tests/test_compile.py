@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import TINY_ENV, read_log, run_training, short_val_data
+from conftest import TINY_ENV, computed_once, read_log, run_training, shared_folder, shared_run, short_val_data
 from test_documents import caseops_sample, packed_runtime  # noqa: F401 (fixture: the vocab-8192 CaseOps sample)
 from test_trust import assert_one_line_error
 from test_presets import EXACT, RUN_0430, RUN_0501, RUN_SCALE, caseops_run_data  # noqa: F401 (fixture)
@@ -35,7 +35,11 @@ COMPILE_SCALE = {**RUN_SCALE, "NUM_LAYERS": "3", "LOOP_START": "1", "LOOP_END": 
 PRESET_ENV = {
     "record_0323": {**TINY_ENV, "LATE_QAT_THRESHOLD": "0.9", "TTT_CHUNK_TOKENS": "1024", "EVAL_STRIDE": "64",
                     "VAL_BATCH_SIZE": "4096"},
-    "record_0409": {**COMPILE_SCALE, "ENABLE_LOOPING_AT": "0.5", "VOCAB_SIZE": "8192"},
+    # the settings PREFLIGHT=1 rehearses this run with (one step in each loop state), so that the preflight pair's
+    # real run is this run (tests/test_preflight.py)
+    "record_0409": {**COMPILE_SCALE, "ENABLE_LOOPING_AT": "0.5", "VOCAB_SIZE": "8192", "ITERATIONS": "2",
+                    "WARMDOWN_ITERS": "0", "MAX_WALLCLOCK_SECONDS": "0.0", "GPTQ_CALIBRATION_BATCHES": "1",
+                    "CHECKPOINT_EVERY": "0", "VAL_LOSS_EVERY": "0"},
     "record_0427": {**COMPILE_SCALE},
     "record_0430": {**COMPILE_SCALE, **RUN_0430, "TRAIN_SEQ_LEN_SCHEDULE": "64@0,128@0.5"},  # two phases: a switch
     # VAL_PREFETCH=0: eval_val's batches made in the evaluating thread, inside inference mode (on CUDA the copy
@@ -57,10 +61,11 @@ def run(env, cwd, nproc):
     return read_log(cwd, env["RUN_ID"])
 
 
-def check_preset_run(preset, nproc, data, tmp_path, eager=True):
-    """The preset's tiny run compiled (COMPILE_BACKEND=eager) and, with `eager`, eager: each to its last line with the
-    preset's own lines, the compiled one within REL_TOL of the eager scores, its timed regions compiling nothing, each
-    compiled function within its plan; for EVAL_ONLY_RUNS the eager artifact evaluated again gives the same scores."""
+def check_preset_run(preset, nproc, data, tmp_path, tmp_path_factory, eager=True):
+    """The preset's tiny run compiled (COMPILE_BACKEND=eager) on `nproc` ranks to its last line with the preset's
+    own lines, its timed regions compiling nothing, each compiled function within its plan; with `eager`, within
+    REL_TOL of the scores of the preset's eager run on as many ranks (eager_run, shared); for EVAL_ONLY_RUNS the
+    eager artifact evaluated again gives the eager run's scores exactly."""
     env = {**data, **PRESET_ENV[preset], "PRESET": preset}
     compiled = run({**env, "RUN_ID": f"{preset}_{nproc}_c", "COMPILE": "1", "COMPILE_BACKEND": "eager"},
                    tmp_path / "compiled", nproc)
@@ -74,14 +79,14 @@ def check_preset_run(preset, nproc, data, tmp_path, eager=True):
     if not eager:
         assert [k for k, _ in re.findall(EXACT, compiled, re.M)] == list(REL_TOL)
         return
-    eager = run({**env, "RUN_ID": f"{preset}_{nproc}", "COMPILE": "0"}, tmp_path / "eager", nproc)
+    folder, eager = eager_run(tmp_path_factory, preset, data, nproc)
     assert_preset_lines(preset, env, eager)
     assert_scores_close(eager, compiled)
     assert not re.search("^compile", eager, re.M) and "compile:0" in eager
     if (preset, nproc) in EVAL_ONLY_RUNS:
-        artifact = next((tmp_path / "eager").glob("final_model.*.ptz"))
+        artifact = next(folder.glob("final_model.*.ptz"))
         again = run({**env, "RUN_ID": f"{preset}_{nproc}_eval", "COMPILE": "0", "EVAL_ONLY": str(artifact)},
-                    tmp_path / "eager", nproc)
+                    tmp_path / "eval_only", nproc)
         assert re.findall(EXACT, again, re.M) == re.findall(EXACT, eager, re.M)
 
 
@@ -130,9 +135,23 @@ def assert_compiled_as_planned(log, regions):
 
 @pytest.fixture(scope="module")
 def preset_data(caseops_run_data, sample_data, tmp_path_factory):
-    """record_0323 on the sp1024 sample with its first 4,097 val tokens; the others on the CaseOps run data."""
-    short = short_val_data(sample_data, tmp_path_factory.mktemp("sp1024_short"), 4097)
-    return {"record_0323": short, **{p: caseops_run_data for p in PRESET_ENV if p != "record_0323"}}
+    """record_0323 on the sp1024 sample with its first 4,097 val tokens; the others on the CaseOps run data. One
+    folder each for the session (conftest.computed_once), so that the runs of every file can share an eager run."""
+    short = computed_once(shared_folder(tmp_path_factory) / "sp1024_short",
+                          lambda out: short_val_data(sample_data, out, 4097))
+    return {"record_0323": {"DATA_PATH": str(short), "TOKENIZER_PATH": sample_data["TOKENIZER_PATH"]},
+            **{p: caseops_run_data for p in PRESET_ENV if p != "record_0323"}}
+
+
+def eager_run(tmp_path_factory, preset, data, nproc):
+    """The preset's tiny run (PRESET_ENV) eager on `nproc` ranks, made once for the session (conftest.shared_run)
+    and shared by everything compared with it: the compiled run on as many ranks (tests/test_compile_presets.py,
+    tests/test_compile_ranks.py) and, on one rank, the preflight pairs whose rehearsal settings it has
+    (tests/test_preflight.py). Its folder and log; the folder is read-only to the tests."""
+    name = f"{preset}_{nproc}"
+    folder = shared_run(tmp_path_factory, name, {**data, **PRESET_ENV[preset], "PRESET": preset, "COMPILE": "0"},
+                        nproc)
+    return folder, read_log(folder, name)
 
 
 # The presets' compiled runs on 1 process (check_preset_run): tests/test_compile_presets.py; on 2:

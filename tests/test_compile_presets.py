@@ -14,5 +14,6 @@ from test_presets import caseops_run_data  # noqa: F401 (fixture)
 # record_0427's run is record_0501's code with other values and without the tilt: compiled, it runs here to its last
 # line within its plan, and record_0501's pair stands for its eager comparison (the suite's time, issue 34).
 @pytest.mark.parametrize("preset", list(PRESET_ENV))
-def test_every_preset_runs_compiled_to_its_last_line_with_the_eager_scores(preset, preset_data, tmp_path):
-    check_preset_run(preset, 1, preset_data[preset], tmp_path, eager=preset != "record_0427")
+def test_every_preset_runs_compiled_to_its_last_line_with_the_eager_scores(preset, preset_data, tmp_path,
+                                                                           tmp_path_factory):
+    check_preset_run(preset, 1, preset_data[preset], tmp_path, tmp_path_factory, eager=preset != "record_0427")

@@ -18,7 +18,8 @@ import torch
 
 import launcher
 import train_gpt as tg
-from conftest import TINY_ENV, clean_environ, config_error, read_log, run_training, short_val_data
+from conftest import (TINY_ENV, build_sample, clean_environ, computed_once, config_error, read_log, run_training,
+                      shared_folder, short_val_data)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "data"))
@@ -109,13 +110,10 @@ def test_caseops_equals_the_records_transform():
 
 @pytest.fixture(scope="module")
 def caseops_sample(tmp_path_factory):
-    """`build_sample_data.py --vocab-size 8192 --caseops` with 2 train shards (a couple of seconds)."""
-    out = tmp_path_factory.mktemp("caseops")
-    proc = subprocess.run([sys.executable, str(REPO / "data" / "build_sample_data.py"), "--out-dir", str(out),
-                           "--vocab-size", "8192", "--caseops", "--train-shards", "2"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return out
+    """`build_sample_data.py --vocab-size 8192 --caseops` with 2 train shards (a couple of seconds), built once for
+    the session (conftest.computed_once)."""
+    return computed_once(shared_folder(tmp_path_factory) / "caseops",
+                         lambda out: build_sample(out, "--vocab-size", "8192", "--caseops", "--train-shards", "2"))
 
 
 def split_at_bos(tokens, bos=1):

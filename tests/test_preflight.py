@@ -16,7 +16,7 @@ import pytest
 import launcher
 import train_gpt as tg
 from conftest import REPO, clean_environ, read_log, run_training
-from test_compile import PRESET_ENV, preset_data  # noqa: F401 (fixture: each preset's tiny data)
+from test_compile import PRESET_ENV, eager_run, preset_data  # noqa: F401 (fixture: each preset's tiny data)
 from test_documents import caseops_sample  # noqa: F401 (fixture)
 from test_presets import caseops_run_data  # noqa: F401 (fixture)
 
@@ -45,11 +45,13 @@ def assert_nothing_complete_looking(cwd):
 
 
 @pytest.mark.parametrize("preset", list(PRESET_ENV))
-def test_each_presets_rehearsal_is_ready_and_agrees_with_a_real_run_of_its_settings(preset, preset_data, tmp_path):  # noqa: F811
+def test_each_presets_rehearsal_is_ready_and_agrees_with_a_real_run_of_its_settings(preset, preset_data, tmp_path,  # noqa: F811
+                                                                                    tmp_path_factory):
     """The rehearsal is ready, reports every stage, state, evaluation, compiled function and region, and leaves
     nothing that looks like a finished run; then a real run with the rehearsal's settings (the report's) writes an
     artifact of exactly the rehearsal's bytes, at the rehearsal's step time within a factor of 3 (two runs on a
-    shared CPU). record_0323 runs on 2 processes (every rank rehearses; a peak memory for each). record_0501's rehearsal runs compiled (COMPILE_BACKEND=eager: Dynamo's graphs and guards, which do
+    shared CPU); record_0409's real run is its compile pair's eager run (tests/test_compile.py: the same settings,
+    made once for the session). record_0323 runs on 2 processes (every rank rehearses; a peak memory for each). record_0501's rehearsal runs compiled (COMPILE_BACKEND=eager: Dynamo's graphs and guards, which do
     not give eager's last bits, so no real eager run could match its bytes, and a compiled one costs the suite
     another minute): its artifact is record_0427's code, whose pair stands for it."""
     env = {**preset_data[preset], **PRESET_ENV[preset], "PRESET": preset}
@@ -90,10 +92,14 @@ def test_each_presets_rehearsal_is_ready_and_agrees_with_a_real_run_of_its_setti
     if compiled:
         return
     same = {k: str(v) for k, v in rep["settings"]["rehearsal"].items()}
-    (tmp_path / "real").mkdir()
-    real = run_training({**env, **same, "RUN_ID": "real"}, tmp_path / "real", nproc=nproc)
-    assert real.returncode == 0, real.stderr[-3000:]
-    log = read_log(tmp_path / "real", "real")
+    if preset == "record_0409":  # its compile pair's eager run has exactly these settings: that run, made once
+        assert {k: env[k] for k in same} == same
+        _, log = eager_run(tmp_path_factory, preset, preset_data[preset], 1)
+    else:
+        (tmp_path / "real").mkdir()
+        real = run_training({**env, **same, "RUN_ID": "real"}, tmp_path / "real", nproc=nproc)
+        assert real.returncode == 0, real.stderr[-3000:]
+        log = read_log(tmp_path / "real", "real")
     size = int(re.search(r"^Serialized model int6\+\S+: (\d+) bytes", log, re.M).group(1))
     assert size == rep["artifact"]["model_bytes"]
     steps = rep["training"]["states"].values()

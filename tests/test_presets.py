@@ -486,13 +486,17 @@ EXACT = r"^(final_int6_roundtrip|final_int6_sliding_window|legal_ttt)_exact (.*)
 def caseops_run_data(caseops_sample, tmp_path_factory):
     """DATA_PATH and TOKENIZER_PATH: the CaseOps sample's train shards and its first 1,200 val tokens with their
     sidecar bytes."""
+    from conftest import computed_once, shared_folder
     from test_documents import write_tokens
     src = caseops_sample / "datasets" / "sample_sp8192_caseops"
-    out = tmp_path_factory.mktemp("caseops_run")
-    for f in sorted(src.glob("fineweb_train_*.bin")):
-        (out / f.name).symlink_to(f)
-    for name in ("fineweb_val_000000.bin", "fineweb_val_bytes_000000.bin"):
-        write_tokens(out / name, tg.load_shard(src / name)[:1200].astype(np.int64))
+
+    def build(out):
+        for f in sorted(src.glob("fineweb_train_*.bin")):
+            (out / f.name).symlink_to(f)
+        for name in ("fineweb_val_000000.bin", "fineweb_val_bytes_000000.bin"):
+            write_tokens(out / name, tg.load_shard(src / name)[:1200].astype(np.int64))
+
+    out = computed_once(shared_folder(tmp_path_factory) / "caseops_run", build)  # one for the session
     return {"DATA_PATH": str(out), "TOKENIZER_PATH": str(caseops_sample / "tokenizers" / "sample_8192_bpe_caseops.model")}
 
 
