@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, config_error, read_log, run_training
+from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, config_error, read_log, run_training, short_val_data
 
 sys.path.insert(0, str(REPO / "scripts"))
 import pack_code  # noqa: E402  (needs the path above)
@@ -157,7 +157,10 @@ def test_newton_schulz_follows_the_precision(autocast, ns):
 
 
 def test_run_logs_precision_and_threads(tmp_path, sample_data):
-    env = {**TINY_ENV, **sample_data, "ITERATIONS": "1", "TTT_ENABLED": "0", "EVAL_STRIDE": "0",
+    """A real `python3 train_gpt.py` without OMP_NUM_THREADS (no zygote may serve it: tests/launcher.py) chooses
+    one thread per core and logs it; 4,097 val tokens keep its evaluation short."""
+    data = short_val_data(sample_data, tmp_path, 4097)
+    env = {**TINY_ENV, **data, "ITERATIONS": "1", "TTT_ENABLED": "0", "EVAL_STRIDE": "0",
            "AUTOCAST_DTYPE": "fp32", "RUN_ID": "prec"}
     env.pop("OMP_NUM_THREADS", None)
     full = {k: v for k, v in clean_environ().items() if k != "OMP_NUM_THREADS"}
