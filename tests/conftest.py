@@ -197,6 +197,8 @@ def pytest_configure(config):
     (worker_threads)."""
     if getattr(config.option, "loadscopereorder", None):
         config.option.loadscopereorder = False
+    config.addinivalue_line("markers", "real_command: runs train_gpt.py (or Python) through the real commands, "
+                                       "python3 or torchrun, where the others fork from tests/launcher.py's zygote")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 

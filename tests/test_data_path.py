@@ -409,6 +409,7 @@ def _run_and_cut_after_step_1(cwd, env, cut):
     return proc, "".join(out) + rest, stderr
 
 
+@pytest.mark.real_command
 def test_truncated_shard_mid_training_exits_2_with_one_line(tmp_path, sample_data):
     """The shard goes bad while the run is going (valid at start): the prefetch thread hits it when the
     stream gets there, and the training loop exits with the thread's original error."""
@@ -497,6 +498,7 @@ def test_shard_truncated_while_in_use_is_a_one_line_error(tmp_path, monkeypatch,
         assert_windows_of_positions(got)
 
 
+@pytest.mark.real_command
 def test_shard_truncated_in_use_mid_training_exits_2_with_one_line(tmp_path, sample_data):
     """End to end: shard 0 is cut short while the run reads it (valid at start)."""
     data, env, train0 = _truncation_data(tmp_path, sample_data)

@@ -66,6 +66,7 @@ def probe(tmp_path, real: bool, *args: str, **env: str) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.real_command
 def test_a_forked_run_starts_as_a_new_python_process_would_and_keeps_nothing_of_the_run_before(tmp_path):
     real = probe(tmp_path, True)
     first = probe(tmp_path, False, "dirty", str(launcher.REPO))
@@ -94,6 +95,12 @@ def test_a_zygote_serves_only_runs_of_its_own_process_environment(tmp_path):
                          tmp_path)
     assert not two.forked and "threads" in two.why and two.communicate(60)[0] == "2\n"
     assert {"RUN_ID", "SEED", "DATA_PATH", "RANK", "MASTER_PORT"} <= launcher.runtime_names()
+    os.environ["TEST_LAUNCHER"] = "real"  # every run a new process, as before the launcher
+    try:
+        real = launcher.start(["-c", "print('hi')"], ENV, tmp_path)
+    finally:
+        del os.environ["TEST_LAUNCHER"]
+    assert not real.forked and real.why == "TEST_LAUNCHER=real" and real.communicate(60) == ("hi\n", "")
     assert not {"OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR", "PYTHONPATH"} & launcher.runtime_names()
 
 
@@ -110,6 +117,7 @@ ENDINGS = {
 
 
 @pytest.mark.parametrize("ending", list(ENDINGS))
+@pytest.mark.real_command
 def test_exit_status_and_streams_are_the_interpreters(ending, tmp_path):
     code = ENDINGS[ending]
     real = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=ENV, capture_output=True, text=True,
@@ -153,6 +161,7 @@ if os.environ.get("FAIL_RANK"):
 '''
 
 
+@pytest.mark.real_command
 def test_ranks_meet_and_fail_as_torchruns_workers(tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(RANKS)
@@ -169,6 +178,7 @@ def test_ranks_meet_and_fail_as_torchruns_workers(tmp_path):
     assert time.monotonic() - t0 < 60  # the sleeping peer was ended, as torchrun ends it
 
 
+@pytest.mark.real_command
 def test_train_gpt_forked_writes_what_the_real_commands_write(tmp_path, sample_data):
     """A tiny 2-rank run under torchrun and forked: the same log lines (times aside) and artifact bytes; a
     1-process run through `python3 train_gpt.py` and forked, likewise."""

@@ -35,6 +35,7 @@ def test_parses_as_python_310():
     ast.parse(SCRIPT.read_text(encoding="utf-8"), feature_version=(3, 10))
 
 
+@pytest.mark.real_command
 def test_import_has_no_side_effects(tmp_path):
     code = f"import sys; sys.path.insert(0, {str(REPO)!r}); import train_gpt"
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,

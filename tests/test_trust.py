@@ -156,6 +156,7 @@ def test_newton_schulz_follows_the_precision(autocast, ns):
     assert out.dtype == ns and out.shape == g.shape
 
 
+@pytest.mark.real_command
 def test_run_logs_precision_and_threads(tmp_path, sample_data):
     """A real `python3 train_gpt.py` without OMP_NUM_THREADS (no zygote may serve it: tests/launcher.py) chooses
     one thread per core and logs it; 4,097 val tokens keep its evaluation short."""
@@ -246,6 +247,7 @@ def test_unwritable_log_directory(tmp_path, sample_data):
     assert_one_line_error(proc, 2, "cannot write the log", "logs/nolog.txt")
 
 
+@pytest.mark.real_command
 def test_help_prints_the_settings_and_exits_0(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=tmp_path, env=clean_environ(),
                           capture_output=True, text=True, timeout=60)
@@ -263,6 +265,7 @@ def test_help_prints_the_settings_and_exits_0(tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["record_0427", "record_0430"])
+@pytest.mark.real_command
 def test_help_with_a_preset_shows_that_presets_column(tmp_path, preset):
     """`PRESET=record_0430 python3 train_gpt.py --help`: the last column is that preset's values."""
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=tmp_path,
@@ -277,12 +280,14 @@ def test_help_with_a_preset_shows_that_presets_column(tmp_path, preset):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.real_command
 def test_help_with_an_unknown_preset_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=tmp_path,
                           env={**clean_environ(), "PRESET": "record_9999"}, capture_output=True, text=True, timeout=60)
     assert_one_line_error(proc, 2, "PRESET='record_9999'", "record_0430")
 
 
+@pytest.mark.real_command
 def test_help_into_a_closed_pipe_is_quiet(tmp_path):
     """`python3 train_gpt.py --help | head -3`: the reader goes away early; no BrokenPipeError traceback."""
     proc = subprocess.run(f"{sys.executable} {SCRIPT} --help | head -3", shell=True, cwd=tmp_path,
@@ -292,6 +297,7 @@ def test_help_into_a_closed_pipe_is_quiet(tmp_path):
     assert proc.stderr == ""
 
 
+@pytest.mark.real_command
 def test_unknown_argument_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--lr=3"], cwd=tmp_path, env=clean_environ(),
                           capture_output=True, text=True, timeout=60)
@@ -310,6 +316,7 @@ def test_non_finite_loss_stops_the_run_without_artifact(tmp_path, sample_data):
     assert log.rstrip("\n").endswith(line) and "\nfinal_int6_roundtrip" not in log
 
 
+@pytest.mark.real_command
 def test_unexpected_error_is_one_line_naming_the_stage(tmp_path, sample_data):
     """A disk that fills while the artifact is written (a file-size limit stands in for it): one line that
     names the stage, no partial artifact; DEBUG_TRACEBACK=1 shows the traceback."""
@@ -330,6 +337,7 @@ def test_unexpected_error_is_one_line_naming_the_stage(tmp_path, sample_data):
         assert not any(p.name.startswith("final_model") for p in tmp_path.iterdir()), list(tmp_path.iterdir())
 
 
+@pytest.mark.real_command
 def test_ctrl_c_exits_130_with_one_line(tmp_path, sample_data):
     env = {**clean_environ(), **TINY_ENV, **sample_data, "ITERATIONS": "100000", "TRAIN_LOG_EVERY": "1",
            "OMP_NUM_THREADS": "1", "RUN_ID": "int"}
@@ -369,6 +377,7 @@ def _alive(pid):
         return False
 
 
+@pytest.mark.real_command
 def test_stalled_peer_fails_the_run_within_the_timeout(tmp_path, sample_data):
     """Rank 1 is stopped (SIGSTOP) mid-training: rank 0's next collective gives up after
     DIST_TIMEOUT_SECONDS and the run exits non-zero instead of hanging."""
