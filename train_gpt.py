@@ -1598,9 +1598,11 @@ def triton_interpreting():
 
 
 def triton_kernels():
-    """The three kernels, jitted on first use. Raises ImportError without Triton, OSError where Triton cannot
-    read their source (a packed script). The helper the kernels call, _bf16_rtne, is jitted too and its global
-    name bound to the jitted form of the current mode (Triton refuses kernels that name plain functions)."""
+    """The three kernels, jitted on first use. Raises ImportError without Triton, and Triton's error where it
+    cannot read their source (inspect.getsource: code exec'd from a string; the packed file of scripts/pack_code.py
+    registers its source in linecache, and keeps the `tl.constexpr` annotations, so it runs these kernels). The
+    helper the kernels call, _bf16_rtne, is jitted too and its global name bound to the jitted form of the current
+    mode (Triton refuses kernels that name plain functions)."""
     global triton, tl
     import triton
     import triton.language as tl
@@ -1911,7 +1913,7 @@ def select_fused_kernels(h, device, dtype):
             triton_kernels()
         except ImportError:
             reason = "Triton is not installed (pip install triton)"
-        except Exception as e:  # e.g. OSError: no source to read in a packed script
+        except Exception as e:  # e.g. no source to read (code exec'd from a string without it in linecache)
             reason = f"Triton cannot build the kernels ({type(e).__name__}: {first_line(e)})"
         _FUSED["interpret"] = reason is None and triton_interpreting()
         if reason is None and device.type != "cuda" and not _FUSED["interpret"]:

@@ -4,18 +4,21 @@
     python3 scripts/pack_code.py [SRC] [-o OUT] [--check PACKED] [--table]
 
 SRC (default train_gpt.py) is minified (comments, docstrings, blank lines and function-signature annotations
-removed, one space per indentation level, bracketed continuation lines joined, function-local variables
-renamed to short names), compressed with ZPAQ and written 7 bits a byte as a string literal inside a
-wrapper of two statements: an import of zpaq (without it the file stops with one line: the import's error and
-`pip install zpaq`), then an exec of the decoded source. Without -o only the
-sizes are printed; --table prints them for each packing step. --check PACKED verifies that PACKED is the packed form of
-SRC (compares the decoded payload with minify(SRC); nothing is executed) and exits 1 if not.
+removed, except the `constexpr` ones Triton reads from its kernels' signatures; one space per indentation level,
+bracketed continuation lines joined, function-local variables renamed to short names), compressed with ZPAQ and
+written 7 bits a byte as a string literal inside a wrapper: an import of zpaq (without it the file stops with one
+line: the import's error and `pip install zpaq`) and of linecache; the decoded source registered in linecache
+under the pseudo filename SOURCE_NAME, compiled with that name and exec'd (so inspect.getsource, through which
+Triton's jit reads its kernels, finds their text). Without -o only the sizes are printed; --table prints them for
+each packing step. --check PACKED verifies that PACKED is the packed form of SRC (compares the decoded payload
+with minify(SRC); nothing is executed) and exits 1 if not.
 
 Minification is done by text edits located with the standard library's ast and tokenize, never by
 ast.unparse, and is verified: the minified source must parse to the same AST as SRC with its docstrings and
-signature annotations removed and the renaming plan applied, and compile to the same instructions on the
-same globals, attributes and constants as the unrenamed text. String literals (f-strings included) are
-copied byte for byte. The renaming plan is derived from SRC alone (rename_plan), so --check re-derives it.
+signature annotations (but the `constexpr` ones) removed and the renaming plan applied, and compile to the same
+instructions on the same globals, attributes and constants as the unrenamed text. String literals (f-strings
+included) are copied byte for byte. The renaming plan is derived from SRC alone (rename_plan), so --check
+re-derives it.
 """
 from __future__ import annotations
 
@@ -67,19 +70,38 @@ BROTLI_QUALITY, BROTLI_LGWIN = 11, 24  # for `--table`
 # The wrapper's import of zpaq, when it fails (zpaq not installed, or its binary not loading: zpaq 0.3.7 publishes
 # wheels for glibc 2.34 or newer only), ends the run with one line, the import's error and the fix, instead of a
 # traceback: SystemExit prints its message on stderr and exits 1.
+# Then the decoded source s (str) is put in linecache's cache as the file SOURCE_NAME (mtime None: linecache's
+# checkcache never drops such an entry), compiled under that name and exec'd in the wrapper's own globals (so
+# `__name__` and `__file__` are the packed file's, as when it exec'd the bytes). Triton's jit reads a kernel's text
+# through inspect.getsourcelines, which finds it there by the code's co_filename: without it (exec of a string:
+# "<string>", no text) a GPU run could not jit the fused kernels at all and the interpreter ran them unrewritten.
+# Triton reads the text once, when a kernel is jitted (a JITFunction keeps it; the interpreter rewrites a kernel on
+# its first run); tracebacks show the payload's lines too. Lines as str.splitlines(keepends) cuts them (as CPython's
+# own registration of interactive code does); pack refuses a payload where that differs from Python's line count
+# (pack_minified). Neither a file written next to the script nor an import: the record folder gets nothing, any
+# working folder does, and the program still runs as __main__. One packed program per process: a second one's
+# source would replace the first's under the same name (Triton would read the second's text for the first's kernels).
 ESCAPED = b"\0\r\16\17\33\"\\"
 TWO_BYTE_START = 0xA0
-WRAPPER_HEAD = ("try:import zpaq as Z\nexcept ImportError as e:raise SystemExit(f\"{e}: pip install zpaq\")\nexec(Z.decompress((int(\"\".join(format(c,\"07b\")if c<128 else format(b\"\\0\\r\\16"
+SOURCE_NAME = "<packed>"
+WRAPPER_HEAD = ("try:import zpaq as Z,linecache as L\nexcept ImportError as e:raise SystemExit(f\"{e}: pip install"
+                " zpaq\")\n"
+                "s=Z.decompress((int(\"\".join(format(c,\"07b\")if c<128 else format(b\"\\0\\r\\16"
                 "\\17\\33\\\"\\\\\"[c-160>>7]*128+(c-160&127),\"014b\")for c in map(ord,\"\"\"")
-WRAPPER_TAIL = "\"\"\")),2)>>{shift}).to_bytes({n},\"big\")))\n"
-_TAIL_PATTERN = re.compile(r'"""\)\),2\)>>([0-9]+)\)\.to_bytes\(([1-9][0-9]*),"big"\)\)\)\n\Z')
+WRAPPER_TAIL = ("\"\"\")),2)>>{shift}).to_bytes({n},\"big\")).decode()\n"
+                "f=\"" + SOURCE_NAME + "\";L.cache[f]=0,None,s.splitlines(1),f;exec(compile(s,f,\"exec\"))\n")
+_TAIL_PATTERN = re.compile(r'"""\)\),2\)>>([0-9]+)\)\.to_bytes\(([1-9][0-9]*),"big"\)\)\.decode\(\)\n'
+                           + re.escape(WRAPPER_TAIL.split("\n")[1] + "\n") + r'\Z')
 
 # Files in an older format are refused with one line: LZMA2 + Base85 (before local renaming and ZPAQ), ZPAQ level
-# 5 in base 116 (before ZPAQ_METHOD and the 7-bit literal), and this format before its one-line zpaq error.
+# 5 in base 116 (before ZPAQ_METHOD and the 7-bit literal), the 7-bit literal before its one-line zpaq error, and
+# the wrapper that exec'd the bytes as they came (no source for Triton: the fused kernels fell back to eager).
 LEGACY_HEADS = {
     "import lzma as L,base64 as B\nexec(L.decompress(B.b85decode(\"": "LZMA2 + Base85, locals not renamed",
     "import zpaq as Z\nexec(Z.decompress((lambda s:b\"\".join(": "ZPAQ level 5 in base 116",
     "import zpaq as Z\nexec(Z.decompress((int(": "the 7-bit literal without the one-line error for a missing zpaq",
+    "try:import zpaq as Z\nexcept ImportError as e:raise SystemExit(f\"{e}: pip install zpaq\")\nexec(Z.decompress(("
+    "int(": "the wrapper that gave Triton no source to read: the fused kernels ran eager",
 }
 
 # Raw LZMA2, the format before ZPAQ, kept for `--table`: preset 9 extreme with pb=0 and an 8 MiB dictionary.
@@ -123,9 +145,22 @@ def _functions(tree: ast.AST):
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
+def keeps_annotation(arg: ast.arg) -> bool:
+    """Whether minify keeps ``arg``'s annotation: one that names Triton's constexpr (`tl.constexpr`, `constexpr`,
+    or a string annotation holding the word, as Triton tests it). Triton reads a kernel's signature when it jits it:
+    a parameter so marked is a compile-time constant (tl.arange's bounds, BLOCK_M=64 passed at launch), and without
+    the mark the launch fails. Every other signature annotation goes (train_gpt.py reads none: its custom ops
+    spell out their schema)."""
+    return arg.annotation is not None and any(
+        (isinstance(n, ast.Name) and n.id == "constexpr") or (isinstance(n, ast.Attribute) and n.attr == "constexpr")
+        or (isinstance(n, ast.Constant) and isinstance(n.value, str) and "constexpr" in n.value)
+        for n in ast.walk(arg.annotation))
+
+
 def strip_reference(tree: ast.Module) -> ast.Module:
     """The AST that minify's output must parse to: bare string statements removed (a body left empty gets
-    one `pass`) and argument/return annotations of functions removed. Modifies and returns ``tree``."""
+    one `pass`) and argument/return annotations of functions removed, but the argument annotations that
+    keeps_annotation keeps. Modifies and returns ``tree``."""
     for node, name, stmts in list(_statement_lists(tree)):
         kept = [s for s in stmts if not _is_docstring(s)]
         if not kept and not isinstance(node, ast.Module):
@@ -134,7 +169,8 @@ def strip_reference(tree: ast.Module) -> ast.Module:
     for fn in _functions(tree):
         fn.returns = None
         for arg in _signature_args(fn):
-            arg.annotation = None
+            if not keeps_annotation(arg):
+                arg.annotation = None
     return tree
 
 
@@ -191,7 +227,8 @@ class _Source:
 
 
 def _edits(source: _Source, tree: ast.Module) -> tuple[set[int], dict[int, str]]:
-    """Token indexes to drop and tokens to replace (by index) for docstrings and signature annotations."""
+    """Token indexes to drop and tokens to replace (by index) for docstrings and signature annotations (but those
+    keeps_annotation keeps)."""
     drop: set[int] = set()
     replace: dict[int, str] = {}
     for node, _name, stmts in _statement_lists(tree):
@@ -220,7 +257,7 @@ def _edits(source: _Source, tree: ast.Module) -> tuple[set[int], dict[int, str]]
                 drop.add(before)
     for fn in _functions(tree):
         for arg in _signature_args(fn):
-            if arg.annotation is not None:
+            if arg.annotation is not None and not keeps_annotation(arg):
                 colon = source.next_significant(source.token_at(arg.lineno, arg.col_offset))
                 if source.tokens[colon].string != ":":
                     raise PackError(f"line {arg.lineno}: expected ':' after argument {arg.arg!r}")
@@ -520,7 +557,7 @@ def minify(src: str, rename: bool = True) -> str:
         raise PackError(f"minified source does not parse: {exc.msg} (line {exc.lineno}); a minify bug") from None
     if got != expected:
         raise PackError("minified source is a different program (AST differs from the source's with docstrings"
-                        " and signature annotations removed and its locals renamed); a minify bug")
+                        " and signature annotations but constexpr ones removed and its locals renamed); a minify bug")
     pairs = {pair for mapping in plan.values() for pair in mapping.items()}
     if not _same_code_but_local_names(compile(stripped, "<minified>", "exec", dont_inherit=True),
                                       compile(result, "<minified>", "exec", dont_inherit=True), pairs):
@@ -606,6 +643,11 @@ def _wrap(data: bytes, module: str = "zpaq") -> str:
             + WRAPPER_TAIL.format(shift=shift, n=len(data)))
 
 
+# Where str.splitlines (the wrapper's lines for linecache) breaks a line and Python does not: VT, FF, FS, GS, RS,
+# NEL, LS, PS (CR and CR LF: both; Python reads them as line ends too).
+_ODD_LINE_BREAK = re.compile("[\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
 def pack_minified(minified: str) -> str:
     """The packed file for an already minified source; checked to decode back to it."""
     try:
@@ -613,6 +655,11 @@ def pack_minified(minified: str) -> str:
     except SyntaxError as exc:
         raise PackError(f"does not parse as Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]}: {exc.msg}"
                         f" (line {exc.lineno})") from None
+    odd = _ODD_LINE_BREAK.search(minified)
+    if odd:
+        line = minified.count("\n", 0, odd.start()) + 1
+        raise PackError(f"line {line} holds U+{ord(odd[0]):04X}, where str.splitlines breaks a line and Python does"
+                        " not: the wrapper's lines for inspect (Triton) would be off; write it as an escape")
     packed = _wrap(compress(minified.encode("utf-8")))
     ast.parse(packed, feature_version=MIN_PYTHON)
     if unpack(packed) != minified:
