@@ -4,8 +4,11 @@ On one CUDA GPU it builds the offline sample data, then times, each in its own p
 train_gpt.py at the record's shapes (11L d512, seq 2048, 786,432 tokens per step as 8 micro-batches) with
 TRAIN_PREFETCH 0/1 x TRAIN_COPY_STREAM 0/1, PRESET=record_0409 with its layer loop off and on, optional rows for
 settings and presets that exist in this checkout, the 2026-03-23 record's own script on the same GPU and
-attention backend, and the sliding-window and TTT evaluations of ours against the record's functions on one
-model. Without CUDA, or with BENCH_TINY=1, the same pipeline runs at tiny shapes (the CI test of this script).
+attention backend, the races of the presets record_0427, record_0430 (each context phase) and record_0501 against
+their records' own scripts (scripts/bench_record.py drives them through scripts/record_shim, so both sides run the
+same attention kernels; loop off and on), and the sliding-window and TTT evaluations of ours against the record's
+functions on one model. Without CUDA, or with BENCH_TINY=1, the same pipeline runs at tiny shapes (the CI test of
+this script).
 
     bash scripts/bench_gpu.sh                 # docs/gpu.md, "GPU benchmark"
     BENCH_TINY=1 bash scripts/bench_gpu.sh    # the same on CPU in under a minute
@@ -27,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+import bench_record
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -40,6 +45,12 @@ def find_anchors():
 
 ANCHORS = find_anchors()
 RECORD_SCRIPT = ANCHORS / "record_2026-03-23" / "train_gpt.py"
+RECORD_ROW = "record 2026-03-23 (its script)"
+RACES = ("record_0427", "record_0430", "record_0501")  # presets raced against their records' scripts (race_rows)
+TINY_RACE = "race record_0430 seq32 loop on"  # the one race tiny mode (CPU) runs
+# tiny mode: the first losses of a race's two rows (same weights, same batch) agree to the record's 4 logged decimals
+# at step 1 and to this much at steps 2-3, where the two sides' optimizer precision on CPU differs (docs/gpu.md)
+RACE_LOSS_TOL = {1: 1e-4, 2: 3e-3, 3: 3e-3}
 COLUMNS = ("row", "settings", "status", "ms_per_step", "tokens_per_s", "data_wait_ms", "peak_mib", "compile_s",
            "mfu", "ours_vs_record", "bpb", "note")
 EVAL_TAG = "BENCH_EVAL "
@@ -57,9 +68,10 @@ def bench_config(environ):
                  "TRAIN_BATCH_TOKENS": "512", "VAL_BATCH_SIZE": "4096", "TTT_CHUNK_TOKENS": "512",
                  "EVAL_BATCH_SEQS": "16", "TTT_BATCH_SEQS": "4", "EVAL_STRIDE": "16", "OMP_NUM_THREADS": "1"}
         # the presets' layer indices on 4 layers, and record_0430's progressive context (1024 -> 3072 tokens) scaled
-        # to the tiny 64 (at full length one tiny step took 5-12 s on 2 CPU cores, and its loop-on row timed out)
+        # to the tiny 64 (at full length one tiny step took 5-12 s on 2 CPU cores, and its loop-on row timed out),
+        # in lengths that divide the 64-token micro-batch, as the record's script requires of its schedule
         layers = {"LOOP_START": "1", "LOOP_END": "2", "PARALLEL_RESIDUAL_START": "2", "XSA_LAST_N": "4",
-                  "TRAIN_SEQ_LEN_SCHEDULE": "32@0,48@0.1,64@0.7"}
+                  "TRAIN_SEQ_LEN_SCHEDULE": "16@0,32@0.1,64@0.7"}
         defaults = {"steps": 6, "warmup": 1, "row_timeout": 60, "budget": 300, "val_tokens": 32 * 64 + 1}
     else:
         model, layers = {}, {}  # train_gpt.py's defaults are the record's shapes
@@ -141,7 +153,7 @@ def kill_group(proc):
         pass
 
 
-STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_loss:\S+ train_time:(\d+)ms step_avg:")
+STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_loss:(\S+) train_time:(\d+)ms step_avg:")
 WAIT_LINE = re.compile(r"^data_wait: total_ms:([\d.]+) mean_ms_per_step:([\d.]+)")
 PEAK_LINE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
 WARMUP_TIME_LINE = re.compile(r"^warmup_time: steps:(\d+) ms:(\d+)")
@@ -154,15 +166,16 @@ ERROR_LINE = re.compile(r"^(error|Traceback|RuntimeError|\w+Error)\b")
 def parse_training(lines):
     """Numbers of one training run from its timed console lines; raises ValueError naming what is missing.
     ms/step: (train_time at the last step - at step 1) / (steps - 1), so compile and first-step work are out."""
-    steps = {}
+    steps, losses = {}, {}
     for _, line in lines:
         m = STEP_LINE.match(line)
         if m:
-            steps[int(m.group(1))] = float(m.group(3))
+            steps[int(m.group(1))] = float(m.group(4))
+            losses[int(m.group(1))] = float(m.group(3))
     if 1 not in steps or len(steps) < 2:
         raise ValueError(f"train step lines missing (found steps {sorted(steps)})")
     last = max(steps)
-    out = {"steps": last, "ms_per_step": (steps[last] - steps[1]) / (last - 1)}
+    out = {"steps": last, "ms_per_step": (steps[last] - steps[1]) / (last - 1), "losses": losses}
     for _, line in lines:
         if m := WAIT_LINE.match(line):
             out["data_wait_ms"] = float(m.group(2))
@@ -260,16 +273,16 @@ def training_env(cfg, data, run_id):
 
 def plan_rows(cfg, help_text, presets, backends):
     """The rows of this run in the order they run (the comparison with the record first, so that a run cut short by
-    BENCH_BUDGET still has it): dicts with name, env, kind (ours | record | eval | skip) and note. Optional rows
-    run only when train_gpt.py --help lists their setting (presets: train_gpt.PRESETS); else 'skipped' says why."""
-    import train_gpt as tg
+    BENCH_BUDGET still has it): dicts with name, env, kind (ours | record | record_script | eval | skip), note, and
+    vs (the row whose step time ours_vs_record divides by). Optional rows run only when train_gpt.py --help lists
+    their setting (presets: train_gpt.PRESETS); else 'skipped' says why."""
     loader = {f"ours p{p}c{c}": {"TRAIN_PREFETCH": p, "TRAIN_COPY_STREAM": c} for p in "01" for c in "01"}
     rows = [{"name": "ours p1c1 (default)", "kind": "ours", "env": loader.pop("ours p1c1"),
-             "vs_record": backends["ours"] == backends["record"]}]
+             "vs": RECORD_ROW if backends["ours"] == backends["record"] else None}]
     if backends["ours"] != backends["record"]:  # e.g. FA2 installed, FA3 not: compare on the record's backend
-        rows.append({"name": "ours default, record's backend", "kind": "ours", "vs_record": True,
+        rows.append({"name": "ours default, record's backend", "kind": "ours", "vs": RECORD_ROW,
                      "env": {"ATTENTION_BACKEND": backends["record"]}})
-    record = {"name": "record 2026-03-23 (its script)", "kind": "record",
+    record = {"name": RECORD_ROW, "kind": "record",
               "env": {"BIGRAM_VOCAB_SIZE": "1536", "TTT_FREEZE_BLOCKS": "0"}}  # its README command's values
     if cfg["tiny"]:
         record.update(kind="skip", note="skipped: needs CUDA (its main() requires it)")
@@ -297,12 +310,7 @@ def plan_rows(cfg, help_text, presets, backends):
             rows.append({"name": f"PRESET={preset}", "kind": "skip", "env": {"PRESET": preset},
                          "note": f"skipped: PRESET={preset} does not exist in this train_gpt.py"})
             continue
-        layers = {k: v for k, v in cfg["preset_layers"].items() if k in presets[preset] or k == "XSA_LAST_N"}
-        base = {"PRESET": preset, **layers}
-        if tg.missing_modules(presets[preset].get("COMPRESSOR", "lzma")):
-            base["COMPRESSOR"] = "lzma"  # only the training steps are measured; brotli/zpaq may be missing offline
-        if presets[preset].get("NGRAM_TILT") == "1":
-            base["NGRAM_TILT"] = "0"  # the training rows score nothing, so there is no final score to tilt
+        base = preset_base(cfg, presets, preset)
         if int(presets[preset].get("NUM_LOOPS", "0")) > 0:
             rows.append({"name": f"PRESET={preset} loop off", "kind": "ours", "env": {**base, "NUM_LOOPS": "0"}})
             rows.append({"name": f"PRESET={preset} loop on", "kind": "ours", "looping": True,
@@ -314,11 +322,64 @@ def plan_rows(cfg, help_text, presets, backends):
             rows.append({"name": f"PRESET={preset}", "kind": "ours", "env": base})
         if presets[preset].get("TRAIN_LOADER") == "packed":
             rows += packed_attention_rows(cfg, preset, {**base, "NUM_LOOPS": "0"}, backends)
+    rows += race_rows(cfg, presets, backends)
     if cfg["only"]:
         names = [r["name"] for r in rows]
         rows = [r for r in rows if any(o.strip() in r["name"] for o in cfg["only"])]
         if not rows:
             raise SystemExit(f"error: BENCH_ROWS={','.join(cfg['only'])!r} matches no row of: {', '.join(names)}")
+    return rows
+
+
+def preset_base(cfg, presets, preset):
+    """A preset row's settings: the preset, its layer indices at tiny shapes, and what only the training steps need:
+    COMPRESSOR=lzma where its compressor's package is missing, no n-gram tilt (nothing is scored to tilt)."""
+    import train_gpt as tg
+
+    layers = {k: v for k, v in cfg["preset_layers"].items() if k in presets[preset] or k == "XSA_LAST_N"}
+    base = {"PRESET": preset, **layers}
+    if tg.missing_modules(presets[preset].get("COMPRESSOR", "lzma")):
+        base["COMPRESSOR"] = "lzma"  # only the training steps are measured; brotli/zpaq may be missing offline
+    if presets[preset].get("NGRAM_TILT") == "1":
+        base["NGRAM_TILT"] = "0"  # the training rows score nothing, so there is no final score to tilt
+    return base
+
+
+def race_rows(cfg, presets, backends):
+    """The presets against their records' own scripts (issue 41): for record_0427, record_0501 and each context phase
+    of record_0430 (its schedule's lengths, one per row pair: TRAIN_SEQ_LEN_SCHEDULE=L@0), loop off (NUM_LOOPS=0) and
+    on (ENABLE_LOOPING_AT=0), a row of ours and a row of the record's script (kind record_script, run by
+    scripts/bench_record.py from our initial weights) with the same settings. Both sides attend with the same kernels:
+    ours with ATTENTION_BACKEND=torch_varlen (dense rows SDPA, packed rows PyTorch's varlen_attn; sdpa, the masked
+    path, where varlen_attn is missing), the record through scripts/record_shim, which calls those. Tiny mode runs
+    TINY_RACE only (AUTOCAST_DTYPE=fp32: its first losses are compared with the record's)."""
+    rows = []
+    attention = "torch_varlen" if backends["torch_varlen"] else "sdpa"
+    for preset in RACES:
+        if preset not in presets:
+            continue  # plan_rows already says the preset is missing
+        base = {**preset_base(cfg, presets, preset), "ATTENTION_BACKEND": attention}
+        schedule = base.pop("TRAIN_SEQ_LEN_SCHEDULE", presets[preset].get("TRAIN_SEQ_LEN_SCHEDULE", ""))
+        if cfg["tiny"]:
+            base["AUTOCAST_DTYPE"] = "fp32"
+        phases = [(f" seq{n}", {"TRAIN_SEQ_LEN_SCHEDULE": f"{n}@0"}) for n in
+                  (item.split("@")[0] for item in schedule.split(",") if item)] or [("", {})]
+        for phase, phase_env in phases:
+            for looping, loop_env in ((False, {"NUM_LOOPS": "0"}), (True, {"ENABLE_LOOPING_AT": "0"})):
+                pair = f"race {preset}{phase} loop {'on' if looping else 'off'}"
+                env = {**base, **phase_env, **loop_env}
+                ours = {"name": f"{pair}: ours", "kind": "ours", "env": env, "looping": looping,
+                        "vs": f"{pair}: its script"}
+                record = {"name": f"{pair}: its script", "kind": "record_script", "record": preset, "env": env,
+                          "looping": looping, "pair": ours["name"]}
+                if not bench_record.record_script(ANCHORS, preset).is_file():
+                    record.update(kind="skip", note=f"skipped: {bench_record.record_script(ANCHORS, preset)} is not "
+                                                    "here (BENCH_ANCHORS)")
+                if cfg["tiny"] and pair != TINY_RACE:
+                    for row in (ours, record):
+                        row.update(kind="skip", note=f"skipped: tiny mode runs the pair {TINY_RACE!r} only (the same "
+                                                     "driver and mapping; CPU time)")
+                rows += [ours, record]
     return rows
 
 
@@ -349,11 +410,24 @@ def run_training_row(cfg, row, data_for, deadline, hparams_for):
         env = {**training_env(cfg, data_for(row), run_id), **row["env"]}
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         return {"status": f"failed: {e}"}
+    hparams_env = env  # our settings of the row (a record_script row's process gets them in the record's names)
     if row["kind"] == "record":
         cmd, stop = [sys.executable, str(RECORD_SCRIPT)], r"^peak memory allocated"
         if importlib.util.find_spec("flash_attn_interface") is None:  # FA3 missing: the SDPA stand-in
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ANCHORS), os.environ.get("PYTHONPATH", "")]))
             row["backend"] = "sdpa (anchors stand-in)"
+    elif row["kind"] == "record_script":  # a frontier record's own script, driven from our initial weights
+        try:
+            inits = cfg.setdefault("inits", {})  # one model per settings that shape it (NUM_LOOPS: skip weights)
+            key = json.dumps({k: v for k, v in env.items() if k not in ("RUN_ID", "TRAIN_SEQ_LEN_SCHEDULE",
+                                                                        "ENABLE_LOOPING_AT")}, sort_keys=True)
+            if key not in inits:
+                inits[key] = bench_record.write_initial_weights(hparams_for(env), cfg["dir"] / f"{run_id}.init.pt")
+            env = {**bench_record.record_env(ANCHORS, row["record"], env, cfg["tiny"]),
+                   "BENCH_RECORD_INIT": str(inits[key])}
+        except Exception as e:  # noqa: BLE001 (building our model or mapping the settings: this row fails, not the run)
+            return {"status": f"failed: {type(e).__name__}: {e}"}
+        cmd, stop = [sys.executable, str(REPO / "scripts" / "bench_record.py"), row["record"]], r"^bench_record: done"
     else:
         cmd, stop = [sys.executable, str(REPO / "train_gpt.py")], r"^final_weights:"
     status, code, lines = run_logged(cmd, child_env(cfg, env), cfg["dir"], timeout, stop)
@@ -366,7 +440,7 @@ def run_training_row(cfg, row, data_for, deadline, hparams_for):
     except ValueError as e:
         return {**result, "status": f"parse error: {e}"}
     result.setdefault("backend", row.get("backend", "flash_attn_3" if row["kind"] == "record" else None))
-    h = hparams_for(env)
+    h = hparams_for(hparams_env)
     tokens = h.train_batch_tokens
     result["tokens_per_s"] = tokens / (result["ms_per_step"] / 1000.0)
     result["flops_per_token"] = flops_per_token(h, row.get("looping", False))
@@ -548,13 +622,28 @@ def training_cells(row, result, peak, record_ms):
                  compile_s=fmt(result.get("compile_s"), ".1f"))
     if peak:
         cells["mfu"] = f"{100 * result['flops_per_token'] * result['tokens_per_s'] / (peak * 1e12):.1f}%"
-    if record_ms and row.get("vs_record"):
+    if record_ms:  # the step time of the row it races (row["vs"])
         cells["ours_vs_record"] = f"{ms / record_ms:.3f}"
     backend, packed = result.get("backend"), result.get("packed_backend")
     cells["note"] = "; ".join(filter(None, [f"backend {backend}" if backend else "",
                                             f"packed rows {packed}" if packed else "",
                                             f"{result['flops_per_token'] / 1e6:.1f} MFLOP/token",
                                             f"log: {result['log']}"]))
+    return cells
+
+
+def race_cells(cfg, cells, ours, record):
+    """A record_script row's first losses beside its pair's (ours: the same initial weights, the same batches): in
+    its note; in tiny mode (CPU, fp32 both) a difference beyond RACE_LOSS_TOL is the row's status."""
+    if ours.get("status") != "ok":
+        cells["note"] = "first losses not compared (our row has no result); " + cells["note"]
+        return cells
+    steps = [s for s in sorted(RACE_LOSS_TOL) if s in ours["losses"] and s in record["losses"]]
+    pairs = ", ".join(f"{s}: {record['losses'][s]:.4f}/{ours['losses'][s]:.4f}" for s in steps)
+    cells["note"] = f"first losses record/ours {pairs}; " + cells["note"]
+    bad = [s for s in steps if abs(record["losses"][s] - ours["losses"][s]) > RACE_LOSS_TOL[s]]
+    if cfg["tiny"] and (bad or not steps):
+        cells["status"] = f"losses differ from ours' at steps {bad or 'compared: none'} (tolerance {RACE_LOSS_TOL})"
     return cells
 
 
@@ -600,6 +689,10 @@ def environment_lines(cfg, backends, peak_info):
     lines.append(f"attention: ours {backends['ours']} by default, record {backends['record']}{stand_in}"
                  + ("; FA4 (flash_attn.cute) importable" if backends["fa4"] else "")
                  + ("; PyTorch's varlen_attn usable (torch_varlen)" if backends["torch_varlen"] else ""))
+    lines.append("races (race ... rows): ours with ATTENTION_BACKEND="
+                 f"{'torch_varlen' if backends['torch_varlen'] else 'sdpa'} against the record's own script through "
+                 "scripts/record_shim (its flash_attn_interface calls the same PyTorch kernels) from our initial "
+                 "weights; ours_vs_record = ours / its script")
     lines.append("peak for MFU: " + (f"{peak_info['tflops']:.3f} TFLOP/s measured ({peak_info['what']})"
                                      if peak_info else "not measured"))
     lines.append("ms_per_step: (train_time at the last step - at step 1) / (steps - 1); MFU: FLOPs/token x tokens/s "
@@ -692,14 +785,18 @@ def main():
             results.append((row, run_eval(cfg, data_for, backends, deadline)))
         else:
             results.append((row, run_training_row(cfg, row, data_for, deadline, hparams_for)))
-    record_ms = next((res["ms_per_step"] for row, res in results if row["kind"] == "record"
-                      and res.get("status") == "ok"), None)
+    by_name = {row["name"]: res for row, res in results if row["kind"] != "eval"}
     out_rows = []
     for row, res in results:
         if row["kind"] == "eval":
             out_rows += eval_cells(*res)
-        else:
-            out_rows.append(training_cells(row, res, peak_info and peak_info["tflops"], record_ms))
+            continue
+        vs = by_name.get(row.get("vs") or "", {})
+        cells = training_cells(row, res, peak_info and peak_info["tflops"],
+                               vs.get("ms_per_step") if vs.get("status") == "ok" else None)
+        if row["kind"] == "record_script" and res.get("status") == "ok":
+            cells = race_cells(cfg, cells, by_name.get(row["pair"], {}), res)
+        out_rows.append(cells)
     if peak_info is None:
         out_rows.append({"row": "matmul peak", "status": peak_note})
     text = "\n".join(environment_lines(cfg, backends, peak_info) + ["", table(out_rows), "",

@@ -1,7 +1,9 @@
 """scripts/bench_gpu.sh, the one-command GPU benchmark (issue 23), tested on CPU: its tiny mode runs the same
-pipeline end to end, a hung row is cut off, the log parser and the FLOPs formula, ATTENTION_BACKEND."""
+pipeline end to end, a hung row is cut off, the log parser and the FLOPs formula, ATTENTION_BACKEND; the races of
+the presets against their records' own scripts (issue 41: scripts/bench_record.py and scripts/record_shim)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -10,14 +12,17 @@ import types
 import time
 
 import pytest
+import torch
 
 import train_gpt as tg
 from conftest import REPO, clean_environ, config_error, hide_modules
 
 sys.path.insert(0, str(REPO / "scripts"))
 import bench_gpu  # noqa: E402  (needs the path above)
+import bench_record  # noqa: E402
 
 HAVE_ANCHORS = bench_gpu.RECORD_SCRIPT.is_file()
+HAVE_FRONTIER = all(bench_record.record_script(bench_gpu.ANCHORS, r).is_file() for r in bench_gpu.RACES)
 
 
 def table_rows(text):
@@ -67,6 +72,24 @@ def test_tiny_bench_runs_every_cpu_row_and_prints_one_table(tmp_path):
              for name in ("PRESET=record_0409 loop off", "PRESET=record_0409 loop on")}
     assert flops["PRESET=record_0409 loop on"] > flops["PRESET=record_0409 loop off"]  # looped layers count
     assert rows["record 2026-03-23 (its script)"]["status"].startswith("skipped: needs CUDA")
+    # The races (issue 41): tiny mode runs one pair, ours and the record's own script from the same initial weights
+    # on the same batches; its status is ok only when the first losses agree (bench_gpu.RACE_LOSS_TOL).
+    races = [name for name in rows if name.startswith("race ")]
+    assert len(races) == 2 * 2 * (1 + 3 + 1)  # (ours, its script) x (loop off, on) x (0427, 0430's 3 phases, 0501)
+    pair = [f"{bench_gpu.TINY_RACE}: ours", f"{bench_gpu.TINY_RACE}: its script"]
+    for name in races:
+        if name not in pair:
+            assert rows[name]["status"].startswith("skipped: tiny mode runs the pair"), rows[name]
+    if HAVE_FRONTIER:
+        ours, theirs = rows[pair[0]], rows[pair[1]]
+        assert ours["status"] == "ok" and theirs["status"] == "ok", (ours, theirs)
+        assert ours["settings"] == theirs["settings"] and "TRAIN_SEQ_LEN_SCHEDULE=32@0" in ours["settings"]
+        assert number(ours["ours_vs_record"]) > 0 and number(theirs["data_wait_ms"]) >= 0
+        assert number(theirs["compile_s"]) >= 0 and number(theirs["mfu"]) > 0
+        losses = re.search(r"first losses record/ours 1: (\S+)/(\S+), 2: (\S+)/(\S+), 3: (\S+)/(\S+);",
+                           theirs["note"])
+        assert losses and losses.group(1) == losses.group(2), theirs["note"]  # step 1: the same to 4 decimals
+        assert "packed rows torch_doc_blocks" in theirs["note"]  # the shim's CPU path, as ours on CPU
     # Our log carries the warm-up (compile) time the compile_s column is made from.
     assert re.search(r"^ *[\d.]+ warmup_time: steps:1 ms:\d+ ", (tmp_path / "bench_ours_p0c0.console.txt").read_text(),
                      re.M)
@@ -215,3 +238,116 @@ def test_preset_rows_train_with_lzma_where_their_compressor_is_missing(monkeypat
     for name in ("PRESET=record_0427 loop on", "PRESET=record_0430 loop off"):
         assert rows[name]["env"].get("COMPRESSOR") == ("lzma" if missing else None), name
     assert rows["PRESET=record_0409 loop on"]["env"].get("COMPRESSOR") == ("lzma" if "brotli" in missing else None)
+
+
+# ---------------------------------------------------------------------------------------------- the races (issue 41)
+
+
+def load_shim():
+    """scripts/record_shim/flash_attn_interface.py under a name of its own (the name flash_attn_interface stays the
+    anchors' stand-in for the tests that import the records)."""
+    spec = importlib.util.spec_from_file_location("record_shim_under_test",
+                                                  REPO / "scripts" / "record_shim" / "flash_attn_interface.py")
+    shim = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = shim  # Dynamo looks a traced function's module up by name
+    spec.loader.exec_module(shim)
+    return shim
+
+
+def reference_attention(q, k, v, starts):
+    """Causal attention within each [a, b) of starts on (N, H, D), KV heads repeated for their query heads, by
+    explicit softmax in float64."""
+    q, k, v = (t.double() for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+    out = torch.zeros_like(q)
+    for a, b in zip(starts[:-1], starts[1:]):
+        s = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) / q.size(-1) ** 0.5
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        out[a:b] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v[a:b])
+    return out
+
+
+def test_the_record_shim_runs_our_attention_path_with_the_records_calls():
+    """The shim's two functions, called as the records call them, against explicit attention: flash_attn_func on
+    (B, T, H, D) with GQA; flash_attn_varlen_func on packed (N, H, D) with a cu_seqlens padded as the records pad
+    it (repeats of N: empty segments), eager (our per-document path) and inside torch.compile(fullgraph=True) (our
+    masked blocks); both return the output tensor alone; the shim uses this process's train_gpt module."""
+    shim = load_shim()
+    assert shim.tg is tg and (shim.VARLEN is None) == (tg.import_torch_varlen() is None)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 24, h, 16, generator=g) for h in (4, 2, 2))
+    y = shim.flash_attn_func(q, k, v, causal=True)
+    assert isinstance(y, torch.Tensor) and y.shape == q.shape
+    for b in range(2):
+        torch.testing.assert_close(y[b], reference_attention(q[b], k[b], v[b], [0, 24]).float(), atol=1e-5, rtol=1e-5)
+    n, starts = 40, [0, 9, 10, 27, 40]
+    q, k, v = (torch.randn(n, h, 16, generator=g) for h in (4, 2, 2))
+    cu = torch.tensor(starts + [n] * 3, dtype=torch.int32)  # padded to a bucket with the total, as the records do
+
+    def call(q, k, v, cu):
+        return shim.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=17,
+                                           max_seqlen_k=17, causal=True, window_size=(-1, -1))
+
+    want = reference_attention(q, k, v, starts).float()
+    got = call(q, k, v, cu)
+    assert isinstance(got, torch.Tensor) and got.shape == q.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="eager", fullgraph=True)(q, k, v, cu)
+    torch.testing.assert_close(compiled, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AssertionError, match="no sliding window"):
+        shim.flash_attn_varlen_func(q, k, v, cu, cu, 17, 17, causal=True, window_size=(8, 0))
+
+
+@pytest.mark.skipif(not HAVE_FRONTIER, reason="../shared/anchors/frontier (the records' scripts) is not here")
+def test_record_env_is_the_logged_run_with_the_rows_settings_in_the_records_names():
+    logged = bench_record.logged_env(bench_gpu.ANCHORS, "record_0501")
+    assert logged["SMEAR_GATE_BOS_FIX"] == "0" and logged["ASYM_LOGIT_RESCALE"] == "1"  # header; dump (True -> 1)
+    assert logged["MATRIX_LR"] == "0.028" and logged["NUM_LOOPS"] == "2"
+    assert not {"WORLD_SIZE", "GRAD_ACCUM_STEPS", "SEED", "QK_GAIN_SCHEDULE"} & set(logged)  # run-local, a list
+    assert bench_record.logged_env(bench_gpu.ANCHORS, "record_0430")["ASYM_LOGIT_RESCALE"] == "1"  # its launch
+    ours = {"PRESET": "record_0430", "PARALLEL_RESIDUAL_START": "2", "TRAIN_SEQ_LEN_SCHEDULE": "16@0,32@0.1,64@0.7",
+            "NUM_LOOPS": "0", "VAL_BATCH_SIZE": "4096", "TRAIN_LOG_EVERY": "4", "ATTENTION_BACKEND": "sdpa",
+            "SEED": "1337"}
+    env = bench_record.record_env(bench_gpu.ANCHORS, "record_0430", ours, tiny=True)
+    assert (env["PARALLEL_START_LAYER"], env["VAL_BATCH_TOKENS"], env["NUM_LOOPS"], env["SEED"]) == ("2", "4096", "0",
+                                                                                                     "1337")
+    # ours: L from fraction p on; the record's: L until fraction p; its TRAIN_SEQ_LEN is the schedule's longest
+    assert (env["TRAIN_SEQ_SCHEDULE"], env["TRAIN_SEQ_LEN"]) == ("16@0.1,32@0.7,64@1", "64")
+    assert (env["TRAIN_LOG_EVERY"], env["VAL_LOSS_EVERY"], env["CASEOPS_ENABLED"]) == ("1", "0", "0")
+    assert (env["FUSED_CE_ENABLED"], env["TORCHDYNAMO_DISABLE"], env["CUDA_VISIBLE_DEVICES"]) == ("0", "1", "")
+    assert not {"PRESET", "ATTENTION_BACKEND", "PARALLEL_RESIDUAL_START"} & set(env)
+    full = bench_record.record_env(bench_gpu.ANCHORS, "record_0427", {}, tiny=False)  # on CUDA: as the record ran
+    assert full["FUSED_CE_ENABLED"] == "1" and not {"TORCHDYNAMO_DISABLE", "CUDA_VISIBLE_DEVICES"} & set(full)
+    with pytest.raises(ValueError, match="no mapping to the record's settings for QK_GAIN_INIT"):
+        bench_record.record_env(bench_gpu.ANCHORS, "record_0427", {"QK_GAIN_INIT": "5"}, tiny=True)
+
+
+def test_race_rows_pair_each_setting_with_the_records_script_on_the_same_kernels():
+    """On CUDA: every race has our row (ATTENTION_BACKEND=torch_varlen, or the masked sdpa where varlen_attn is
+    missing) and the record's with the same settings; record_0430 one pair per context phase; each of our rows is
+    compared (ours_vs_record) with its record's, and a record row's first losses are set beside its pair's."""
+    cuda = {**bench_gpu.bench_config({"BENCH_TINY": "1"}), "tiny": False, "preset_layers": {}}
+    for varlen in (True, False):
+        plan = {**bench_gpu.backend_plan(True), "torch_varlen": varlen}
+        rows = {r["name"]: r for r in bench_gpu.race_rows(cuda, tg.PRESETS, plan)}
+        assert len(rows) == 20
+        for name, row in rows.items():
+            other = rows[row.get("vs") or row.get("pair")]
+            assert other["env"] == row["env"] and row["env"]["ATTENTION_BACKEND"] == ("torch_varlen" if varlen
+                                                                                     else "sdpa")
+            assert row["kind"] == ("ours" if name.endswith(": ours") else "record_script")
+            assert "AUTOCAST_DTYPE" not in row["env"]  # bf16 autocast on CUDA, as the records
+        phases = [r["env"].get("TRAIN_SEQ_LEN_SCHEDULE") for n, r in rows.items() if "record_0430" in n]
+        assert sorted(set(phases)) == ["1024@0", "2048@0", "3072@0"]
+        assert rows["race record_0501 loop on: ours"]["env"]["ENABLE_LOOPING_AT"] == "0"
+        assert rows["race record_0427 loop off: its script"]["env"]["NUM_LOOPS"] == "0"
+    ours = {"status": "ok", "losses": {1: 9.0118, 2: 9.4110, 3: 9.1976}}
+    record = {"status": "ok", "losses": {1: 9.0118, 2: 9.4113, 3: 9.1966}}
+    tiny = {"tiny": True}
+    assert bench_gpu.race_cells(tiny, {"status": "ok", "note": "x"}, ours, record) == {
+        "status": "ok", "note": "first losses record/ours 1: 9.0118/9.0118, 2: 9.4113/9.4110, 3: 9.1966/9.1976; x"}
+    record["losses"][1] = 9.0125  # the first step differs: not the same weights, batch or math
+    assert bench_gpu.race_cells(tiny, {"status": "ok", "note": ""}, ours, record)["status"].startswith(
+        "losses differ from ours' at steps [1]")
+    assert bench_gpu.race_cells({"tiny": False}, {"status": "ok", "note": ""}, ours, record)["status"] == "ok"
