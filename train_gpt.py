@@ -162,6 +162,23 @@ def parse_chunk_steps(raw):
     return sorted(steps)
 
 
+def replay_step_ms(text):
+    """TRAIN_CLOCK (issue 40): `wall` (None: every time-based decision of training reads the real elapsed time) or
+    `ms:X` (X, the milliseconds each step counts for: the warmdown, the loop switch, context phases, late QAT, SWA and
+    the stop at the cap then act at the same steps on any machine and any number of ranks)."""
+    if text == "wall":
+        return None
+    kind, _, value = text.partition(":")
+    try:
+        ms = float(value) if kind == "ms" else math.nan
+    except ValueError:
+        ms = math.nan
+    if not (math.isfinite(ms) and ms > 0):
+        raise ConfigError(f"TRAIN_CLOCK={text!r} must be wall or ms:X (X > 0, the milliseconds each training step "
+                          "counts for)")
+    return ms
+
+
 class Hyperparameters:
     """Every setting of a run. Reads the environment when constructed and validates it, before any work.
 
@@ -204,6 +221,8 @@ class Hyperparameters:
         self.train_seq_len = self._env("TRAIN_SEQ_LEN", 2048)
         self.eval_seq_len = self._env("EVAL_SEQ_LEN", 2048)
         self.max_wallclock_seconds = self._env("MAX_WALLCLOCK_SECONDS", 600.0, float)
+        self.train_clock = self._env("TRAIN_CLOCK", "wall", str)
+        self.replay_step_ms = replay_step_ms(self.train_clock)
         self.val_batch_size = self._env("VAL_BATCH_SIZE", 524288)
         self.val_loss_every = self._env("VAL_LOSS_EVERY", 4000)
         self.train_log_every = self._env("TRAIN_LOG_EVERY", 500)
@@ -2910,6 +2929,12 @@ def log_environment(rt):
     rt.log("=" * 100, console=False)
 
 
+def clock_ms(h, step, wall_ms):
+    """The elapsed training time the schedule reads after `step` steps: the real one (TRAIN_CLOCK=wall), or the
+    replayed one, step x TRAIN_CLOCK's ms (issue 40)."""
+    return wall_ms if h.replay_step_ms is None else step * h.replay_step_ms
+
+
 def training_fraction(h, step, elapsed_ms):
     """How far training is: elapsed / the loop's cap (net of the GPTQ reserve), or step / ITERATIONS without a cap."""
     if h.max_wallclock_ms is None:
@@ -3829,6 +3854,9 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
     elapsed_ms, loop_due = 0.0, False  # agreed by all ranks after each step
     qat_on = h.qat_enabled
     phases, phase, switch_step = h.seq_len_phases, 0, None  # progressive context (TRAIN_SEQ_LEN_SCHEDULE)
+    if h.replay_step_ms is not None:
+        rt.log(f"train_clock:ms:{h.replay_step_ms:g} (every time-based decision reads step x {h.replay_step_ms:g} ms; "
+               "train_time is the real time)")
     if phases:
         rt.log(f"seq_len_schedule:{phases} rewarmup_steps:{h.seq_len_rewarmup_steps} seq_len:{phases[0][0]} step:0")
     ckpt = Checkpointer(rt) if h.checkpoint_every > 0 else None
@@ -3864,7 +3892,8 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
             t0 = time.perf_counter()
         if last:
             if stop_after is not None and step < h.iterations:
-                rt.log(f"stopping_early: wallclock_cap train_time:{train_ms:.0f}ms step:{step}/{h.iterations}")
+                rt.log(f"stopping_early: wallclock_cap train_time:{train_ms:.0f}ms step:{step}/{h.iterations}"
+                       + ("" if h.replay_step_ms is None else f" replayed_time:{clock_ms(h, step, train_ms):.0f}ms"))
             break
         if loop_due and not model.looping:
             model.looping = True
@@ -3896,7 +3925,8 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
         if h.train_log_every > 0 and (step <= 10 or step % h.train_log_every == 0 or stop_after is not None):
             rt.log(f"step:{step}/{h.iterations} train_loss:{train_loss.item():.4f} "
                    f"train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms "
-                   f"data_wait_ms:{wait_since_log / steps_since_log:.2f}")
+                   f"data_wait_ms:{wait_since_log / steps_since_log:.2f}"
+                   + ("" if h.replay_step_ms is None else f" replayed_time:{clock_ms(h, step, approx_ms):.0f}ms"))
             wait_since_log, steps_since_log = 0.0, 0
         if timer is not None:
             timer.steps += 1
@@ -3905,7 +3935,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
         # One all-reduce (max over ranks): a non-finite loss on any rank stops the run, and the slowest clock is
         # everyone's elapsed time, so the cap, the LR schedule and the loop switch act at one step on all ranks.
         flags = torch.stack(((~torch.isfinite(train_loss.detach())).double(),
-                             torch.tensor(approx_ms, dtype=torch.float64, device=rt.device),
+                             torch.tensor(clock_ms(h, step, approx_ms), dtype=torch.float64, device=rt.device),
                              *(() if ckpt is None else (ckpt.pending_flag(),))))  # an asynchronous write's progress
         diverged, elapsed_ms, *writing = rt.all_reduce(flags, op=dist.ReduceOp.MAX).tolist()
         if diverged:

@@ -139,8 +139,9 @@ def check_log(log: rl.RunLog, folder_evals: set[str], track: str, code_size: int
         problems.append((p, f"log says seed:{log.seed} but the file name says seed {file_seed}"))
     problems += check_size(log)
     if track == "10min":
-        if note := rl.resumed_note(log):
-            problems.append((p, note))
+        for note in (rl.resumed_note(log), rl.replayed_note(log)):
+            if note:
+                problems.append((p, note))
         problems += check_hardware(log)
         problems += check_times(log)
     if code_size is not None and log.code_bytes is not None and log.code_bytes != code_size:

@@ -264,14 +264,15 @@ def readme_with_results(text: str | None, path: Path, title: str, blurb: str, bl
 
 
 def warn_incomplete(logs: list[rl.RunLog]) -> None:
-    """Incomplete or resumed logs may still be scorable; say so, check_record will fail them (a resumed one on the
-    10-minute track)."""
+    """Incomplete, resumed or replayed logs may still be scorable; say so, check_record will fail them (a resumed or
+    replayed one on the 10-minute track)."""
     for log in logs:
         missing = rl.missing_final_lines(log)
         if missing:
             print(f"warning: {log.path}: missing {', '.join(missing)}", file=sys.stderr)
-        if note := rl.resumed_note(log):
-            print(f"warning: {log.path}: {note}", file=sys.stderr)
+        for note in (rl.resumed_note(log), rl.replayed_note(log)):
+            if note:
+                print(f"warning: {log.path}: {note}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

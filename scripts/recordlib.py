@@ -85,6 +85,8 @@ RX_STRIDE_FLAG = _rx(r"eval_stride:(\d+)")
 RX_DEVICE = _rx(r"device:(\S+) world_size:(\d+)")
 # A run resumed from a checkpoint (RESUME) appends to its log: one more header and once-per-run lines per resume.
 RX_RESUMED = _rx(r"resumed_from:(\S+) step:(\d+)")
+# A run on a replay clock (TRAIN_CLOCK other than wall) says so once, before its first step.
+RX_REPLAYED = _rx(r"train_clock:(\S+)")
 # The run header: train_gpt.py logs a separator line, then the interpreter's
 # version (the source's template has "{sys.version}", never a digit).
 RUN_SEPARATOR = "=" * 100
@@ -155,6 +157,7 @@ class RunLog:
     step_backwards: tuple[int, int] | None = None
     truncated: bool = False
     resumes: list[tuple[str, int]] = field(default_factory=list)  # (checkpoint, step) of each resumed_from line
+    train_clock: str | None = None  # a replay clock's train_clock line (TRAIN_CLOCK=ms:X), None on the wall clock
 
     @property
     def train_steps(self) -> list[Step]:
@@ -214,6 +217,8 @@ def _parse_line(log: RunLog, line: str) -> None:
         _count_once(log, "device")
     elif m := RX_RESUMED.match(line):
         log.resumes.append((m.group(1), int(m.group(2))))
+    elif m := RX_REPLAYED.match(line):
+        log.train_clock = m.group(1)
     elif RX_STOP_EARLY.match(line):
         log.stopped_early = True
     elif m := RX_PEAK_MEM.match(line):
@@ -341,6 +346,15 @@ def resumed_note(log: RunLog) -> str | None:
     more = f" ({len(log.resumes)} resumes)" if len(log.resumes) > 1 else ""
     return (f"resumed from a checkpoint (resumed_from:{where} step:{step}){more}: the 10-minute track measures one "
             "uninterrupted run, so this log is not a valid 10-minute-track record run")
+
+
+def replayed_note(log: RunLog) -> str | None:
+    """One line for a log trained on a replay clock (TRAIN_CLOCK), or None: its schedule followed replayed time, so
+    it reproduces a run rather than being a 600 s one."""
+    if log.train_clock is None:
+        return None
+    return (f"trained on a replay clock (train_clock:{log.train_clock}): a reproduction, not a run timed by the wall "
+            "clock, so this log is not a valid 10-minute-track record run")
 
 
 def enabled_evals(log: RunLog) -> set[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -469,3 +470,72 @@ def test_compare_script_refuses_an_unknown_variant_in_one_line():
                                    "loops parallel skip_gates no_extras qk525 muon_eq_r polar_express warmdown_frac "
                                    "min_lr embed_wd preset_1024 default_8192 preset_8192 default_caseops preset_0427 "
                                    "preset_0430)")
+
+
+REPLAY_WRAPPER = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import torch
+import train_gpt as tg
+
+class FastClock:
+    '''perf_counter running `rate` times as fast as the real one: a machine `rate` times slower, as the run sees it.'''
+    def __init__(self, rate):
+        self.rate, self.start = rate, time.perf_counter()
+    def __getattr__(self, name):
+        return getattr(time, name)
+    def perf_counter(self):
+        return self.start + (time.perf_counter() - self.start) * self.rate
+
+tg.time = FastClock(float(sys.argv.pop(1)))  # main() takes no arguments
+train = tg.train
+
+def train_and_save(rt, model, *args):
+    out = train(rt, model, *args)
+    torch.save(model.state_dict(), "weights.pt")
+    return out
+
+tg.train = train_and_save
+tg.main()
+"""
+
+
+def test_a_replay_clock_makes_the_same_steps_on_a_machine_five_times_slower(tmp_path, sample_data):
+    """TRAIN_CLOCK=ms:50 with a 0.3 s cap (issue 40): the cap, the warmdown (WARMDOWN_FRAC) and the loop switch read
+    step x 50 ms, so the run stops after step 6 and loops from step 3 (0.5 of the cap), as the formula says, and a
+    run whose clock runs 5 times as fast (a slower machine, as the script sees it) logs the same steps, losses and
+    switch and ends with the same weights; the real time is still logged (train_time) beside the replayed one."""
+    data = short_val_data(sample_data, tmp_path, 2 * 128 + 1)
+    wrapper = tmp_path / "replay_run.py"
+    wrapper.write_text(REPLAY_WRAPPER.format(repo=str(REPO)))
+    env = {**clean_environ(), **TINY_ENV, **data, "OMP_NUM_THREADS": "1", "ITERATIONS": "100000",
+           "MAX_WALLCLOCK_SECONDS": "0.3", "TRAIN_CLOCK": "ms:50", "WARMDOWN_ITERS": "0", "WARMDOWN_FRAC": "0.5",
+           "NUM_LOOPS": "1", "LOOP_START": "1", "LOOP_END": "2", "ENABLE_LOOPING_AT": "0.5", "TTT_ENABLED": "0",
+           "EVAL_STRIDE": "0", "WARMUP_STEPS": "0", "RUN_ID": "replay"}
+    runs = {}
+    for rate in ("1", "5"):
+        cwd = tmp_path / f"rate{rate}"
+        cwd.mkdir()
+        proc = launcher.run([wrapper, rate], env, cwd, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        log = read_log(cwd, "replay")
+        assert "train_clock:ms:50 (every time-based decision reads step x 50 ms" in log
+        assert re.search(r"^stopping_early: wallclock_cap train_time:\d+ms step:6/100000 replayed_time:300ms$", log,
+                         re.M), log[-2000:]
+        assert re.search(r"^layer_loop:enabled step:3 frac:0\.5000 ", log, re.M), log[-2000:]
+        steps = re.findall(r"^step:(\d+)/100000 train_loss:(\S+) train_time:\d+ms .* replayed_time:(\d+)ms$", log, re.M)
+        assert [(int(s), int(r)) for s, _, r in steps] == [(s, 50 * s) for s in range(1, 7)]
+        runs[rate] = ([loss for _, loss, _ in steps], torch.load(cwd / "weights.pt"))
+    assert runs["1"][0] == runs["5"][0]
+    assert all(torch.equal(runs["1"][1][k], runs["5"][1][k]) for k in runs["1"][1])
+    # the record tools: a replayed run is a reproduction, never a 10-minute-track record
+    sys.path.insert(0, str(REPO / "scripts"))
+    import check_record
+    import recordlib as rl
+    log = rl.parse_log_text(read_log(tmp_path / "rate1", "replay"), tmp_path / "train_seed1337.log")
+    note = rl.replayed_note(log)
+    assert note.startswith("trained on a replay clock (train_clock:ms:50): a reproduction") and "\n" not in note
+    assert (log.path, note) in check_record.check_log(log, set(), "10min", None)
+    assert all(note != msg for _, msg in check_record.check_log(log, set(), "non-record", None))
+    assert "TRAIN_CLOCK='ms:-1' must be wall or ms:X" in config_error({"TRAIN_CLOCK": "ms:-1"})
+    assert "TRAIN_CLOCK='record' must be wall or ms:X" in config_error({"TRAIN_CLOCK": "record"})
