@@ -152,7 +152,8 @@ x = torch.tensor([float(rank + 1)])
 dist.all_reduce(x)
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
          "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS")
-print(f"rank:{rank} sum:{x.item()} " + " ".join(f"{n}={os.environ.get(n)}" for n in names), flush=True)
+line = f"rank:{rank} sum:{x.item()} " + " ".join(f"{n}={os.environ.get(n)}" for n in names)
+os.write(1, (line + "\n").encode())  # one write: torchrun's ranks share a pipe, and print's newline is a write of its own
 dist.destroy_process_group()
 if os.environ.get("FAIL_RANK") == str(rank):
     sys.exit(7)
