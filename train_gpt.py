@@ -3920,13 +3920,14 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
         wait_total, wait_max = wait_total + wait, max(wait_max, wait)
         wait_since_log, steps_since_log = wait_since_log + wait, steps_since_log + 1
         approx_ms = train_ms + 1000.0 * (time.perf_counter() - t0)
+        schedule_ms = clock_ms(h, step, approx_ms)  # what the schedule reads: approx_ms, or the replayed time
         if _PREFLIGHT[0] is not None:
             _PREFLIGHT[0].training_step(model.looping, phases[phase][0] if phases else h.train_seq_len, qat_on, approx_ms)
         if h.train_log_every > 0 and (step <= 10 or step % h.train_log_every == 0 or stop_after is not None):
             rt.log(f"step:{step}/{h.iterations} train_loss:{train_loss.item():.4f} "
                    f"train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms "
                    f"data_wait_ms:{wait_since_log / steps_since_log:.2f}"
-                   + ("" if h.replay_step_ms is None else f" replayed_time:{clock_ms(h, step, approx_ms):.0f}ms"))
+                   + ("" if h.replay_step_ms is None else f" replayed_time:{schedule_ms:.0f}ms"))
             wait_since_log, steps_since_log = 0.0, 0
         if timer is not None:
             timer.steps += 1
@@ -3935,7 +3936,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
         # One all-reduce (max over ranks): a non-finite loss on any rank stops the run, and the slowest clock is
         # everyone's elapsed time, so the cap, the LR schedule and the loop switch act at one step on all ranks.
         flags = torch.stack(((~torch.isfinite(train_loss.detach())).double(),
-                             torch.tensor(clock_ms(h, step, approx_ms), dtype=torch.float64, device=rt.device),
+                             torch.tensor(schedule_ms, dtype=torch.float64, device=rt.device),
                              *(() if ckpt is None else (ckpt.pending_flag(),))))  # an asynchronous write's progress
         diverged, elapsed_ms, *writing = rt.all_reduce(flags, op=dist.ReduceOp.MAX).tolist()
         if diverged:

@@ -356,7 +356,10 @@ class _Run:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            _kill_group(self.pid, sig) if sig == signal.SIGKILL else os.kill(self.pid, sig)
+            if sig == signal.SIGKILL:
+                _kill_group(self.pid, sig)
+            else:
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -524,7 +527,8 @@ def run_ranks(argv: list, env: dict[str, str], cwd: Path, nproc: int, timeout: f
     except subprocess.TimeoutExpired:
         for c in children:
             c.kill()
-        outs = [(c.wait(), c.output())[1] for c in children]
+            c.wait()
+        outs = [c.output() for c in children]
         raise subprocess.TimeoutExpired(children[0].args, timeout, "".join(o for o, _ in outs),
                                         "".join(e for _, e in outs)) from None
     outs = [c.output() for c in children]

@@ -376,7 +376,7 @@ import torch
 import train_gpt as tg
 
 class SkewedClock:
-    '''Rank r's perf_counter runs (1 + r) times as fast as the real one.'''
+    '''perf_counter running `rate` times as fast as the real one (a machine `rate` times slower, as the run sees it).'''
     def __init__(self, rate):
         self.rate, self.start = rate, time.perf_counter()
     def __getattr__(self, name):
@@ -384,8 +384,9 @@ class SkewedClock:
     def perf_counter(self):
         return self.start + (time.perf_counter() - self.start) * self.rate
 
-rank = int(os.environ["RANK"])
-tg.time = SkewedClock(1.0 + rank)
+rank = int(os.environ.get("RANK", "0"))
+# the rate: the script's argument, else 1 + rank (rank r's clock runs (1 + r) times as fast); main() takes no arguments
+tg.time = SkewedClock(float(sys.argv.pop(1)) if len(sys.argv) > 1 else 1.0 + rank)
 train = tg.train
 
 def train_and_save(rt, model, *args):
@@ -472,42 +473,14 @@ def test_compare_script_refuses_an_unknown_variant_in_one_line():
                                    "preset_0430)")
 
 
-REPLAY_WRAPPER = """
-import sys, time
-sys.path.insert(0, {repo!r})
-import torch
-import train_gpt as tg
-
-class FastClock:
-    '''perf_counter running `rate` times as fast as the real one: a machine `rate` times slower, as the run sees it.'''
-    def __init__(self, rate):
-        self.rate, self.start = rate, time.perf_counter()
-    def __getattr__(self, name):
-        return getattr(time, name)
-    def perf_counter(self):
-        return self.start + (time.perf_counter() - self.start) * self.rate
-
-tg.time = FastClock(float(sys.argv.pop(1)))  # main() takes no arguments
-train = tg.train
-
-def train_and_save(rt, model, *args):
-    out = train(rt, model, *args)
-    torch.save(model.state_dict(), "weights.pt")
-    return out
-
-tg.train = train_and_save
-tg.main()
-"""
-
-
 def test_a_replay_clock_makes_the_same_steps_on_a_machine_five_times_slower(tmp_path, sample_data):
     """TRAIN_CLOCK=ms:50 with a 0.3 s cap (issue 40): the cap, the warmdown (WARMDOWN_FRAC) and the loop switch read
     step x 50 ms, so the run stops after step 6 and loops from step 3 (0.5 of the cap), as the formula says, and a
     run whose clock runs 5 times as fast (a slower machine, as the script sees it) logs the same steps, losses and
     switch and ends with the same weights; the real time is still logged (train_time) beside the replayed one."""
     data = short_val_data(sample_data, tmp_path, 2 * 128 + 1)
-    wrapper = tmp_path / "replay_run.py"
-    wrapper.write_text(REPLAY_WRAPPER.format(repo=str(REPO)))
+    wrapper = tmp_path / "clock_run.py"
+    wrapper.write_text(CLOCK_WRAPPER.format(repo=str(REPO)))  # its clock at the rate given as its argument
     env = {**clean_environ(), **TINY_ENV, **data, "OMP_NUM_THREADS": "1", "ITERATIONS": "100000",
            "MAX_WALLCLOCK_SECONDS": "0.3", "TRAIN_CLOCK": "ms:50", "WARMDOWN_ITERS": "0", "WARMDOWN_FRAC": "0.5",
            "NUM_LOOPS": "1", "LOOP_START": "1", "LOOP_END": "2", "ENABLE_LOOPING_AT": "0.5", "TTT_ENABLED": "0",
@@ -525,7 +498,7 @@ def test_a_replay_clock_makes_the_same_steps_on_a_machine_five_times_slower(tmp_
         assert re.search(r"^layer_loop:enabled step:3 frac:0\.5000 ", log, re.M), log[-2000:]
         steps = re.findall(r"^step:(\d+)/100000 train_loss:(\S+) train_time:\d+ms .* replayed_time:(\d+)ms$", log, re.M)
         assert [(int(s), int(r)) for s, _, r in steps] == [(s, 50 * s) for s in range(1, 7)]
-        runs[rate] = ([loss for _, loss, _ in steps], torch.load(cwd / "weights.pt"))
+        runs[rate] = ([loss for _, loss, _ in steps], torch.load(cwd / "rank0.pt"))
     assert runs["1"][0] == runs["5"][0]
     assert all(torch.equal(runs["1"][1][k], runs["5"][1][k]) for k in runs["1"][1])
     # the record tools: a replayed run is a reproduction, never a 10-minute-track record
