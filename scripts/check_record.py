@@ -53,6 +53,16 @@ When nothing fails:
   decides the verdict and the exit status; the README's rule, when
   --sota-bpb is also given, is printed as information. Every verdict line
   ends with the rule it applied, in square brackets.
+- replay runs (issue 40: a "train_clock:" line, from TRAIN_CLOCK and/or
+  REPLAY_WORLD_SIZE) reproduce a run: each such log is refused on the
+  10-minute track, and a folder mixing replayed and wall-clock logs is one
+  FAIL line. Elsewhere, with --against ROW, a folder of replayed logs is
+  checked as a reproduction of ROW: a two-sided Welch t-test of the seeds'
+  scores against the row's (recordlib.welch_two_sided) prints "REPRODUCES:"
+  (p >= 0.05, exit 0) or "DOES NOT REPRODUCE:" (p < 0.05, exit 1), or one
+  "NOT CHECKED:" line saying what the test lacks (exit 1); then, for
+  information, the step each seed stopped at against the row's logs'.
+  Without --against it is checked as any non-record folder.
 """
 from __future__ import annotations
 
@@ -109,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ROW",
         help="the previous leaderboard row's per-seed val_bpb: a record folder (its submission.json's per-seed"
         " scores, else its logs), a submission.json, or comma-separated numbers; applies the leaderboard's rule"
-        f" (one-sided Welch p < {rl.WELCH_ALPHA}, PR #1902) instead of the README's",
+        f" (one-sided Welch p < {rl.WELCH_ALPHA}, PR #1902) instead of the README's; for a folder of replay runs,"
+        f" the reproduction check (two-sided Welch p < {rl.REPRODUCTION_ALPHA} means it does not reproduce ROW)",
     )
     return p
 
@@ -460,6 +471,7 @@ def find_problems(folder: Path, track: str) -> tuple[list[rl.RunLog], list[Probl
     folder_evals = set().union(*(rl.enabled_evals(log) for log in logs)) if logs else set()
     for log in logs:
         problems += check_log(log, folder_evals, track, code_size)
+    problems += check_replay_mix(folder, logs)
     if logs:
         usable = not any(rl.integrity_problems(log) for log in logs)
         problems += check_submission(folder / "submission.json", logs, usable)
@@ -468,6 +480,16 @@ def find_problems(folder: Path, track: str) -> tuple[list[rl.RunLog], list[Probl
     if not (folder / "README.md").is_file():
         problems.append((folder / "README.md", "file is missing"))
     return logs, problems
+
+
+def check_replay_mix(folder: Path, logs: list[rl.RunLog]) -> list[Problem]:
+    """One problem when some logs are replay runs and others are not: a folder is a reproduction or a run."""
+    replayed = [log.path.name for log in logs if log.replayed]
+    plain = [log.path.name for log in logs if not log.replayed]
+    if not replayed or not plain:
+        return []
+    return [(folder, f"mixes replay runs ({', '.join(replayed)}: a train_clock line) with runs on the wall clock"
+                     f" ({', '.join(plain)}); the seeds of a folder are all a reproduction or all a run")]
 
 
 def summary(folder: Path, track: str, logs: list[rl.RunLog], metric: str) -> str:
@@ -510,11 +532,52 @@ def welch_verdict(logs: list[rl.RunLog], metric: str, row: str) -> tuple[bool, s
     return False, f"NOT A RECORD: {head} is not lower at p < {w.alpha} {stats} [{rl.WELCH_RULE}]"
 
 
+def reproduction_verdict(logs: list[rl.RunLog], metric: str, row: str) -> tuple[bool, str]:
+    """(reproduces, one line) from the two-sided Welch t-test of a reproduction's seeds against the row's."""
+    w = rl.welch_two_sided([log.score(metric).val_bpb for log in logs], rl.row_scores(row))
+    head = (f"mean {w.mean:.8f} over {w.n} seed(s) vs the row's {w.row_mean:.8f} over {w.row_n} seed(s) ({row}),"
+            f" difference {w.difference:+.8f}")
+    if w.missing is not None:
+        return False, f"NOT CHECKED: whether it reproduces the row: {head}: {w.missing} [{rl.REPRODUCTION_RULE}]"
+    stats = f"t={w.t:.4g}, df={w.df:.4g}, two-sided p={w.p:.4g}"
+    if w.reproduces:
+        return True, f"REPRODUCES: {head} ({stats} >= {w.alpha}) [{rl.REPRODUCTION_RULE}]"
+    return False, f"DOES NOT REPRODUCE: {head} ({stats} < {w.alpha}) [{rl.REPRODUCTION_RULE}]"
+
+
+def stop_step_lines(logs: list[rl.RunLog], row: str) -> list[str]:
+    """For information: the step each reproduction stopped at against the row's logs' (none when ROW has no logs);
+    a faithful replay stops at the record's step."""
+    row_steps = rl.row_stop_steps(row)
+    if not row_steps:
+        return []
+    lines = []
+    for log in logs:
+        step = log.final_step
+        stopped = "told no step" if step is None else f"stopped at step {step}"
+        same_seed = [s for seed, s in row_steps if seed == log.seed]
+        if same_seed and step is not None:
+            gap = step - same_seed[0]
+            how = "the same step" if gap == 0 else f"{abs(gap)} step(s) {'later' if gap > 0 else 'earlier'}"
+            lines.append(f"INFO: seed {log.seed} {stopped} (the row's seed {log.seed}: {same_seed[0]}, {how})")
+        else:
+            listed = ", ".join(f"{s} (seed {seed})" for seed, s in row_steps)
+            lines.append(f"INFO: seed {log.seed} {stopped} (the row's logs: {listed})")
+    return lines
+
+
 def verdict_lines(folder: Path, track: str, logs: list[rl.RunLog], sota_bpb: float | None,
                   against: str | None = None) -> tuple[int, list[str]]:
     """Exit status and output for a folder with no problems (see the module docstring)."""
     metric = submission_metric(rl.load_submission(folder / "submission.json"), logs)
     about = summary(folder, track, logs, metric)
+    if track != "10min" and against is not None and logs and all(log.replayed for log in logs):
+        reproduces, line = reproduction_verdict(logs, metric, against)
+        lines = [f"OK: {about}" if reproduces else f"WELL-FORMED: {about}", line]
+        lines += stop_step_lines(logs, against)
+        if sota_bpb is not None:
+            lines.append("INFO (non-record track, not required): " + sota_verdict(logs, metric, sota_bpb)[1])
+        return (0 if reproduces else 1), lines
     if track != "10min":
         lines = [f"OK: {about}"]
         if against is not None:

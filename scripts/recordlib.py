@@ -39,6 +39,10 @@ SIGNIFICANCE_ALPHA = 0.01
 WELCH_ALPHA = 0.25
 README_RULE = f"README rule: beat --sota-bpb by >= {SOTA_MARGIN_NATS} nats at p < {SIGNIFICANCE_ALPHA}"
 WELCH_RULE = f"leaderboard rule (PR #1902): one-sided Welch t-test against the row's seeds at p < {WELCH_ALPHA}"
+# A replay run (issue 40) reproduces a row when its seeds' mean is not told apart from the row's by a two-sided Welch
+# t-test at p < 0.05, the usual level for "these two means differ".
+REPRODUCTION_ALPHA = 0.05
+REPRODUCTION_RULE = f"reproduction rule: two-sided Welch t-test at p < {REPRODUCTION_ALPHA}"
 
 REQUIRED_SUBMISSION_KEYS = ("name", "val_bpb", "bytes_total", "blurb", "author", "github_id", "date")
 
@@ -72,7 +76,8 @@ def _rx(body: str) -> re.Pattern[str]:
 RX_SEED = _rx(r"seed:(\d+)")
 RX_TRAIN_STEP = _rx(rf"step:(\d+)/(\d+) train_loss:{_NUM} train_time:{_NUM}ms step_avg:{_NUM}ms")
 RX_VAL_STEP = _rx(rf"step:(\d+)/(\d+) val_loss:{_NUM} val_bpb:{_NUM} train_time:{_NUM}ms step_avg:{_NUM}ms")
-RX_STOP_EARLY = _rx(rf"stopping_early: wallclock_cap train_time:{_NUM}ms step:(\d+)/(\d+)")
+# The records' own logs put a space after the colons (``train_time: 599672ms step: 5001/20000``).
+RX_STOP_EARLY = _rx(rf"stopping_early: wallclock_cap train_time: ?{_NUM}ms step: ?(\d+)/(\d+)")
 RX_PEAK_MEM = _rx(r"peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
 RX_POST_EMA = _rx(rf"DIAGNOSTIC post_ema val_loss:{_NUM} val_bpb:{_NUM} eval_time:{_NUM}ms")
 RX_MODEL_BYTES = _rx(r"Serialized model: (\d+) bytes")
@@ -85,8 +90,13 @@ RX_STRIDE_FLAG = _rx(r"eval_stride:(\d+)")
 RX_DEVICE = _rx(r"device:(\S+) world_size:(\d+)")
 # A run resumed from a checkpoint (RESUME) appends to its log: one more header and once-per-run lines per resume.
 RX_RESUMED = _rx(r"resumed_from:(\S+) step:(\d+)")
-# A run on a replay clock (TRAIN_CLOCK other than wall) says so once, before its first step.
-RX_REPLAYED = _rx(r"train_clock:(\S+)")
+# A replay run (issue 40: a replayed TRAIN_CLOCK and/or REPLAY_WORLD_SIZE virtual ranks) says so once, before its
+# first step: the clock's text (ms:X, wall, record(...), log(PATH); it may hold spaces and parentheses), the replayed
+# and the real world sizes, the micro-batches per rank, then maybe a note in parentheses. The clock is matched
+# greedily, so it ends at the line's last "replay_world_size:" field (a path may hold that text; the note does not).
+RX_REPLAYED = _rx(r"train_clock:(.+) replay_world_size:(\d+) world_size:(\d+) grad_accum:(\d+)")
+# The first form, TRAIN_CLOCK=ms:X alone: ``train_clock:ms:50 (every time-based decision reads step x 50 ms; ...)``.
+RX_REPLAYED_SHORT = _rx(rf"train_clock:(ms:{_NUM})")
 # The run header: train_gpt.py logs a separator line, then the interpreter's
 # version (the source's template has "{sys.version}", never a digit).
 RUN_SEPARATOR = "=" * 100
@@ -157,7 +167,15 @@ class RunLog:
     step_backwards: tuple[int, int] | None = None
     truncated: bool = False
     resumes: list[tuple[str, int]] = field(default_factory=list)  # (checkpoint, step) of each resumed_from line
-    train_clock: str | None = None  # a replay clock's train_clock line (TRAIN_CLOCK=ms:X), None on the wall clock
+    # A replay run's train_clock line (None for a run that is no replay): the clock's whole text (``ms:50``, ``wall``,
+    # ``record(record_0427 seed 42)``, ``log(/a path/run.txt)``), the ranks it replays, the real ranks (its
+    # world_size field; ``world_size`` above is the device line's) and the micro-batches per rank; the three ints are
+    # None in the first form of the line, which names the clock only.
+    train_clock: str | None = None
+    replay_world_size: int | None = None
+    real_world_size: int | None = None
+    grad_accum: int | None = None
+    stop_step: int | None = None  # the step of the stopping_early line (the records' own logs' form too)
 
     @property
     def train_steps(self) -> list[Step]:
@@ -170,6 +188,18 @@ class RunLog:
     @property
     def last_step(self) -> Step | None:
         return self.steps[-1] if self.steps else None
+
+    @property
+    def replayed(self) -> bool:
+        """Whether the log is a replay run's (it has a train_clock line), whatever its clock."""
+        return self.train_clock is not None
+
+    @property
+    def final_step(self) -> int | None:
+        """The step training stopped at: the stopping_early line's, else the last step line's, else None."""
+        if self.stop_step is not None:
+            return self.stop_step
+        return self.last_step.step if self.steps else None
 
     @property
     def train_time_ms(self) -> float | None:
@@ -219,8 +249,15 @@ def _parse_line(log: RunLog, line: str) -> None:
         log.resumes.append((m.group(1), int(m.group(2))))
     elif m := RX_REPLAYED.match(line):
         log.train_clock = m.group(1)
-    elif RX_STOP_EARLY.match(line):
+        log.replay_world_size, log.real_world_size, log.grad_accum = (int(g) for g in m.group(2, 3, 4))
+        _count_once(log, "train_clock")
+    elif m := RX_REPLAYED_SHORT.match(line):
+        log.train_clock = m.group(1)
+        log.replay_world_size = log.real_world_size = log.grad_accum = None
+        _count_once(log, "train_clock")
+    elif m := RX_STOP_EARLY.match(line):
         log.stopped_early = True
+        log.stop_step = int(m.group(2))
     elif m := RX_PEAK_MEM.match(line):
         log.peak_mem_mib = (int(m.group(1)), int(m.group(2)))
     elif m := RX_POST_EMA.match(line):
@@ -348,13 +385,28 @@ def resumed_note(log: RunLog) -> str | None:
             "uninterrupted run, so this log is not a valid 10-minute-track record run")
 
 
+def replay_text(log: RunLog) -> str:
+    """The clock and the worlds of a replay run's log in words, e.g. ``trained on a replay clock
+    (train_clock:ms:50)`` or ``trained on the wall clock, replaying 8 ranks on 1 (replay_world_size:8 world_size:1
+    grad_accum:8)``."""
+    if log.train_clock == "wall":
+        text = "trained on the wall clock"
+    else:
+        text = f"trained on a replay clock (train_clock:{log.train_clock})"
+    if log.replay_world_size is not None:
+        text += (f", replaying {log.replay_world_size} ranks on {log.real_world_size} (replay_world_size:"
+                 f"{log.replay_world_size} world_size:{log.real_world_size} grad_accum:{log.grad_accum})")
+    return text
+
+
 def replayed_note(log: RunLog) -> str | None:
-    """One line for a log trained on a replay clock (TRAIN_CLOCK), or None: its schedule followed replayed time, so
-    it reproduces a run rather than being a 600 s one."""
-    if log.train_clock is None:
+    """One line for a replay run's log (a train_clock line: TRAIN_CLOCK and/or REPLAY_WORLD_SIZE), or None: its
+    schedule followed replayed time or its ranks were simulated, so it reproduces a run rather than being a 600 s one
+    on 8 GPUs."""
+    if not log.replayed:
         return None
-    return (f"trained on a replay clock (train_clock:{log.train_clock}): a reproduction, not a run timed by the wall "
-            "clock, so this log is not a valid 10-minute-track record run")
+    return (f"{replay_text(log)}: a reproduction, not a run timed by the wall clock on its own ranks, so this log is "
+            "not a valid 10-minute-track record run")
 
 
 def enabled_evals(log: RunLog) -> set[str]:
@@ -579,6 +631,20 @@ class Welch:
     significant: bool
 
 
+def _welch_t_df(values: list[float], row_values: list[float]) -> tuple[float, float] | None:
+    """Welch's t = (m - m_row) / sqrt(v + v_row), v = s^2/n, and the Welch-Satterthwaite
+    df = (v + v_row)^2 / (v^2/(n-1) + v_row^2/(n_row-1)); None when a side has under 2 values or neither has spread."""
+    n, row_n = len(values), len(row_values)
+    if n < 2 or row_n < 2:
+        return None
+    v, row_v = statistics.variance(values) / n, statistics.variance(row_values) / row_n
+    if v + row_v == 0:
+        return None
+    t = (mean(values) - mean(row_values)) / math.sqrt(v + row_v)
+    df = (v + row_v) ** 2 / (v * v / (n - 1) + row_v * row_v / (row_n - 1))
+    return t, df
+
+
 def welch_test(values: list[float], row_values: list[float], alpha: float = WELCH_ALPHA) -> Welch:
     """Test H0: mean(values) >= mean(row_values) against H1: it is lower, without assuming equal variances.
 
@@ -593,15 +659,64 @@ def welch_test(values: list[float], row_values: list[float], alpha: float = WELC
     base = dict(n=n, mean=m, row_n=row_n, row_mean=row_m, alpha=alpha)
     if n < 2 or row_n < 2:
         return Welch(**base, t=None, df=None, p=None, significant=False)
-    v, row_v = statistics.variance(values) / n, statistics.variance(row_values) / row_n
-    if v + row_v == 0:
+    t_df = _welch_t_df(values, row_values)
+    if t_df is None:  # no spread on either side
         p = 0.0 if m < row_m else 1.0
         return Welch(**base, t=math.copysign(math.inf, m - row_m) if m != row_m else math.nan, df=None, p=p,
                      significant=p < alpha)
-    t = (m - row_m) / math.sqrt(v + row_v)
-    df = (v + row_v) ** 2 / (v * v / (n - 1) + row_v * row_v / (row_n - 1))
+    t, df = t_df
     p = student_t_cdf(t, df)
     return Welch(**base, t=t, df=df, p=p, significant=p < alpha)
+
+
+@dataclass
+class WelchTwoSided:
+    """Two-sided Welch t-test of a reproduction's seeds against a row's: H0, the two means are equal. ``missing``
+    says why there is no test (then t, df and p are None)."""
+
+    n: int
+    mean: float
+    row_n: int
+    row_mean: float
+    difference: float
+    t: float | None
+    df: float | None
+    p: float | None
+    alpha: float
+    missing: str | None
+
+    @property
+    def reproduces(self) -> bool:
+        """The means are not told apart: p >= alpha (False without a test)."""
+        return self.p is not None and self.p >= self.alpha
+
+
+def welch_two_sided(values: list[float], row_values: list[float],
+                    alpha: float = REPRODUCTION_ALPHA) -> WelchTwoSided:
+    """Test H0: mean(values) = mean(row_values) against H1: they differ, without assuming equal variances.
+
+    t and df as in welch_test; p = P(|T_df| >= |t|) = 2 P(T_df <= -|t|) from student_t_cdf. No test (``missing``
+    set) when a side has under 2 values, a value is not finite, or neither side has any spread: Welch's t then has
+    no variance to divide by, and equal means with none would prove nothing either.
+    """
+    n, row_n = len(values), len(row_values)
+    m = mean(values) if values else math.nan
+    row_m = mean(row_values) if row_values else math.nan
+    base = dict(n=n, mean=m, row_n=row_n, row_mean=row_m, difference=m - row_m, alpha=alpha)
+    missing = None
+    if n < 2 or row_n < 2:
+        sides = [f"{what} has {k}" for what, k in (("the reproduction", n), ("the row", row_n)) if k < 2]
+        missing = f"the Welch t-test needs at least 2 seeds on each side, and {' and '.join(sides)}"
+    elif not all(math.isfinite(v) for v in (*values, *row_values)):
+        missing = "a score is not a finite number"
+    t_df = None if missing else _welch_t_df(values, row_values)
+    if t_df is None:
+        missing = missing or ("every seed on each side has the same score, so the Welch t-test has no variance to"
+                              " work with")
+        return WelchTwoSided(**base, t=None, df=None, p=None, missing=missing)
+    t, df = t_df
+    p = min(1.0, 2.0 * student_t_cdf(-abs(t), df))
+    return WelchTwoSided(**base, t=t, df=df, p=p, missing=None)
 
 
 def row_scores(row: str) -> list[float]:
@@ -630,7 +745,10 @@ def row_scores(row: str) -> list[float]:
         broken = [log.path.name for log in logs if integrity_problems(log)]
         if broken:
             raise RecordError(f"{path}: cannot score {', '.join(broken)} (not one complete run)")
-        metric = choose_metric(logs)
+        try:
+            metric = choose_metric(logs)
+        except RecordError as exc:  # name the row: the message is about its logs, not the folder checked
+            raise RecordError(f"{path}: cannot score its logs: {exc}") from None
         return [log.score(metric).val_bpb for log in logs]
     if path.is_file():
         values = _submission_scores(path)
@@ -638,6 +756,16 @@ def row_scores(row: str) -> list[float]:
             raise RecordError(f"{path}: no per-seed scores (per_seed or seed_results)")
         return values
     raise RecordError(f"{row!r} is not a folder, a submission.json or comma-separated numbers")
+
+
+def row_stop_steps(row: str) -> list[tuple[int | None, int]]:
+    """(seed, step training stopped at) of each train_seed*.log of a row given as a record folder; [] when the row
+    is not a folder, or for a log that is not one complete run or tells no step."""
+    path = Path(row)
+    if not path.is_dir():
+        return []
+    return [(log.seed, log.final_step) for log in load_logs(path)
+            if log.final_step is not None and not integrity_problems(log)]
 
 
 def _submission_scores(path: Path) -> list[float]:

@@ -46,6 +46,8 @@ legal_ttt_exact val_loss:{l:.8f} val_bpb:{b:.8f}
 ttt_enabled:{int(h.ttt_enabled)}
 eval_stride:{h.eval_stride}
 device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps}
+train_clock:{clock} replay_world_size:{h.replay_world_size} world_size:{h.world_size} grad_accum:{h.grad_accum_steps}
+train_clock:ms:{h.replay_step_ms:g} (every time-based decision reads step x {h.replay_step_ms:g} ms)
 ====================================================================================================
 Running Python {sys.version}
 """
@@ -85,13 +87,15 @@ def write_log(
     world_size: int = 8,
     drop: tuple[str, ...] = (),
     extra_lines: tuple[str, ...] = (),
+    clock_line: str | None = None,
 ) -> Path:
     """Write a realistic log; results are (bpb, eval_time_ms) pairs.
 
     val_loss = bpb / RATIO, so bpb/val_loss of every result line is RATIO.
     ``drop`` removes lines starting with any of the given prefixes;
     ``flags`` writes the ttt_enabled / eval_stride config lines; ``device``
-    (None: no such line) and ``world_size`` fill the hardware line.
+    (None: no such line) and ``world_size`` fill the hardware line; ``clock_line``
+    (a replay run's train_clock line) goes before the first step, as train_gpt.py logs it.
     """
     train_time_ms = steps * step_avg if train_time_ms is None else train_time_ms
     total_bytes = quant_bytes + code_bytes if total_bytes is None else total_bytes
@@ -101,6 +105,8 @@ def write_log(
                      "attention_backend:fa3 compile:1")
     if flags:
         lines += [f"ttt_enabled:{int(ttt is not None)}", f"eval_stride:{stride if sliding else 0}"]
+    if clock_line is not None:
+        lines.append(clock_line)
     lines += _step_lines(steps, iterations, step_avg, train_time_ms)
     if train_time_ms >= 600_000:
         lines.append(f"stopping_early: wallclock_cap train_time:{train_time_ms:.0f}ms step:{steps}/{iterations}")
@@ -994,6 +1000,242 @@ def test_check_worked_example_folder(capsys):
         pytest.skip("worked example folder not present")
     rc, out = run_check(folder, capsys)
     assert rc == 0 and out.startswith("OK: ") and "(non-record track)" in out
+
+
+# ---------------------------------------------------------------------------
+# Replay runs (issue 40): the train_clock line, the 10-minute refusal, the reproduction check
+
+# Both forms of the line: train_gpt.py's today (the clock's text, the replayed and the real world sizes, micro-batches
+# per rank, maybe a note) and the first one (TRAIN_CLOCK=ms:X alone), each with what the parser must read from it.
+CLOCK_LINES = [
+    ("train_clock:record(record_0427 seed 42) replay_world_size:8 world_size:1 grad_accum:8 (every time-based"
+     " decision reads the replayed time; train_time is the real time)", ("record(record_0427 seed 42)", 8, 1, 8)),
+    ("train_clock:ms:50 replay_world_size:2 world_size:2 grad_accum:4 (every time-based decision reads the replayed"
+     " time; train_time is the real time)", ("ms:50", 2, 2, 4)),
+    ("train_clock:wall replay_world_size:8 world_size:1 grad_accum:8 (virtual ranks: each rank computes the"
+     " micro-batches of 8 ranks)", ("wall", 8, 1, 8)),
+    ("train_clock:log(/home/u/logs/my run.txt) replay_world_size:8 world_size:2 grad_accum:4",
+     ("log(/home/u/logs/my run.txt)", 8, 2, 4)),
+    # a path holding the fields' own text: the clock ends at the line's last replay_world_size field
+    ("train_clock:log(/tmp/x replay_world_size:3 world_size:3 grad_accum:1 (y).txt) replay_world_size:8 world_size:1"
+     " grad_accum:8 (a note)", ("log(/tmp/x replay_world_size:3 world_size:3 grad_accum:1 (y).txt)", 8, 1, 8)),
+    ("train_clock:ms:50 (every time-based decision reads step x 50 ms; train_time is the real time)",
+     ("ms:50", None, None, None)),
+    ("train_clock:ms:12.5", ("ms:12.5", None, None, None)),
+]
+RECORD_CLOCK = CLOCK_LINES[0][0]
+RECORD_CLOCK_TEXT = ("trained on a replay clock (train_clock:record(record_0427 seed 42)), replaying 8 ranks on 1"
+                     " (replay_world_size:8 world_size:1 grad_accum:8)")
+ROW = "1.1160,1.1170,1.1180"  # mean 1.117, s = 0.001, as SEEDS' TTT scores
+
+
+@pytest.mark.parametrize("line, want", CLOCK_LINES)
+def test_parser_reads_both_forms_of_the_train_clock_line(tmp_path, line, want):
+    log = rl.parse_log(write_log(tmp_path / "a.log", clock_line=line))
+    assert (log.train_clock, log.replay_world_size, log.real_world_size, log.grad_accum) == want
+    assert log.replayed and (log.device, log.world_size) == ("cuda:0", 8)  # the device line's world_size stays
+    assert rl.integrity_problems(log) == [] and log.once_counts["train_clock"] == 1
+    clock, replayed, real, accum = want
+    note = rl.replayed_note(log)
+    assert "\n" not in note and note.endswith(": a reproduction, not a run timed by the wall clock on its own ranks,"
+                                              " so this log is not a valid 10-minute-track record run")
+    if clock == "wall":
+        assert note.startswith("trained on the wall clock, replaying ") and "train_clock:" not in note
+    else:
+        assert note.startswith(f"trained on a replay clock (train_clock:{clock})")
+    worlds = f", replaying {replayed} ranks on {real} (replay_world_size:{replayed} world_size:{real} grad_accum:{accum})"
+    assert (worlds in note) == (replayed is not None) and (note.count("replay_world_size:") == 0) == (replayed is None)
+
+
+def test_a_log_without_a_train_clock_line_is_no_replay_and_two_lines_are_two_runs(tmp_path):
+    """The preamble's train_clock templates (source text) are no line; the line is logged once per run."""
+    log = rl.parse_log(write_log(tmp_path / "a.log"))
+    assert not log.replayed and log.train_clock is None and log.replay_world_size is None
+    assert rl.replayed_note(log) is None
+    twice = rl.parse_log(write_log(tmp_path / "b.log", clock_line=RECORD_CLOCK, extra_lines=(RECORD_CLOCK,)))
+    assert rl.multiple_runs_evidence(twice) == "'train_clock' line logged 2 times"
+
+
+def test_stop_step_from_our_logs_and_from_the_records_own_form():
+    ours = rl.parse_log_text("step:6/100000 train_loss:2.0000 train_time:310ms step_avg:51.67ms replayed_time:300ms\n"
+                             "stopping_early: wallclock_cap train_time:310ms step:6/100000 replayed_time:300ms\n")
+    theirs = rl.parse_log_text("5000/20000 train_loss: 2.4398 train_time: 10.0m tok/s: 6559111\n"
+                               "stopping_early: wallclock_cap train_time: 599672ms step: 5001/20000\n")
+    assert (ours.final_step, ours.stopped_early) == (6, True) and (theirs.final_step, theirs.stopped_early) == (5001, True)
+    assert rl.parse_log_text("step:7/9 train_loss:2.0000 train_time:7ms step_avg:1.00ms\n").final_step == 7
+    assert rl.parse_log_text("seed:1\n").final_step is None
+    if (FRONTIER / "record_0501").is_dir():
+        assert rl.row_stop_steps(str(FRONTIER / "record_0501")) == [(42, 5001)]
+
+
+def t4_two_sided_p(t: float) -> float:
+    """P(|T| >= |t|) for Student's t with 4 degrees of freedom, in closed form (not by recordlib):
+    F(t) = 1/2 + u/2 (1 + 2/(4 + t^2)) with u = t / sqrt(4 + t^2), so the two tails are 1 - u (1 + 2/(4 + t^2))."""
+    u = abs(t) / math.sqrt(4 + t * t)
+    return 1 - u * (1 + 2 / (4 + t * t))
+
+
+def test_welch_two_sided_against_closed_forms_and_t_tables():
+    """Two samples of 3 with the same spread (s = 0.001): the Welch df is exactly 4, and t = d / sqrt(2 s^2 / 3)."""
+    row = [1.1160, 1.1170, 1.1180]
+    se = math.sqrt(2 * 0.001 ** 2 / 3)
+    for shift in (0.0002, -0.0007, 0.004):
+        w = rl.welch_two_sided([x + shift for x in row], row)
+        assert (w.n, w.row_n, w.missing) == (3, 3, None)
+        assert w.mean == pytest.approx(1.117 + shift, abs=1e-12) and w.row_mean == pytest.approx(1.117, abs=1e-12)
+        assert w.difference == pytest.approx(shift, abs=1e-12)
+        assert w.t == pytest.approx(shift / se, rel=1e-6) and w.df == pytest.approx(4, rel=1e-6)
+        assert w.p == pytest.approx(t4_two_sided_p(shift / se), abs=1e-9)
+        assert w.reproduces == (w.p >= 0.05)
+    # t tables, df = 4: the two-sided 5% and 1% critical values are 2.776445 and 4.604095.
+    for t_crit, p in ((2.776445, 0.05), (4.604095, 0.01)):
+        assert rl.welch_two_sided([x + t_crit * se for x in row], row).p == pytest.approx(p, abs=1e-6)
+        assert rl.welch_two_sided([x - t_crit * se for x in row], row).p == pytest.approx(p, abs=1e-6)
+    assert rl.welch_two_sided(row, row).p == 1.0 and rl.welch_two_sided(row, row).reproduces
+    # Unequal spreads (non-integer df): twice the smaller tail of the one-sided test, the same either way round.
+    w, one = rl.welch_two_sided(ROW_2135, ROW_2014), rl.welch_test(ROW_2135, ROW_2014)
+    assert (w.t, w.df) == (one.t, one.df) and w.p == pytest.approx(2 * min(one.p, 1 - one.p), abs=1e-12)
+    assert round(w.p, 3) == 0.028 and not w.reproduces
+    assert rl.welch_two_sided(ROW_2014, ROW_2135).p == pytest.approx(w.p, abs=1e-12)
+
+
+def test_welch_two_sided_says_what_it_lacks():
+    one_seed = rl.welch_two_sided([1.1], [1.1, 1.2])
+    assert one_seed.p is None and not one_seed.reproduces
+    assert one_seed.missing == "the Welch t-test needs at least 2 seeds on each side, and the reproduction has 1"
+    assert rl.welch_two_sided([1.1, 1.2], [1.1]).missing.endswith("and the row has 1")
+    assert rl.welch_two_sided([], [1.1]).missing.endswith("and the reproduction has 0 and the row has 1")
+    flat = rl.welch_two_sided([1.1, 1.1], [1.1, 1.1, 1.1])
+    assert flat.p is None and flat.missing.startswith("every seed on each side has the same score")
+    assert rl.welch_two_sided([1.1, 1.1], [1.1, 1.2]).p is not None  # spread on one side is enough
+    assert rl.welch_two_sided([1.1, math.nan], [1.1, 1.2]).missing == "a score is not a finite number"
+
+
+def replay_folder(tmp_path: Path, ttt: tuple[float, ...], steps: tuple[int, ...] = (7000, 6900, 6800),
+                  clock: str | None = RECORD_CLOCK, name: str = "2025-11-22_Replay") -> Path:
+    """A non-record folder of replay runs (seeds 1337, 42, 2025 in turn, as many as ``ttt`` scores), with make_record
+    run on it."""
+    seeds = {seed: dict(SEEDS[seed], ttt=(bpb, 400_000.0), steps=n, clock_line=clock)
+             for seed, bpb, n in zip(SEEDS, ttt, steps)}
+    return make_full_record(tmp_path, track="track_non_record_16mb", seeds=seeds, name=name)
+
+
+def test_check_refuses_a_replay_run_on_the_10min_track(tmp_path, capsys):
+    """Virtual ranks and a replayed clock: each log is one FAIL line naming both, even with --against."""
+    folder = make_full_record(tmp_path, seeds={s: dict(SEEDS[s], clock_line=RECORD_CLOCK) for s in SEEDS})
+    note = f"{RECORD_CLOCK_TEXT}: a reproduction, not a run timed by the wall clock on its own ranks, so this log is" \
+           " not a valid 10-minute-track record run"
+    for args in ((), ("--against", ROW)):
+        rc, out = run_check(folder, capsys, *args)
+        assert rc == 1 and out.splitlines() == [
+            f"FAIL: {folder / name}: {note}" for name in ("train_seed42.log", "train_seed1337.log", "train_seed2025.log")
+        ]
+    # elsewhere the same folder is well-formed, and without --against checked as any non-record folder
+    rc, out = run_check(folder, capsys, "--track", "non-record")
+    assert rc == 0 and len(out.splitlines()) == 1 and out.startswith(f"OK: {folder} (non-record track): 3 seed(s)")
+
+
+def test_make_record_warns_naming_the_clock_and_the_worlds(tmp_path, capsys):
+    folder = replay_folder(tmp_path, (1.1160, 1.1170, 1.1180))
+    err = capsys.readouterr().err
+    for name in ("train_seed42.log", "train_seed1337.log", "train_seed2025.log"):
+        assert f"warning: {folder / name}: {RECORD_CLOCK_TEXT}: a reproduction" in err
+    make_full_record(tmp_path / "plain")
+    assert "reproduction" not in capsys.readouterr().err
+
+
+def test_check_a_reproduction_that_reproduces_the_row(tmp_path, capsys):
+    """Seeds 0.0002 above the row's, same spread: t = 0.2449, df = 4, two-sided p = 0.8185 by the closed form."""
+    folder = replay_folder(tmp_path, (1.1162, 1.1172, 1.1182))
+    rc, out = run_check(folder, capsys, "--against", ROW)
+    p = t4_two_sided_p(0.0002 / math.sqrt(2e-6 / 3))
+    assert round(p, 4) == 0.8185
+    assert rc == 0 and out.splitlines() == [
+        out.splitlines()[0],
+        f"REPRODUCES: mean 1.11720000 over 3 seed(s) vs the row's 1.11700000 over 3 seed(s) ({ROW}), difference"
+        f" +0.00020000 (t=0.2449, df=4, two-sided p={p:.4g} >= 0.05) [{rl.REPRODUCTION_RULE}]",
+    ]
+    assert out.startswith(f"OK: {folder} (non-record track): 3 seed(s)")
+    assert rl.REPRODUCTION_RULE == "reproduction rule: two-sided Welch t-test at p < 0.05"
+
+
+def test_check_a_reproduction_that_does_not_reproduce_the_row(tmp_path, capsys):
+    """Seeds 0.004 above the row's, same spread: t = 4.899, df = 4, two-sided p = 0.00805 by the closed form."""
+    folder = replay_folder(tmp_path, (1.1200, 1.1210, 1.1220))
+    rc, out = run_check(folder, capsys, "--against", ROW, "--sota-bpb", "1.2")
+    p = t4_two_sided_p(0.004 / math.sqrt(2e-6 / 3))
+    assert round(p, 5) == 0.00805
+    lines = out.splitlines()
+    assert rc == 1 and len(lines) == 3 and lines[0].startswith(f"WELL-FORMED: {folder} (non-record track)")
+    assert lines[1] == (f"DOES NOT REPRODUCE: mean 1.12100000 over 3 seed(s) vs the row's 1.11700000 over 3 seed(s)"
+                        f" ({ROW}), difference +0.00400000 (t=4.899, df=4, two-sided p={p:.4g} < 0.05)"
+                        f" [{rl.REPRODUCTION_RULE}]")
+    assert lines[2].startswith("INFO (non-record track, not required): RECORD: ")  # --sota-bpb stays information
+    # Below the row by as much: two-sided, so it does not reproduce either (the one-sided rule would accept it).
+    lower = replay_folder(tmp_path / "lower", (1.1120, 1.1130, 1.1140))
+    rc, out = run_check(lower, capsys, "--against", ROW)
+    assert rc == 1 and out.splitlines()[1].startswith("DOES NOT REPRODUCE: ") and "difference -0.00400000" in out
+    # A folder that is no replay keeps the leaderboard's one-sided rule as information with --against.
+    plain = make_full_record(tmp_path / "plain", track="track_non_record_16mb")
+    rc, out = run_check(plain, capsys, "--against", "1.1200,1.1210,1.1220")
+    assert rc == 0 and out.splitlines()[1].startswith("INFO (non-record track, not required): RECORD: ")
+
+
+def test_check_a_reproduction_reports_the_stop_steps_against_a_row_folder(tmp_path, capsys):
+    """ROW a record folder: its submission.json's scores, and its logs' stop steps beside each seed's."""
+    row = make_full_record(tmp_path / "row")  # steps 7000, 6900, 6800 for seeds 1337, 42, 2025
+    folder = replay_folder(tmp_path, (1.1160, 1.1170, 1.1180), steps=(7000, 6900, 6790))
+    rc, out = run_check(folder, capsys, "--against", str(row))
+    lines = out.splitlines()
+    assert rc == 0 and lines[1].startswith("REPRODUCES: ") and "two-sided p=1 >= 0.05" in lines[1]
+    assert lines[2:] == [
+        "INFO: seed 42 stopped at step 6900 (the row's seed 42: 6900, the same step)",
+        "INFO: seed 1337 stopped at step 7000 (the row's seed 1337: 7000, the same step)",
+        "INFO: seed 2025 stopped at step 6790 (the row's seed 2025: 6800, 10 step(s) earlier)",
+    ]
+    other = make_full_record(tmp_path / "other", seeds={7: SEEDS[42], 8: SEEDS[2025]})
+    rc, out = run_check(folder, capsys, "--against", str(other))
+    assert out.splitlines()[2] == "INFO: seed 42 stopped at step 6900 (the row's logs: 6900 (seed 7), 6800 (seed 8))"
+    rc, out = run_check(folder, capsys, "--against", ROW)  # numbers: no logs, no stop steps
+    assert len(out.splitlines()) == 2
+
+
+def test_check_a_reproduction_that_cannot_be_tested_is_one_line(tmp_path, capsys):
+    one = replay_folder(tmp_path, (1.1160,))
+    rc, out = run_check(one, capsys, "--against", ROW)
+    assert rc == 1 and out.splitlines()[1:] == [
+        f"NOT CHECKED: whether it reproduces the row: mean 1.11600000 over 1 seed(s) vs the row's 1.11700000 over 3"
+        f" seed(s) ({ROW}), difference -0.00100000: the Welch t-test needs at least 2 seeds on each side, and the"
+        f" reproduction has 1 [{rl.REPRODUCTION_RULE}]"
+    ]
+    three = replay_folder(tmp_path / "three", (1.1160, 1.1170, 1.1180))
+    rc, out = run_check(three, capsys, "--against", "1.1170")
+    assert rc == 1 and len(out.splitlines()) == 2 and out.splitlines()[1].startswith("NOT CHECKED: ")
+    assert "and the row has 1 [" in out
+    flat = replay_folder(tmp_path / "flat", (1.1170, 1.1170, 1.1170))
+    rc, out = run_check(flat, capsys, "--against", "1.1170,1.1170")
+    assert rc == 1 and len(out.splitlines()) == 2 and "every seed on each side has the same score" in out
+    rc, out = run_check(three, capsys, "--against", str(tmp_path / "missing"))
+    assert rc == 1 and len(out.splitlines()) == 1 and out.startswith("FAIL: ")
+    exact = ("final_int6_roundtrip_exact", "final_int6_sliding_window_exact", "legal_ttt_exact")
+    unscored = make_folder(tmp_path / "unscored", drop=exact)  # a row whose logs have no score
+    rc, out = run_check(three, capsys, "--against", str(unscored))
+    assert rc == 1 and out == (f"FAIL: {three}: {unscored}: cannot score its logs: some logs have no"
+                               " final_int6_roundtrip_exact line; nothing to score\n")
+
+
+def test_check_a_folder_mixing_replays_and_runs_is_one_fail_line(tmp_path, capsys):
+    seeds = {1337: dict(SEEDS[1337], clock_line=CLOCK_LINES[5][0]), 42: SEEDS[42], 2025: SEEDS[2025]}
+    folder = make_full_record(tmp_path, track="track_non_record_16mb", seeds=seeds)
+    mix = (f"FAIL: {folder}: mixes replay runs (train_seed1337.log: a train_clock line) with runs on the wall clock"
+           " (train_seed42.log, train_seed2025.log); the seeds of a folder are all a reproduction or all a run")
+    for args in ((), ("--against", ROW)):
+        rc, out = run_check(folder, capsys, *args)
+        assert rc == 1 and out.splitlines() == [mix]
+    ten = make_full_record(tmp_path / "ten", seeds=seeds)
+    rc, out = run_check(ten, capsys)
+    assert rc == 1 and out.splitlines()[-1] == mix.replace(str(folder), str(ten))
+    assert out.splitlines()[0].startswith(f"FAIL: {ten / 'train_seed1337.log'}: trained on a replay clock")
 
 
 # ---------------------------------------------------------------------------
