@@ -7,6 +7,7 @@ record_0430 and record_0501 set those records' logged values (docs/presets.md). 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import concurrent.futures
 import copy
@@ -22,6 +23,7 @@ import math
 import os
 import queue
 import random
+import re
 import resource
 import shutil
 import signal
@@ -163,20 +165,160 @@ def parse_chunk_steps(raw):
 
 
 def replay_step_ms(text):
-    """TRAIN_CLOCK (issue 40): `wall` (None: every time-based decision of training reads the real elapsed time) or
-    `ms:X` (X, the milliseconds each step counts for: the warmdown, the loop switch, context phases, late QAT, SWA and
-    the stop at the cap then act at the same steps on any machine and any number of ranks)."""
-    if text == "wall":
-        return None
+    """TRAIN_CLOCK=ms:X (issue 40): X, the milliseconds each step counts for (the warmdown, the loop switch, context
+    phases, late QAT, SWA and the stop at the cap then act at the same steps on any machine and any number of ranks)."""
     kind, _, value = text.partition(":")
     try:
         ms = float(value) if kind == "ms" else math.nan
     except ValueError:
         ms = math.nan
     if not (math.isfinite(ms) and ms > 0):
-        raise ConfigError(f"TRAIN_CLOCK={text!r} must be wall or ms:X (X > 0, the milliseconds each training step "
-                          "counts for)")
+        raise ConfigError(f"TRAIN_CLOCK={text!r} must be wall, record, log:PATH or ms:X (X > 0, the milliseconds "
+                          "each training step counts for)")
     return ms
+
+
+# ---- replay clocks (issue 40; docs/running.md "Replaying a run"): TRAIN_CLOCK=record | log:PATH
+# What a log says about its clock, as (kind, step, value): "ms" the elapsed ms after `step` steps (the 03-23
+# record's and this script's train lines; a replayed run's replayed_time), "tok/s" the later records' rate after
+# `step` steps (elapsed = step x TRAIN_BATCH_TOKENS / rate), "frac" a decision logged at a training fraction (the
+# layer loop, a context phase), "stop" the step the run stopped at for the cap (value: its logged train_time).
+CLOCK_LINES = (
+    ("ms", r"step:(?P<step>\d+)/\d+ train_loss:\S+ train_time:(?P<value>\d+)ms.*?(?:replayed_time:(?P<replayed>\d+)ms)?"),
+    ("tok/s", r"(?P<step>\d+)/\d+ train_loss: \S+ train_time: \S+m tok/s: (?P<value>\d+)"),
+    ("frac", r"layer_loop:enabled step:(?P<step>\d+) frac:(?P<value>[\d.]+) .*"),
+    ("frac", r"seq_len:\d+ step:(?P<step>\d+) frac:(?P<value>[\d.]+)"),
+    ("frac", r"growth_stage:seq_len:\d+ progress:(?P<value>[\d.]+) step:(?P<step>\d+)"),
+    ("stop", r"stopping_early: wallclock_cap train_time: ?(?P<value>\d+)ms step: ?(?P<step>\d+)/\d+"
+             r"(?: replayed_time:(?P<replayed>\d+)ms)?"),
+)
+# TRAIN_CLOCK=record: each preset's record run, the entries clock_entries() reads from its seed log in
+# ../shared/anchors (tests/test_replay.py checks them against the logs).
+RECORD_CLOCKS = {
+    "record_0323": ("seed 1337", (("ms", 1, 133), ("ms", 2, 166), ("ms", 3, 246), ("ms", 4, 327), ("ms", 5, 409),
+        ("ms", 6, 489), ("ms", 7, 571), ("ms", 8, 652), ("ms", 9, 733), ("ms", 10, 816), ("ms", 500, 41450),
+        ("ms", 1000, 83020), ("ms", 1500, 124687), ("ms", 2000, 166425), ("ms", 2500, 208180), ("ms", 3000, 249938),
+        ("ms", 3500, 291695), ("ms", 4000, 333469), ("ms", 4500, 375247), ("ms", 5000, 417014), ("ms", 5500, 458773),
+        ("ms", 6000, 500541), ("ms", 6500, 542303), ("ms", 7000, 584853), ("stop", 7179, 600128))),
+    "record_0409": ("seed 42", (("tok/s", 1, 8348323), ("tok/s", 2, 7501070), ("tok/s", 3, 7450650),
+        ("tok/s", 4, 7463659), ("tok/s", 5, 7497425), ("tok/s", 500, 7691255), ("tok/s", 1000, 7698918),
+        ("tok/s", 1500, 7705554), ("tok/s", 2000, 7710490), ("frac", 2018, 0.35), ("tok/s", 2500, 7021940),
+        ("tok/s", 3000, 6642896), ("tok/s", 3500, 6396259), ("tok/s", 4000, 6223343), ("tok/s", 4500, 6095957),
+        ("stop", 4550, 588047))),
+    "record_0427": ("seed 42", (("tok/s", 1, 17921784), ("tok/s", 2, 4839117), ("tok/s", 3, 5502039),
+        ("tok/s", 4, 5944320), ("tok/s", 5, 6200017), ("tok/s", 500, 8217810), ("tok/s", 1000, 8195099),
+        ("tok/s", 1500, 8184986), ("tok/s", 2000, 8167705), ("frac", 2178, 0.35), ("tok/s", 2500, 7705526),
+        ("tok/s", 3000, 7245517), ("tok/s", 3500, 6949337), ("tok/s", 4000, 6741955), ("tok/s", 4500, 6589668),
+        ("stop", 4945, 599592))),
+    "record_0430": ("seed 42", (("tok/s", 1, 16816914), ("tok/s", 2, 11473671), ("tok/s", 3, 10576385),
+        ("tok/s", 4, 10065769), ("tok/s", 5, 9789599), ("tok/s", 500, 8580039), ("frac", 646, 0.1),
+        ("tok/s", 1000, 8394433), ("tok/s", 1500, 8299557), ("tok/s", 2000, 8253338), ("frac", 2185, 0.35),
+        ("tok/s", 2500, 7770424), ("tok/s", 3000, 7291702), ("tok/s", 3500, 6983904), ("frac", 3664, 0.7),
+        ("tok/s", 4000, 6745846), ("tok/s", 4500, 6561659), ("stop", 4888, 596025))),
+    "record_0501": ("seed 42", (("tok/s", 1, 11979212), ("tok/s", 2, 11457637), ("tok/s", 3, 10270494),
+        ("tok/s", 4, 9773216), ("tok/s", 5, 9496601), ("tok/s", 500, 8341171), ("tok/s", 1000, 8279023),
+        ("tok/s", 1500, 8271404), ("tok/s", 2000, 8270074), ("frac", 2206, 0.35), ("tok/s", 2500, 7836770),
+        ("tok/s", 3000, 7358144), ("tok/s", 3500, 7050260), ("tok/s", 4000, 6835701), ("tok/s", 4500, 6679430),
+        ("tok/s", 5000, 6559111), ("stop", 5001, 599672))),
+}
+
+
+def clock_entries(lines):
+    """The clock entries (kind, step, value) of a log's lines, in log order (CLOCK_LINES; a replayed run's lines
+    give their replayed time)."""
+    entries = []
+    for line in lines:
+        for kind, pattern in CLOCK_LINES:
+            m = re.fullmatch(pattern, line.strip())
+            if m:
+                entries.append((kind, int(m["step"]), float(m.groupdict().get("replayed") or m["value"])))
+                break
+    return entries
+
+
+def least_ms_at(frac, cap_ms):
+    """The least float ms whose training fraction (ms / cap_ms, as training_fraction divides) reaches `frac`."""
+    ms = frac * cap_ms
+    while ms / cap_ms < frac:
+        ms = math.nextafter(ms, math.inf)
+    return ms
+
+
+class ReplayClock:
+    """A replay clock (TRAIN_CLOCK other than wall, issue 40): the elapsed training time the schedule reads after each
+    step, the same on every rank and machine. ms:X: step x X. record and log:PATH: a log's points, linear between
+    them from 0 ms at step 0, at the last interval's rate after the last point."""
+
+    def __init__(self, name, points=(), rate=None):
+        self.name, self.rate = name, rate
+        self.steps, self.times = [s for s, _ in points], [ms for _, ms in points]
+
+    def _point(self, i):
+        return (0, 0.0) if i < 0 else (self.steps[i], self.times[i])
+
+    def ms(self, step):
+        if self.rate is not None:
+            return step * self.rate
+        i = bisect.bisect_left(self.steps, step)
+        if i < len(self.steps) and self.steps[i] == step:
+            return self.times[i]
+        j = min(i, len(self.steps) - 1)  # past the last point: the last interval, extended
+        (s0, m0), (s1, m1) = self._point(j - 1), self._point(j)
+        return m0 + (step - s0) * (m1 - m0) / (s1 - s0)
+
+
+def clock_points(entries, cap_ms, batch_tokens):
+    """A log's clock entries as (step, ms) points, sorted by step. A logged decision is an exact point: the least ms
+    at which it is taken (a fraction F: least_ms_at(F, cap); the stop: the cap itself; its logged train_time is
+    measured after the step, once the cap is already passed), and it wins over a train line of the same step."""
+    points, exact = {}, set()
+    for kind, step, value in entries:
+        ms = {"ms": value, "frac": least_ms_at(value, cap_ms), "stop": cap_ms}.get(kind)
+        if kind == "tok/s":
+            ms = 1000.0 * step * batch_tokens / value
+        if kind in ("frac", "stop") or (step not in exact and step not in points):
+            points[step] = ms
+        if kind in ("frac", "stop"):
+            exact.add(step)
+    return sorted((s, ms) for s, ms in points.items() if s > 0)
+
+
+def make_clock(h):
+    """TRAIN_CLOCK's ReplayClock, or None for wall; a setting it cannot use is a ConfigError naming it."""
+    text = h.train_clock
+    if text == "wall":
+        return None
+    kind, _, arg = text.partition(":")
+    if kind == "ms":
+        return ReplayClock(text, rate=replay_step_ms(text))
+    if not (text == "record" or (kind == "log" and arg)):
+        raise ConfigError(f"TRAIN_CLOCK={text!r} must be wall, record, log:PATH or ms:X (X > 0)")
+    if h.max_wallclock_ms is None:
+        raise ConfigError(f"TRAIN_CLOCK={text} needs MAX_WALLCLOCK_SECONDS > 0: without a cap no decision of training "
+                          "reads the clock (training fractions are step / ITERATIONS)")
+    if kind == "record":
+        if h.preset not in RECORD_CLOCKS:
+            raise ConfigError(f"TRAIN_CLOCK=record: PRESET={h.preset} has no record clock (presets with one: "
+                              f"{', '.join(RECORD_CLOCKS)}); use TRAIN_CLOCK=log:PATH with its run's log")
+        label, entries = RECORD_CLOCKS[h.preset]
+        name = f"record({h.preset} {label})"
+    else:
+        try:
+            with open(arg, encoding="utf-8", errors="replace") as f:
+                entries = clock_entries(f)
+        except OSError as e:
+            raise ConfigError(f"TRAIN_CLOCK={text}: cannot read the log ({e.strerror})") from None
+        if not entries:
+            raise ConfigError(f"TRAIN_CLOCK={text}: the log has no clock lines (train lines with train_time or tok/s, "
+                              "layer_loop / seq_len / growth_stage / stopping_early lines)")
+        name = f"log({arg})"
+    points = clock_points(entries, h.max_wallclock_ms, h.train_batch_tokens)
+    for (s0, m0), (s1, m1) in zip(points, points[1:]):
+        if m1 <= m0:
+            raise ConfigError(f"TRAIN_CLOCK={text}: the clock goes back at step {s1} ({m1:.0f} ms after {m0:.0f} ms "
+                              f"at step {s0}) with the cap {h.max_wallclock_ms:.0f} ms and TRAIN_BATCH_TOKENS="
+                              f"{h.train_batch_tokens}: set the replayed run's own values")
+    return ReplayClock(name, points)
 
 
 class Hyperparameters:
@@ -221,8 +363,7 @@ class Hyperparameters:
         self.train_seq_len = self._env("TRAIN_SEQ_LEN", 2048)
         self.eval_seq_len = self._env("EVAL_SEQ_LEN", 2048)
         self.max_wallclock_seconds = self._env("MAX_WALLCLOCK_SECONDS", 600.0, float)
-        self.train_clock = self._env("TRAIN_CLOCK", "wall", str)
-        self.replay_step_ms = replay_step_ms(self.train_clock)
+        self.train_clock = self._env("TRAIN_CLOCK", "wall", str)  # wall, record, log:PATH, ms:X (issue 40)
         self.val_batch_size = self._env("VAL_BATCH_SIZE", 524288)
         self.val_loss_every = self._env("VAL_LOSS_EVERY", 4000)
         self.train_log_every = self._env("TRAIN_LOG_EVERY", 500)
@@ -398,6 +539,10 @@ class Hyperparameters:
         self.master_port = self._env("MASTER_PORT", "", str)
         self.omp_num_threads = self._env("OMP_NUM_THREADS", 0)
         self.dist_timeout_seconds = self._env("DIST_TIMEOUT_SECONDS", 600.0, float)
+        # ---- replay (issue 40): the ranks whose batches the run draws; 0: WORLD_SIZE
+        self.replay_world_size = self._env("REPLAY_WORLD_SIZE", 0)
+        if self.replay_world_size == 0:
+            self.replay_world_size = self._resolved("REPLAY_WORLD_SIZE", self.world_size)
         self._validate()
         self.real = None  # PREFLIGHT=1: the real run's settings that the rehearsal changes
         if self.preflight:
@@ -478,9 +623,25 @@ class Hyperparameters:
 
     @property
     def grad_accum_steps(self):
+        """Micro-batches per rank of REPLAY_WORLD_SIZE and step: GRAD_ACCUM_STEPS, else the record's 8 over the ranks."""
         if self.grad_accum_override > 0:
             return self.grad_accum_override
-        return 8 // self.world_size if self.world_size <= 8 else 1
+        return 8 // self.replay_world_size if self.replay_world_size <= 8 else 1
+
+    @property
+    def virtual_ranks(self):
+        """The ranks of REPLAY_WORLD_SIZE each real rank stands for (issue 40): 1 without a replay."""
+        return self.replay_world_size // self.world_size
+
+    @property
+    def micro_steps(self):
+        """Micro-batches each real rank computes a step: its virtual ranks' GRAD_ACCUM_STEPS each."""
+        return self.virtual_ranks * self.grad_accum_steps
+
+    @property
+    def replaying(self):
+        """A replay clock or virtual ranks: the run reproduces another, and its log says so (train_clock:)."""
+        return self.clock is not None or self.virtual_ranks > 1
 
     @property
     def seq_len_phases(self):
@@ -538,7 +699,7 @@ class Hyperparameters:
                  "TIED_EMBED_LR MATRIX_LR SCALAR_LR MUON_WD ADAM_WD GRAD_CLIP_NORM TTT_LR TTT_GRAD_CLIP ADAM_EPS "
                  "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD GPTQ_RESERVE_SECONDS MATRIX_CLIP_SIGMAS EMBED_CLIP_SIGMAS "
                  "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD ATTN_GATE_INIT_STD MLP_CLIP_SIGMAS ATTN_CLIP_SIGMAS "
-                 "LQER_RANK GPTQ_CALIBRATION_SEQS CHECKPOINT_EVERY", lambda v: v >= 0, ">= 0"),
+                 "LQER_RANK GPTQ_CALIBRATION_SEQS CHECKPOINT_EVERY REPLAY_WORLD_SIZE", lambda v: v >= 0, ">= 0"),
                 ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
                  "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
                  "TTT_CHUNK_TOKENS TTT_BATCH_SEQS WORLD_SIZE LOCAL_WORLD_SIZE DIST_TIMEOUT_SECONDS MLP_MULT "
@@ -624,18 +785,26 @@ class Hyperparameters:
                  f"VE_LAYERS={self.ve_layers} must lie in [0, NUM_LAYERS={self.num_layers})")
         need(self.rank < self.world_size and self.local_rank < self.world_size,
              f"RANK={self.rank} / LOCAL_RANK={self.local_rank} must be < WORLD_SIZE={self.world_size}")
-        if self.grad_accum_override == 0 and self.world_size <= 8:
-            need(8 % self.world_size == 0,
-                 f"WORLD_SIZE={self.world_size} must divide 8 (the record splits 8 micro-batches over ranks); "
+        need(self.replay_world_size % self.world_size == 0, f"REPLAY_WORLD_SIZE={self.replay_world_size} must be a "
+             f"multiple of WORLD_SIZE={self.world_size} (each rank stands for as many virtual ranks)")
+        ranks = ("REPLAY_WORLD_SIZE", self.replay_world_size) if self.virtual_ranks > 1 else ("WORLD_SIZE", self.world_size)
+        if self.grad_accum_override == 0 and self.replay_world_size <= 8:
+            need(8 % self.replay_world_size == 0,
+                 f"{ranks[0]}={ranks[1]} must divide 8 (the record splits 8 micro-batches over ranks); "
                  "set GRAD_ACCUM_STEPS to choose another split")
-        micro = self.world_size * self.grad_accum_steps
+        micro = self.replay_world_size * self.grad_accum_steps
         need(self.train_batch_tokens % (micro * self.train_seq_len) == 0,
              f"TRAIN_BATCH_TOKENS={self.train_batch_tokens} must split into whole sequences of "
              f"TRAIN_SEQ_LEN={self.train_seq_len} per rank and micro-step "
-             f"(world_size {self.world_size} x grad_accum {self.grad_accum_steps})")
+             f"({ranks[0].lower()} {ranks[1]} x grad_accum {self.grad_accum_steps})")
         need(self.val_batch_size // micro >= self.eval_seq_len,
              f"VAL_BATCH_SIZE={self.val_batch_size} gives less than one sequence of EVAL_SEQ_LEN={self.eval_seq_len} "
-             f"per rank and micro-step (world_size {self.world_size} x grad_accum {self.grad_accum_steps})")
+             f"per rank and micro-step ({ranks[0].lower()} {ranks[1]} x grad_accum {self.grad_accum_steps})")
+        need(self.virtual_ranks == 1 or self.quant != "gptq" or self.gptq_calibration_seqs > 0
+             or self.gptq_calibration_batches % self.grad_accum_steps == 0,
+             f"GPTQ_CALIBRATION_BATCHES={self.gptq_calibration_batches} must be a multiple of GRAD_ACCUM_STEPS="
+             f"{self.grad_accum_steps} with virtual ranks (REPLAY_WORLD_SIZE={self.replay_world_size}): each virtual "
+             "rank's next training batches calibrate, as many from each")
         need(self.eval_stride <= self.eval_seq_len,
              f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
         need(self.ttt_mode in ("sgd", "lora"), f"TTT_MODE={self.ttt_mode!r} must be sgd or lora")
@@ -666,6 +835,7 @@ class Hyperparameters:
             need(self.swa_enabled, "SWA_APPLY=1 needs SWA_ENABLED=1 (the snapshots it averages)")
             need(self.swa_snapshot_possible(), f"SWA_APPLY=1 but no SWA snapshot would be taken (no step with LR "
                                                f"scale < 0.2 on a multiple of SWA_EVERY={self.swa_every})")
+        self.clock = make_clock(self)  # last: it reads the cap and TRAIN_BATCH_TOKENS
 
     def rehearsal_settings(self):
         """PREFLIGHT=1: the settings the rehearsal ran with in place of the real ones (a run with these and
@@ -1001,17 +1171,20 @@ class DocumentPackingLoader(_HostLoader):
     cut is applied when a batch is handed out, so set_cut_len() (progressive context) acts on the next batch
     even with batches prefetched; rope_len is the length RoPE is scaled for (the longest cut of the run)."""
 
-    def __init__(self, files, rank, world_size, device, local_tokens, seq_len, vocab_size=None, rope_len=0):
+    def __init__(self, files, rank, world_size, device, local_tokens, seq_len, vocab_size=None, rope_len=0,
+                 first_bos=None):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.local_tokens, self.seq_len, self.vocab_size = local_tokens, seq_len, vocab_size
         self.rope_len = rope_len
         self.span = world_size * (local_tokens + 1)
         self.files = files
-        self.first_bos = []
-        for f in files:  # where each shard's documents start; shards too short for one span are skipped
-            first = self._first_bos(f)
-            self.first_bos.append(first if first is not None and read_shard_header(f) - first >= self.span
-                                  else None)
+        self.first_bos = first_bos  # another rank's of the same world (virtual ranks), else scanned here
+        if first_bos is None:
+            self.first_bos = []
+            for f in files:  # where each shard's documents start; shards too short for one span are skipped
+                first = self._first_bos(f)
+                self.first_bos.append(first if first is not None and read_shard_header(f) - first >= self.span
+                                      else None)
         if all(b is None for b in self.first_bos):
             raise ConfigError(f"TRAIN_LOADER=packed: no train shard ({files[0]} ...) holds a BOS token followed "
                               f"by one span of WORLD_SIZE x (tokens per rank and micro-step + 1) = {self.span} "
@@ -1065,6 +1238,42 @@ class DocumentPackingLoader(_HostLoader):
         tokens, starts = host
         x, y = host_to_device(tokens, self.local_tokens, self.device)
         return x, y, self.doc_bounds(starts, self.device)
+
+
+class VirtualRankLoader(_HostLoader):
+    """REPLAY_WORLD_SIZE (issue 40): the loaders of the virtual ranks one rank stands for, each drawing exactly as that
+    rank of a REPLAY_WORLD_SIZE-rank run draws (its shard stride, its generator, its span of each micro-step); a step
+    takes `block` (GRAD_ACCUM_STEPS) micro-batches from each in turn. A packed one hands out its first's documents'
+    bounds (the cut length is set on all)."""
+
+    def __init__(self, loaders, block):
+        self.loaders, self.block, self.taken = loaders, block, 0
+        first = loaders[0]
+        self.device, self.seq_len, self.local_tokens = first.device, first.seq_len, getattr(first, "local_tokens", 0)
+        self.rope_len = getattr(first, "rope_len", 0)
+
+    def next_host(self):
+        source = self.loaders[(self.taken // self.block) % len(self.loaders)]
+        self.taken += 1
+        return source.next_host()
+
+    def to_device(self, host):
+        return self.loaders[0].to_device(host)
+
+    def doc_bounds(self, starts, device):
+        return self.loaders[0].doc_bounds(starts, device)
+
+    def set_cut_len(self, seq_len):
+        for loader in self.loaders:
+            loader.set_cut_len(seq_len)
+
+    def position(self):
+        return {"virtual": [loader.position() for loader in self.loaders], "taken": self.taken}
+
+    def restore(self, position):
+        for loader, pos in zip(self.loaders, position["virtual"]):
+            loader.restore(pos)
+        self.taken = position["taken"]
 
 
 class PrefetchingPackedLoader:
@@ -2931,8 +3140,8 @@ def log_environment(rt):
 
 def clock_ms(h, step, wall_ms):
     """The elapsed training time the schedule reads after `step` steps: the real one (TRAIN_CLOCK=wall), or the
-    replayed one, step x TRAIN_CLOCK's ms (issue 40)."""
-    return wall_ms if h.replay_step_ms is None else step * h.replay_step_ms
+    replay clock's (issue 40)."""
+    return wall_ms if h.clock is None else h.clock.ms(step)
 
 
 def training_fraction(h, step, elapsed_ms):
@@ -2964,6 +3173,94 @@ def seq_len_phase(h, step, elapsed_ms):
     """Index of the TRAIN_SEQ_LEN_SCHEDULE phase due at this point of training (agreed elapsed time)."""
     frac = training_fraction(h, step, elapsed_ms)
     return max(i for i, (_, start) in enumerate(h.seq_len_phases) if start <= frac)
+
+
+def swa_snapshot_due(h, step, lr_scale):
+    """SWA_ENABLED=1 (SPEC 5): a snapshot after `step` steps when the LR scale is below 0.2 on a multiple of SWA_EVERY."""
+    return h.swa_enabled and lr_scale < 0.2 and step % h.swa_every == 0
+
+
+class Schedule:
+    """Every time-based decision of training, as _train_loop takes them (SPEC 3-5, SPEC-FRONTIER 10, 19): given the
+    ranks' agreed elapsed time after each step (after_step: the stop at the cap, the loop switch due), before_step
+    says what changes before the next step (the layer loop, the context phase, late QAT) and sets its LR scale.
+    replay_schedule() runs the same object on a replay clock, without training."""
+
+    def __init__(self, h):
+        self.h, self.elapsed_ms, self.loop_due, self.stop_after = h, 0.0, False, None
+        self.looping = h.num_loops > 0 and h.enable_looping_at == 0
+        self.qat_on, self.phase, self.switch_step = h.qat_enabled, 0, None
+        self.scale = self.lr_scale = 1.0
+
+    @property
+    def seq_len(self):
+        """The training context (cut length) of the current phase."""
+        return self.h.seq_len_phases[self.phase][0] if self.h.seq_len_phases else self.h.train_seq_len
+
+    def done(self, step):
+        return step == self.h.iterations or (self.stop_after is not None and step >= self.stop_after)
+
+    def before_step(self, step):
+        """The changes due before step `step` + 1, as (event, detail): ("layer_loop", training fraction),
+        ("seq_len", training fraction), ("late_qat", LR scale); sets .scale (the warmdown's; SWA and late QAT read
+        it) and .lr_scale (with the context phase's re-warmup)."""
+        h, events = self.h, []
+        frac = training_fraction(h, step, self.elapsed_ms)
+        if self.loop_due and not self.looping:
+            self.looping = True
+            events.append(("layer_loop", frac))
+        if h.seq_len_phases and seq_len_phase(h, step, self.elapsed_ms) != self.phase:
+            self.phase, self.switch_step = seq_len_phase(h, step, self.elapsed_ms), step
+            events.append(("seq_len", frac))
+        self.scale = lr_multiplier(h, step, self.elapsed_ms)
+        self.lr_scale = self.scale * seq_len_rewarmup(h, None if self.switch_step is None else step - self.switch_step)
+        if h.late_qat_threshold > 0 and self.scale < h.late_qat_threshold and not self.qat_on:
+            self.qat_on = True
+            events.append(("late_qat", self.scale))
+        return events
+
+    def after_step(self, step, elapsed_ms):
+        """The ranks' agreed elapsed time after `step` steps."""
+        h, self.elapsed_ms = self.h, elapsed_ms
+        if h.max_wallclock_ms is not None and elapsed_ms >= h.max_wallclock_ms and self.stop_after is None:
+            self.stop_after = step
+        self.loop_due = h.num_loops > 0 and training_fraction(h, step, elapsed_ms) >= h.enable_looping_at
+
+    STATE = ("elapsed_ms", "loop_due", "looping", "qat_on", "phase", "switch_step")  # what a checkpoint keeps
+
+    def state(self):
+        return {name: getattr(self, name) for name in self.STATE}
+
+    def restore(self, state):
+        for name in self.STATE:
+            setattr(self, name, state[name])
+
+
+def state_key(looping, cut, qat):
+    """A training state's name (the preflight report, replay_schedule): 'loop:1 seq:2048 qat:0'."""
+    return f"loop:{int(looping)} seq:{cut} qat:{int(qat)}"
+
+
+class ReplaySchedule(NamedTuple):
+    events: dict  # event -> the steps it happens at: layer_loop, seq_len, late_qat (before step+1), swa (snapshots)
+    stop: int  # the steps trained
+    states: dict  # state_key -> steps trained in that state
+
+
+def replay_schedule(h):
+    """A run's schedule on its replay clock (TRAIN_CLOCK other than wall), without training: the Schedule that
+    _train_loop runs, fed the clock's time after each step."""
+    sched, events, states, step = Schedule(h), {}, {}, 0
+    while not sched.done(step):
+        for name, _ in sched.before_step(step):
+            events.setdefault(name, []).append(step)
+        key = state_key(sched.looping, sched.seq_len, sched.qat_on)
+        states[key] = states.get(key, 0) + 1
+        step += 1
+        if swa_snapshot_due(h, step, sched.scale):
+            events.setdefault("swa", []).append(step)
+        sched.after_step(step, h.clock.ms(step))
+    return ReplaySchedule(events, step, states)
 
 
 def schedule_states(h, n):
@@ -3210,28 +3507,42 @@ class Trainer:
         for g in self.muon.param_groups:
             g["momentum"] = momentum
         self.zero_grad()
-        accum = h.grad_accum_steps
-        total = torch.zeros((), device=rt.device)
-        for _ in range(accum):
-            t0 = time.perf_counter()
-            if timer is None:
-                x, y, *docs = loader.next_batch()  # docs: [DocBounds] from the packed loader
-            else:  # the plain loader: time batch building and the copy separately
-                with phase("batch_cpu"):
-                    host = loader.next_host()
-                with phase("h2d"):
-                    x, y, *docs = loader.to_device(host)
-            self.data_wait_ms += 1000.0 * (time.perf_counter() - t0)
-            with phase("forward"), rt.autocast():
-                loss = self.forward(x, y, *docs)
-            total += loss.detach()
-            with phase("backward"):
-                (loss * (1.0 / accum)).backward()
-        # As the records (03-23 and 04-27, SPEC-FRONTIER 18): each rank's local gradients, before any communication;
-        # GRAD_CLIP_SCOPE=reduced: the rank-averaged gradients (one process: the same thing).
+        accum, k = h.grad_accum_steps, h.virtual_ranks
+        # As the records (03-23 and 04-27, SPEC-FRONTIER 18): each rank's local gradients, before any communication
+        # (each virtual rank's); GRAD_CLIP_SCOPE=reduced: the rank-averaged gradients (one process: its mean gradient).
+        clip_local = h.grad_clip_norm > 0 and h.grad_clip_scope == "local"
         clip_reduced = h.grad_clip_norm > 0 and h.grad_clip_scope == "reduced" and rt.distributed
-        with phase("clip"):
-            if h.grad_clip_norm > 0 and not clip_reduced:
+        clip_mean = h.grad_clip_norm > 0 and not (clip_local or clip_reduced)
+        kept = None  # virtual ranks clipped one by one: the sum of their clipped gradients / k
+        totals = []
+        for _ in range(k):  # this rank's virtual ranks (REPLAY_WORLD_SIZE), each as that rank computes its step
+            total = torch.zeros((), device=rt.device)
+            for _ in range(accum):
+                t0 = time.perf_counter()
+                if timer is None:
+                    x, y, *docs = loader.next_batch()  # docs: [DocBounds] from the packed loader
+                else:  # the plain loader: time batch building and the copy separately
+                    with phase("batch_cpu"):
+                        host = loader.next_host()
+                    with phase("h2d"):
+                        x, y, *docs = loader.to_device(host)
+                self.data_wait_ms += 1000.0 * (time.perf_counter() - t0)
+                with phase("forward"), rt.autocast():
+                    loss = self.forward(x, y, *docs)
+                total += loss.detach()
+                with phase("backward"):
+                    (loss * (1.0 / (accum if clip_local else accum * k))).backward()  # clipped: / k when kept
+            totals.append(total)
+            with phase("clip"):
+                if clip_local:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip_norm)
+                if clip_local and k > 1:
+                    kept = keep_virtual_rank_grads(self.model, kept, k)
+        if kept is not None:
+            for p, g in zip(self.model.parameters(), kept):
+                p.grad = g
+        if clip_mean:
+            with phase("clip"):
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip_norm)
         with phase("optimizer"):
             self.muon.launch_reduce_scatters()
@@ -3244,7 +3555,24 @@ class Trainer:
                 opt.step()
             self.muon.step()
         self.zero_grad()
-        return total / accum
+        if k == 1:
+            return totals[0] / accum
+        # the first virtual rank's loss (what that rank logs), made non-finite when any virtual rank's is
+        every = torch.stack(totals).sum()
+        return torch.where(torch.isfinite(every), totals[0] / accum, every)
+
+
+def keep_virtual_rank_grads(model, kept, k):
+    """Virtual ranks with local clipping (issue 40): one virtual rank's clipped gradients / k added to `kept` (the
+    gradients of those before it; None for the first), the parameters' .grad cleared for the next."""
+    grads = [p.grad for p in model.parameters()]
+    if kept is None:
+        kept = [None if g is None else g.div_(k) for g in grads]
+    else:
+        kept = [a if g is None else (g.div_(k) if a is None else a.add_(g, alpha=1.0 / k)) for a, g in zip(kept, grads)]
+    for p in model.parameters():
+        p.grad = None
+    return kept
 
 
 @torch.no_grad()
@@ -3262,22 +3590,32 @@ def clip_reduced_grads(rt, muon, replicated, max_norm):
         g.mul_(coef.to(g.dtype))
 
 
-def make_train_loader(rt, position=None):
-    """TRAIN_LOADER's loader; TRAIN_PREFETCH* and TRAIN_COPY_STREAM never change the batches. position: a
-    checkpoint's (the loader's position() when it was saved) to continue from."""
+def rank_loader(rt, rank, first_bos=None):
+    """TRAIN_LOADER's host loader for `rank` of REPLAY_WORLD_SIZE ranks (the real world without a replay)."""
     h = rt.h
-    local_tokens = h.train_batch_tokens // (h.world_size * h.grad_accum_steps)
-    args = (list_shards(h.train_files), h.rank, h.world_size, rt.device, local_tokens, h.train_seq_len)
+    local_tokens = h.train_batch_tokens // (h.replay_world_size * h.grad_accum_steps)
+    args = (list_shards(h.train_files), rank, h.replay_world_size, rt.device, local_tokens, h.train_seq_len)
     if h.train_loader == "shuffled":
-        base = ShuffledSequenceLoader(*args, h.seed, vocab_size=h.vocab_size)
-    elif h.train_loader == "packed":
+        return ShuffledSequenceLoader(*args, h.seed, vocab_size=h.vocab_size)
+    if h.train_loader == "packed":
         phases = h.seq_len_phases
-        base = DocumentPackingLoader(*args, vocab_size=h.vocab_size,
+        base = DocumentPackingLoader(*args, vocab_size=h.vocab_size, first_bos=first_bos,
                                      rope_len=max((n for n, _ in phases), default=h.train_seq_len))
         if phases:
             base.set_cut_len(phases[0][0])
-    else:
-        base = DistributedTokenLoader(*args, vocab_size=h.vocab_size)
+        return base
+    return DistributedTokenLoader(*args, vocab_size=h.vocab_size)
+
+
+def make_train_loader(rt, position=None):
+    """TRAIN_LOADER's loader (with virtual ranks, theirs in turn); TRAIN_PREFETCH* and TRAIN_COPY_STREAM never
+    change the batches. position: a checkpoint's (the loader's position() when it was saved) to continue from."""
+    h = rt.h
+    base = rank_loader(rt, h.rank * h.virtual_ranks)
+    if h.virtual_ranks > 1:
+        bos = getattr(base, "first_bos", None)
+        base = VirtualRankLoader([base] + [rank_loader(rt, h.rank * h.virtual_ranks + j, bos)
+                                           for j in range(1, h.virtual_ranks)], h.grad_accum_steps)
     if position is not None:
         base.restore(position)
     if not (rt.train_prefetch or rt.train_copy_stream):
@@ -3291,12 +3629,14 @@ def make_train_loader(rt, position=None):
 
 
 def make_calibration_loader(rt):
-    """GPTQ_CALIBRATION_SEQS > 0, the 2026-04-27 record's calibration data (SPEC-FRONTIER 18): per rank,
-    batches of that many TRAIN_SEQ_LEN windows from a shuffled loader over the rank's shards, seeded by the
-    rank alone (not SEED), read through the final (looped) model like today's batches."""
+    """GPTQ_CALIBRATION_SEQS > 0, the 2026-04-27 record's calibration data (SPEC-FRONTIER 18): per rank (of
+    REPLAY_WORLD_SIZE), batches of that many TRAIN_SEQ_LEN windows from a shuffled loader over the rank's shards,
+    seeded by the rank alone (not SEED), read through the final (looped) model like today's batches."""
     h = rt.h
-    return ShuffledSequenceLoader(list_shards(h.train_files), h.rank, h.world_size, rt.device,
-                                  h.gptq_calibration_seqs * h.train_seq_len, h.train_seq_len, 0, h.vocab_size)
+    loaders = [ShuffledSequenceLoader(list_shards(h.train_files), h.rank * h.virtual_ranks + j, h.replay_world_size,
+                                      rt.device, h.gptq_calibration_seqs * h.train_seq_len, h.train_seq_len, 0,
+                                      h.vocab_size) for j in range(h.virtual_ranks)]
+    return loaders[0] if len(loaders) == 1 else VirtualRankLoader(loaders, h.gptq_calibration_batches)
 
 
 def loop_states(h, start=False):
@@ -3370,7 +3710,7 @@ class WeightAverager:
             d = self.h.ema_decay
             for k, v in state.items():
                 self.ema[k].mul_(d).add_(v.detach().float(), alpha=1.0 - d)
-        if self.h.swa_enabled and lr_scale < 0.2 and step % self.h.swa_every == 0:
+        if swa_snapshot_due(self.h, step, lr_scale):
             if self.swa is None:
                 self.swa = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in state.items()}
             for k, v in state.items():
@@ -3833,7 +4173,7 @@ def train(rt, model, val_tokens, luts):
         t0 = time.perf_counter()
         hessians = collect_hessians(rt, model, make_calibration_loader(rt) if h.gptq_calibration_seqs else loader)
         ms = 1000.0 * (time.perf_counter() - t0)
-        rt.log(f"gptq: hessians:{len(hessians)} batches:{h.gptq_calibration_batches}x{h.world_size} "
+        rt.log(f"gptq: hessians:{len(hessians)} batches:{h.gptq_calibration_batches}x{h.replay_world_size} "
                f"time:{ms:.0f}ms train+hessians:{train_ms + ms:.0f}ms" + (
                 f" calibration:shuffled {h.gptq_calibration_seqs}x{h.train_seq_len}" if h.gptq_calibration_seqs else ""))
         if h.max_wallclock_seconds > 0 and train_ms + ms > 1000.0 * h.max_wallclock_seconds:
@@ -3849,14 +4189,15 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
     averager = WeightAverager(h, model)
     timer = StepTimer(rt) if h.training_timing_breakdown else None
     profiler = StepProfiler(rt)
-    cap_ms = h.max_wallclock_ms
-    train_ms, stop_after, step = 0.0, None, 0
-    elapsed_ms, loop_due = 0.0, False  # agreed by all ranks after each step
-    qat_on = h.qat_enabled
-    phases, phase, switch_step = h.seq_len_phases, 0, None  # progressive context (TRAIN_SEQ_LEN_SCHEDULE)
-    if h.replay_step_ms is not None:
-        rt.log(f"train_clock:ms:{h.replay_step_ms:g} (every time-based decision reads step x {h.replay_step_ms:g} ms; "
-               "train_time is the real time)")
+    sched = Schedule(h)  # every time-based decision; elapsed time agreed by all ranks after each step
+    train_ms, step = 0.0, 0
+    phases = h.seq_len_phases  # progressive context (TRAIN_SEQ_LEN_SCHEDULE)
+    if h.replaying:  # a reproduction of another run: say how (recordlib reads this line)
+        notes = ["every time-based decision reads the replayed time; train_time is the real time"] if h.clock else []
+        if h.virtual_ranks > 1:
+            notes.append(f"virtual ranks: each rank computes the micro-batches of {h.virtual_ranks} ranks")
+        rt.log(f"train_clock:{h.clock.name if h.clock else 'wall'} replay_world_size:{h.replay_world_size} "
+               f"world_size:{h.world_size} grad_accum:{h.micro_steps} ({'; '.join(notes)})")
     if phases:
         rt.log(f"seq_len_schedule:{phases} rewarmup_steps:{h.seq_len_rewarmup_steps} seq_len:{phases[0][0]} step:0")
     ckpt = Checkpointer(rt) if h.checkpoint_every > 0 else None
@@ -3866,21 +4207,23 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
                f"bytes:~{shared + muon * h.world_size} write:{'async' if ckpt.asynchronous else 'sync'}")
     if resumed is not None:  # everything the next step reads, as the checkpoint's step left it
         s = restore_training_state(resumed, trainer, averager)
-        step, train_ms, elapsed_ms, loop_due = s["step"], s["train_ms"], s["elapsed_ms"], s["loop_due"]
-        qat_on, phase, switch_step, model.looping = s["qat_on"], s["phase"], s["switch_step"], s["looping"]
-        model.set_qat(qat_on)
+        step, train_ms = s["step"], s["train_ms"]
+        sched.restore(s)
+        model.looping = sched.looping
+        model.set_qat(sched.qat_on)
         if phases:
-            loader.set_cut_len(phases[phase][0])
+            loader.set_cut_len(sched.seq_len)
         rt.log(f"resumed_from:{rt.resume.path} step:{step} train_time:{train_ms:.0f}ms")
         if rt.resume.manifest.get("code_crc32") != code_crc():
             rt.log("resume_note: this train_gpt.py differs from the one that wrote the checkpoint (CRC-32); the "
                    "settings match, but a change in the code's math would make this run differ from an unbroken one")
+    replayed = (lambda ms: "") if h.clock is None else (lambda ms: f" replayed_time:{ms:.0f}ms")
     trainer.data_wait_ms = 0.0
     wait_total, wait_max, wait_since_log, steps_since_log = 0.0, 0.0, 0.0, 0
     rt.sync()
     t0 = time.perf_counter()
     while True:
-        last = step == h.iterations or (stop_after is not None and step >= stop_after)
+        last = sched.done(step)
         if last or (h.val_loss_every > 0 and step % h.val_loss_every == 0):
             rt.sync()
             train_ms += 1000.0 * (time.perf_counter() - t0)
@@ -3891,29 +4234,25 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
             rt.sync()
             t0 = time.perf_counter()
         if last:
-            if stop_after is not None and step < h.iterations:
+            if sched.stop_after is not None and step < h.iterations:
                 rt.log(f"stopping_early: wallclock_cap train_time:{train_ms:.0f}ms step:{step}/{h.iterations}"
-                       + ("" if h.replay_step_ms is None else f" replayed_time:{clock_ms(h, step, train_ms):.0f}ms"))
+                       + replayed(clock_ms(h, step, train_ms)))
             break
-        if loop_due and not model.looping:
-            model.looping = True
-            encoder, decoder = model.orders[True]
-            rt.log(f"layer_loop:enabled step:{step} frac:{training_fraction(h, step, elapsed_ms):.4f} "
-                   f"encoder:{encoder} decoder:{decoder}")
-        if phases and seq_len_phase(h, step, elapsed_ms) != phase:
-            phase, switch_step = seq_len_phase(h, step, elapsed_ms), step
-            loader.set_cut_len(phases[phase][0])
-            rt.log(f"seq_len:{phases[phase][0]} step:{step} frac:{training_fraction(h, step, elapsed_ms):.4f}")
-        scale = lr_multiplier(h, step, elapsed_ms)
-        lr_scale = scale * seq_len_rewarmup(h, None if switch_step is None else step - switch_step)
-        if h.late_qat_threshold > 0 and scale < h.late_qat_threshold and not qat_on:
-            qat_on = True
-            model.set_qat(True)
-            rt.log(f"late_qat:enabled step:{step} scale:{scale:.4f}")
+        for event, value in sched.before_step(step):
+            if event == "layer_loop":
+                model.looping = True
+                encoder, decoder = model.orders[True]
+                rt.log(f"layer_loop:enabled step:{step} frac:{value:.4f} encoder:{encoder} decoder:{decoder}")
+            elif event == "seq_len":
+                loader.set_cut_len(sched.seq_len)
+                rt.log(f"seq_len:{sched.seq_len} step:{step} frac:{value:.4f}")
+            else:
+                model.set_qat(True)
+                rt.log(f"late_qat:enabled step:{step} scale:{value:.4f}")
         profiler.before_step(step + 1)
         with compile_region("training"):
-            train_loss = trainer.step(loader, lr_scale, muon_momentum_at(h, step), timer)
-        averager.update(step + 1, scale)
+            train_loss = trainer.step(loader, sched.lr_scale, muon_momentum_at(h, step), timer)
+        averager.update(step + 1, sched.scale)
         step += 1
         profiler.after_step(step)
         wait, trainer.data_wait_ms = trainer.data_wait_ms, 0.0
@@ -3922,12 +4261,11 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
         approx_ms = train_ms + 1000.0 * (time.perf_counter() - t0)
         schedule_ms = clock_ms(h, step, approx_ms)  # what the schedule reads: approx_ms, or the replayed time
         if _PREFLIGHT[0] is not None:
-            _PREFLIGHT[0].training_step(model.looping, phases[phase][0] if phases else h.train_seq_len, qat_on, approx_ms)
-        if h.train_log_every > 0 and (step <= 10 or step % h.train_log_every == 0 or stop_after is not None):
+            _PREFLIGHT[0].training_step(model.looping, sched.seq_len, sched.qat_on, approx_ms)
+        if h.train_log_every > 0 and (step <= 10 or step % h.train_log_every == 0 or sched.stop_after is not None):
             rt.log(f"step:{step}/{h.iterations} train_loss:{train_loss.item():.4f} "
                    f"train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms "
-                   f"data_wait_ms:{wait_since_log / steps_since_log:.2f}"
-                   + ("" if h.replay_step_ms is None else f" replayed_time:{schedule_ms:.0f}ms"))
+                   f"data_wait_ms:{wait_since_log / steps_since_log:.2f}" + replayed(schedule_ms))
             wait_since_log, steps_since_log = 0.0, 0
         if timer is not None:
             timer.steps += 1
@@ -3942,15 +4280,12 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
         if diverged:
             raise RunError(f"training loss is not finite at step {step}; stopped, no artifact written (lower "
                            "MATRIX_LR, SCALAR_LR, TIED_EMBED_LR)")
-        if cap_ms is not None and elapsed_ms >= cap_ms and stop_after is None:
-            stop_after = step
-        loop_due = h.num_loops > 0 and training_fraction(h, step, elapsed_ms) >= h.enable_looping_at
+        sched.after_step(step, elapsed_ms)
         if ckpt is not None:
             ckpt.poll(writing[0])
-            if step % h.checkpoint_every == 0 and step < h.iterations and stop_after is None:
+            if step % h.checkpoint_every == 0 and step < h.iterations and sched.stop_after is None:
                 ckpt.save(step, *training_state(trainer, averager, loader, dict(
-                    step=step, train_ms=train_ms + 1000.0 * (time.perf_counter() - t0), elapsed_ms=elapsed_ms,
-                    loop_due=loop_due, looping=model.looping, qat_on=qat_on, phase=phase, switch_step=switch_step)))
+                    step=step, train_ms=train_ms + 1000.0 * (time.perf_counter() - t0), **sched.state())))
     if ckpt is not None:
         ckpt.wait()
     log_compile_region(rt, "training")
@@ -3961,7 +4296,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
         rt.log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
     rt.log(f"final_weights:{averager.apply_final()}")
-    return qat_on, train_ms
+    return sched.qat_on, train_ms
 
 
 # ==================================================
@@ -4082,7 +4417,7 @@ def collect_hessians(rt, model, loader):
     model.eval()
     _RECORDER[0] = rec
     try:
-        for _ in range(h.gptq_calibration_batches):
+        for _ in range(h.gptq_calibration_batches * h.virtual_ranks):  # each virtual rank's, as many
             x, _, *docs = loader.next_batch()
             with rt.autocast():
                 model.forward_logits(x, *docs)
@@ -4091,8 +4426,9 @@ def collect_hessians(rt, model, loader):
         model.train()
     names = sorted(rec.sums)
     flat = rt.all_reduce(torch.cat([rec.sums[k].reshape(-1) for k in names]))
-    parts = flat.div_(h.gptq_calibration_batches * h.world_size).float().split([rec.sums[k].numel() for k in names])
-    rows = {k: rec.rows[k] / h.gptq_calibration_batches for k in names}  # equal on every rank: same batch shapes
+    count = h.gptq_calibration_batches * h.replay_world_size
+    parts = flat.div_(count).float().split([rec.sums[k].numel() for k in names])
+    rows = {k: rec.rows[k] * h.world_size / count for k in names}  # equal on every rank: same batch shapes
     return Hessians({k: p.view_as(rec.sums[k]) for k, p in zip(names, parts)}, rows)
 
 
@@ -4774,7 +5110,7 @@ def finish_loss_bpb(rt, sums):
 def eval_val_split(h, num_targets):
     """(first, last) sequence of this rank, rows per batch, whole EVAL_SEQ_LEN sequences of eval_val."""
     L = h.eval_seq_len
-    batch_seqs = h.val_batch_size // (h.world_size * h.grad_accum_steps) // L
+    batch_seqs = h.val_batch_size // (h.world_size * h.micro_steps) // L
     total = num_targets // L
     return total * h.rank // h.world_size, total * (h.rank + 1) // h.world_size, batch_seqs, total
 
@@ -5520,11 +5856,6 @@ def artifact_files(h):
 def merge_shapes(a, b):
     """Two EvalShapes as one: every shape of either (PREFLIGHT=1 warms the whole val set's and its slice's)."""
     return EvalShapes(*(sorted(set(x) | set(y)) for x, y in zip(a, b)))
-
-
-def state_key(looping, cut, qat):
-    """A training state's name in the preflight report: 'loop:1 seq:2048 qat:0'."""
-    return f"loop:{int(looping)} seq:{cut} qat:{int(qat)}"
 
 
 def project_training(h, ms):

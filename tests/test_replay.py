@@ -1,0 +1,161 @@
+"""Replay (issue 40): a record's run step for step on any machine. TRAIN_CLOCK (record, log:PATH, ms:X) gives every
+time-based decision of training a replayed clock; REPLAY_WORLD_SIZE gives each rank the batches of the virtual ranks
+it stands for."""
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+
+import launcher
+import train_gpt as tg
+from conftest import REPO, TINY_ENV, clean_environ, config_error, read_log, short_val_data
+from test_frontier import CLOCK_WRAPPER
+
+ANCHORS = REPO.parent / "shared" / "anchors"
+SEED_LOGS = {"record_0323": "record_2026-03-23/train_seed1337.log",
+             **{p: f"frontier/{p}/train_seed42.log" for p in ("record_0409", "record_0427", "record_0430", "record_0501")}}
+
+# ---------------------------------------------------------------------------------------------- the clock
+
+
+@pytest.mark.skipif(not ANCHORS.is_dir(), reason="needs ../shared/anchors (the records' seed logs)")
+@pytest.mark.parametrize("preset", sorted(SEED_LOGS))
+def test_each_record_clock_is_what_its_seed_log_says(preset):
+    """RECORD_CLOCKS is data read from the records' seed logs (a few dozen numbers each): reading the log again gives
+    exactly the stored entries, and the label names the log's seed."""
+    path = ANCHORS / SEED_LOGS[preset]
+    label, entries = tg.RECORD_CLOCKS[preset]
+    assert tg.clock_entries(path.read_text().splitlines()) == list(entries)
+    assert label == "seed " + re.search(r"seed(\d+)", path.name).group(1)
+
+
+# The records' logged events (issue 40). The loop switch, the context phases and the stop are exact points of the
+# clock; late QAT falls between two logged points (6500 and 7000), where the clock is linear over 500 steps whose
+# later ones ran slower (late QAT's fake quantisation), so it comes 2 steps after the logged 6662 (scale 0.1498).
+RECORD_EVENTS = {
+    "record_0323": ({"late_qat": 6662, "swa": 6500}, 7179),
+    "record_0409": ({"layer_loop": 2018}, 4550),
+    "record_0427": ({"layer_loop": 2178}, 4945),
+    "record_0430": ({"seq_len": [646, 3664], "layer_loop": 2185}, 4888),
+    "record_0501": ({"layer_loop": 2206}, 5001),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(RECORD_EVENTS))
+def test_a_replayed_record_schedule_takes_each_logged_decision_at_the_records_step(preset):
+    """The preset's full schedule on TRAIN_CLOCK=record, run by the loop's own Schedule without training: the loop
+    switch, the context phases and the stop at the record's steps exactly, late QAT within 2 steps (see above), SWA's
+    first snapshot at 6500 (the 03-23 record collects SWA snapshots; SWA_ENABLED=1 does here too)."""
+    swa = {"SWA_ENABLED": "1"} if preset == "record_0323" else {}
+    h = tg.Hyperparameters({"PRESET": preset, "TRAIN_CLOCK": "record", **swa})
+    replay = tg.replay_schedule(h)
+    events, stop = RECORD_EVENTS[preset]
+    assert replay.stop == stop and sum(replay.states.values()) == stop
+    assert set(replay.events) == set(events)
+    for name, want in events.items():
+        got = replay.events[name]
+        if name == "late_qat":
+            assert len(got) == 1 and 0 <= got[0] - want <= 2, got
+        elif name == "swa":
+            assert got[0] == want and got == list(range(want, stop + 1, 50)), got
+        else:
+            assert got == (want if isinstance(want, list) else [want]), (name, got)
+    assert h.clock.name == f"record({preset} {tg.RECORD_CLOCKS[preset][0]})"
+
+
+def test_a_clock_from_a_log_is_exact_at_its_points_and_at_its_logged_decisions(tmp_path):
+    """log:PATH on this script's own (wall-clock) log lines: train lines are points, linear between them from 0 at
+    step 0 and extended at the last interval's rate; a logged decision is the least time that takes it (the loop's
+    fraction of the cap, the cap at the stop) and wins over the same step's train line; other lines are ignored."""
+    log = tmp_path / "run.txt"
+    log.write_text("\n".join([
+        "train_clock:wall replay_world_size:8 world_size:8 grad_accum:1",
+        "step:1/100 train_loss:6.9 train_time:100ms step_avg:100.00ms data_wait_ms:0.01",
+        "step:2/100 train_loss:6.8 train_time:180ms step_avg:90.00ms data_wait_ms:0.01",
+        "step:0/100 val_loss:6.9 val_bpb:4.1 train_time:0ms step_avg:0.01ms",
+        "layer_loop:enabled step:4 frac:0.3500 encoder:[0, 1] decoder:[2]",
+        "step:4/100 train_loss:6.7 train_time:999ms step_avg:90.00ms data_wait_ms:0.01",
+        "step:10/100 train_loss:6.5 train_time:900ms step_avg:90.00ms data_wait_ms:0.01",
+        "stopping_early: wallclock_cap train_time:1043ms step:11/100",
+    ]) + "\n")
+    h = tg.Hyperparameters({"TRAIN_CLOCK": f"log:{log}", "MAX_WALLCLOCK_SECONDS": "1"})
+    clock = h.clock
+    assert clock.name == f"log({log})"
+    assert [clock.ms(s) for s in (0, 1, 2, 10)] == [0.0, 100.0, 180.0, 900.0]
+    assert clock.ms(3) == pytest.approx((180.0 + clock.ms(4)) / 2)
+    assert clock.ms(4) / 1000.0 >= 0.35 > clock.ms(3) / 1000.0 and clock.ms(4) == pytest.approx(350.0)
+    assert clock.ms(11) == 1000.0 > clock.ms(10)  # the cap: the stop step is the first to reach it
+    assert clock.ms(13) == pytest.approx(1200.0)  # past the last point: 100 ms a step, the last interval's rate
+    sched = tg.replay_schedule(tg.Hyperparameters({"TRAIN_CLOCK": f"log:{log}", "MAX_WALLCLOCK_SECONDS": "1",
+                                                   "NUM_LOOPS": "1", "ENABLE_LOOPING_AT": "0.35"}))
+    assert sched.events["layer_loop"] == [4] and sched.stop == 11
+
+
+def test_bad_replay_settings_are_refused_in_one_line(tmp_path, monkeypatch):
+    assert "TRAIN_CLOCK='ms:-1' must be wall, record, log:PATH or ms:X (X > 0" in config_error({"TRAIN_CLOCK": "ms:-1"})
+    assert "TRAIN_CLOCK='log:' must be wall, record, log:PATH or ms:X" in config_error({"TRAIN_CLOCK": "log:"})
+    assert "TRAIN_CLOCK='records' must be" in config_error({"TRAIN_CLOCK": "records"})
+    missing = tmp_path / "nope.txt"
+    assert config_error({"TRAIN_CLOCK": f"log:{missing}"}) == (
+        f"TRAIN_CLOCK=log:{missing}: cannot read the log (No such file or directory)")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("step:0/9000 val_loss:6.9 val_bpb:4.1 train_time:0ms step_avg:0.01ms\nwarmup_step:1/20\n")
+    assert config_error({"TRAIN_CLOCK": f"log:{empty}"}).startswith(
+        f"TRAIN_CLOCK=log:{empty}: the log has no clock lines")
+    assert "TRAIN_CLOCK=record needs MAX_WALLCLOCK_SECONDS > 0" in config_error(
+        {"TRAIN_CLOCK": "record", "MAX_WALLCLOCK_SECONDS": "0"})
+    # with another cap, the record's logged decisions (fractions of the cap) and its train lines disagree
+    assert "TRAIN_CLOCK=record: the clock goes back at step 2018" in config_error(
+        {"PRESET": "record_0409", "TRAIN_CLOCK": "record", "MAX_WALLCLOCK_SECONDS": "300"})
+    monkeypatch.delitem(tg.RECORD_CLOCKS, "record_0409")
+    assert config_error({"PRESET": "record_0409", "TRAIN_CLOCK": "record"}).startswith(
+        "TRAIN_CLOCK=record: PRESET=record_0409 has no record clock (presets with one: record_0323, record_0427")
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def test_a_replay_clock_makes_the_same_steps_on_a_machine_five_times_slower(tmp_path, sample_data):
+    """TRAIN_CLOCK=ms:50 with a 0.3 s cap: the cap, the warmdown (WARMDOWN_FRAC) and the loop switch read step x 50 ms,
+    so the run stops after step 6 and loops from step 3 (0.5 of the cap), as the formula says; a run whose clock runs
+    5 times as fast (a slower machine, as the script sees it) logs the same steps, losses and switch and ends with the
+    same weights; the real time is still logged (train_time) beside the replayed one. A third run, 3 times slower,
+    replays the first run's log (TRAIN_CLOCK=log:PATH) and does the same."""
+    data = short_val_data(sample_data, tmp_path, 2 * 128 + 1)
+    wrapper = tmp_path / "clock_run.py"
+    wrapper.write_text(CLOCK_WRAPPER.format(repo=str(REPO)))  # its clock at the rate given as its argument
+    env = {**clean_environ(), **TINY_ENV, **data, "OMP_NUM_THREADS": "1", "ITERATIONS": "100000",
+           "MAX_WALLCLOCK_SECONDS": "0.3", "TRAIN_CLOCK": "ms:50", "WARMDOWN_ITERS": "0", "WARMDOWN_FRAC": "0.5",
+           "NUM_LOOPS": "1", "LOOP_START": "1", "LOOP_END": "2", "ENABLE_LOOPING_AT": "0.5", "TTT_ENABLED": "0",
+           "EVAL_STRIDE": "0", "WARMUP_STEPS": "0", "RUN_ID": "replay"}
+    first_log = tmp_path / "rate1" / "logs" / "replay.txt"
+    runs = {}
+    for rate, clock in (("1", "ms:50"), ("5", "ms:50"), ("3", f"log:{first_log}")):
+        cwd = tmp_path / f"rate{rate}"
+        cwd.mkdir()
+        proc = launcher.run([wrapper, rate], {**env, "TRAIN_CLOCK": clock}, cwd, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        log = read_log(cwd, "replay")
+        name = "ms:50" if clock == "ms:50" else f"log({first_log})"
+        assert f"\ntrain_clock:{name} replay_world_size:1 world_size:1 grad_accum:8 (every time-based decision " in log
+        assert re.search(r"^stopping_early: wallclock_cap train_time:\d+ms step:6/100000 replayed_time:300ms$", log,
+                         re.M), log[-2000:]
+        assert re.search(r"^layer_loop:enabled step:3 frac:0\.5000 ", log, re.M), log[-2000:]
+        steps = re.findall(r"^step:(\d+)/100000 train_loss:(\S+) train_time:\d+ms .* replayed_time:(\d+)ms$", log, re.M)
+        assert [(int(s), int(r)) for s, _, r in steps] == [(s, 50 * s) for s in range(1, 7)]
+        runs[rate] = ([loss for _, loss, _ in steps], torch.load(cwd / "rank0.pt"))
+    for rate in ("5", "3"):
+        assert runs[rate][0] == runs["1"][0]
+        assert all(torch.equal(runs["1"][1][k], runs[rate][1][k]) for k in runs["1"][1])
+    # the record tools: a replayed run is a reproduction, never a 10-minute-track record
+    sys.path.insert(0, str(REPO / "scripts"))
+    import check_record
+    import recordlib as rl
+    log = rl.parse_log_text(read_log(tmp_path / "rate1", "replay"), tmp_path / "train_seed1337.log")
+    note = rl.replayed_note(log)
+    assert note is not None and "ms:50" in note and "\n" not in note
+    assert (log.path, note) in check_record.check_log(log, set(), "10min", None)
+    assert all(note != msg for _, msg in check_record.check_log(log, set(), "non-record", None))
