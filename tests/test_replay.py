@@ -279,3 +279,52 @@ def test_two_virtual_ranks_on_one_process_train_as_two_processes(tmp_path, sampl
     assert w1.keys() == w2.keys()
     for k in w1:
         assert float((w1[k].float() - w2[k].float()).abs().max()) <= 1e-3, k
+
+
+def test_preflight_under_a_replay_clock_projects_the_replays_steps_at_this_machines_step_times():
+    """PREFLIGHT=1 with TRAIN_CLOCK=record: the rehearsal itself runs without a cap, and the report projects the
+    record's own steps in each training state (#2014: 646 + 1539 + 1479 + 1224 = 4888) at the measured ms per step."""
+    h = tg.Hyperparameters({"PRESET": "record_0430", "TRAIN_CLOCK": "record", "PREFLIGHT": "1"})
+    assert h.max_wallclock_ms is None and h.real["max_wallclock_ms"] == 596_000.0
+    ms = {"loop:0 seq:1024 qat:0": 100.0, "loop:0 seq:2048 qat:0": 200.0, "loop:1 seq:2048 qat:0": 300.0,
+          "loop:1 seq:3072 qat:0": 400.0}
+    out = tg.project_training(h, ms)
+    assert out["clock"] == "record(record_0430 seed 42)" and out["projected_steps"] == 4888
+    assert out["projected_train_s"] == pytest.approx((646 * 100 + 1539 * 200 + 1479 * 300 + 1224 * 400) / 1000, abs=0.05)
+    line = tg.Preflight.lines({"stages": [], "training": {"timed_steps": 12, "states": {}, "max_wallclock_ms": None,
+                                                           **out}, "peak_memory_mib": [1.0], "compile": [],
+                               "verdict": "preflight: ready"})[0]
+    assert line.endswith("projected_steps:4888 projected_train:1305.7s replaying train_clock:record(record_0430 seed "
+                         "42) (the replayed run's steps, at this machine's step times)")
+
+
+def test_numeric_settings_that_nothing_could_use_are_refused_in_one_line():
+    """Found trying bad values as a new user would (issue 40): these once ended `preflight: ready` having timed
+    nothing, or in a ZeroDivisionError; each numeric setting is now bounded where it is read."""
+    assert config_error({"PREFLIGHT_STEPS": "0"}).startswith("PREFLIGHT_STEPS=0 must be > 0")
+    assert config_error({"PREFLIGHT_STEPS": "-3"}).startswith("PREFLIGHT_STEPS=-3 must be > 0")
+    for bad in ("-1", "100"):
+        assert config_error({"PREFLIGHT_VAL_TOKENS": bad}).startswith(
+            f"PREFLIGHT_VAL_TOKENS={bad} must be 0 (4 EVAL_SEQ_LEN rows a rank) or at least one row")
+    assert config_error({"TTT_LORA_ALPHA": "0"}).startswith("TTT_LORA_ALPHA=0 must be > 0")
+    assert config_error({"TTT_WEIGHT_DECAY": "-1"}) == "TTT_WEIGHT_DECAY=-1 must be >= 0"
+    assert config_error({"ATTN_GATE_SCALE": "-0.5"}) == "ATTN_GATE_SCALE=-0.5 must be > 0"
+    # every numeric setting but PARALLEL_RESIDUAL_START (-1: off) refuses -1
+    h = tg.Hyperparameters({})
+    numeric = [n for n, _ in h.settings if type(h.effective[n][0]) in (int, float)]
+    accepted = []
+    for name in numeric:
+        try:
+            tg.Hyperparameters({name: "-1"})
+            accepted.append(name)
+        except tg.ConfigError:
+            pass
+    assert accepted == ["PARALLEL_RESIDUAL_START"]
+
+
+def test_every_frontier_preset_prunes_to_the_cap_and_the_default_never_does():
+    """TARGET_BYTES=16000000 in the presets after 03-23 (our code is larger than the records'; the 04-09 record's model
+    beside it would pass the cap), pruning only when over; the default (the 03-23 record) keeps 0."""
+    assert tg.Hyperparameters({}).target_bytes == 0
+    for preset in ("record_0409", "record_0427", "record_0430", "record_0501"):
+        assert tg.Hyperparameters({"PRESET": preset}).target_bytes == tg.SIZE_CAP_BYTES == 16_000_000
