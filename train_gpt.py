@@ -4710,7 +4710,12 @@ def prune_ones(w, meta, fits):
     """TARGET_BYTES (record 03-25's selective pruning): zero the k codes of +-1 whose loss costs least (the row
     scale squared, its squared error), k the smallest count for which fits(w) holds, by doubling then bisection
     (size taken as falling with k). Returns (w, k, the blob of the last fitting probe)."""
+    blob = fits(w)
+    if blob is not None:  # already fits: nothing to rank
+        return w, 0, blob
     names = [n for n, m in meta.items() if not isinstance(m, str)]
+    if not names:
+        raise RunError("TARGET_BYTES cannot be met: no quantised matrix has +-1 codes to zero")
     costs, where = [], []
     for i, n in enumerate(names):
         q, s = w[n + ".q"], w[n + ".scale"].float()
@@ -4730,9 +4735,6 @@ def prune_ones(w, meta, fits):
                 out[n + ".q"] = q
         return out
 
-    blob = fits(w)
-    if blob is not None:
-        return w, 0, blob
     lo, hi = 0, 1
     while (blob := fits(pruned(hi))) is None:
         if hi >= len(where):

@@ -493,6 +493,16 @@ def test_prune_ones_target_met_or_unreachable(prune_setup):
     assert all(int((probes[-1][n + ".q"].abs() == 1).sum()) == 0 for n in p["names"])
 
 
+def test_prune_ones_with_no_quantised_matrix_keeps_a_fitting_blob_or_says_why():
+    """A model small enough that every tensor is stored fp16 (the tiny test runs, with the presets' TARGET_BYTES):
+    a fitting blob is written as it is; one that does not fit is a RunError naming TARGET_BYTES, not a torch.cat
+    error about an empty list."""
+    w, meta = {"a": torch.ones(3, dtype=torch.float16)}, {"a": "passthrough"}
+    assert tg.prune_ones(w, meta, lambda ws: b"blob") == (w, 0, b"blob")
+    with pytest.raises(tg.RunError, match="TARGET_BYTES cannot be met: no quantised matrix"):
+        tg.prune_ones(w, meta, lambda ws: None)
+
+
 def test_save_artifact_with_target_bytes_fits(prune_setup, tmp_path):
     p = prune_setup
     code = 50_000
