@@ -371,6 +371,7 @@ class Hyperparameters:
         self.val_loss_every = self._env("VAL_LOSS_EVERY", 4000)
         self.train_log_every = self._env("TRAIN_LOG_EVERY", 500)
         self.grad_accum_override = self._env("GRAD_ACCUM_STEPS", 0)
+        self.micro_batch_split = self._env("MICRO_BATCH_SPLIT", 1)  # pieces of each micro-batch; 0: auto (issue 40)
         # ---- model
         self.vocab_size = self._env("VOCAB_SIZE", 1024)
         self.num_layers = self._env("NUM_LAYERS", 11)
@@ -642,6 +643,18 @@ class Hyperparameters:
         return self.virtual_ranks * self.grad_accum_steps
 
     @property
+    def split_limit(self):
+        """The most pieces MICRO_BATCH_SPLIT may cut a drawn micro-batch into: its rows (which it must divide), or
+        for a packed row its tokens over the longest training context (a piece holds whole segments)."""
+        local = self.train_batch_tokens // (self.replay_world_size * self.grad_accum_steps)
+        if self.train_loader == "packed":
+            return local // max((n for n, _ in self.seq_len_phases), default=self.train_seq_len)
+        return local // self.train_seq_len
+
+    def split_ok(self, pieces):
+        return 0 < pieces <= self.split_limit and (self.train_loader == "packed" or self.split_limit % pieces == 0)
+
+    @property
     def replaying(self):
         """A replay clock or virtual ranks: the run reproduces another, and its log says so (train_clock:)."""
         return self.clock is not None or self.virtual_ranks > 1
@@ -702,7 +715,8 @@ class Hyperparameters:
                  "TIED_EMBED_LR MATRIX_LR SCALAR_LR MUON_WD ADAM_WD GRAD_CLIP_NORM TTT_LR TTT_GRAD_CLIP ADAM_EPS "
                  "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD GPTQ_RESERVE_SECONDS MATRIX_CLIP_SIGMAS EMBED_CLIP_SIGMAS "
                  "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD ATTN_GATE_INIT_STD MLP_CLIP_SIGMAS ATTN_CLIP_SIGMAS "
-                 "LQER_RANK GPTQ_CALIBRATION_SEQS CHECKPOINT_EVERY REPLAY_WORLD_SIZE", lambda v: v >= 0, ">= 0"),
+                 "LQER_RANK GPTQ_CALIBRATION_SEQS CHECKPOINT_EVERY REPLAY_WORLD_SIZE MICRO_BATCH_SPLIT", lambda v: v >= 0,
+                 ">= 0"),
                 ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
                  "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
                  "TTT_CHUNK_TOKENS TTT_BATCH_SEQS WORLD_SIZE LOCAL_WORLD_SIZE DIST_TIMEOUT_SECONDS MLP_MULT "
@@ -803,6 +817,16 @@ class Hyperparameters:
         need(self.val_batch_size // micro >= self.eval_seq_len,
              f"VAL_BATCH_SIZE={self.val_batch_size} gives less than one sequence of EVAL_SEQ_LEN={self.eval_seq_len} "
              f"per rank and micro-step ({ranks[0].lower()} {ranks[1]} x grad_accum {self.grad_accum_steps})")
+        need(self.micro_batch_split != 0 or self.warmup_steps > 0, "MICRO_BATCH_SPLIT=0 (auto) is found in the warmup "
+             "(twice the pieces after each out-of-memory error): it needs WARMUP_STEPS > 0")
+        if self.train_loader == "packed":
+            need(self.micro_batch_split == 0 or self.split_ok(self.micro_batch_split),
+                 f"MICRO_BATCH_SPLIT={self.micro_batch_split} must be at most {self.split_limit} with TRAIN_LOADER="
+                 "packed (a piece holds whole segments: at least the longest training context of tokens)")
+        else:
+            need(self.micro_batch_split == 0 or self.split_ok(self.micro_batch_split),
+                 f"MICRO_BATCH_SPLIT={self.micro_batch_split} must divide the {self.split_limit} rows of TRAIN_SEQ_LEN="
+                 f"{self.train_seq_len} in each micro-batch (the pieces are computed with the same math: equal ones)")
         need(self.virtual_ranks == 1 or self.quant != "gptq" or self.gptq_calibration_seqs > 0
              or self.gptq_calibration_batches % self.grad_accum_steps == 0,
              f"GPTQ_CALIBRATION_BATCHES={self.gptq_calibration_batches} must be a multiple of GRAD_ACCUM_STEPS="
@@ -1157,6 +1181,22 @@ def rows_cu_seqlens(rows, bucket=CU_SEQLENS_BUCKET):
     return np.pad(cu, (0, -cu.size % bucket), constant_values=B * T)
 
 
+def packed_pieces(starts, n, max_len, width, bucket=CU_SEQLENS_BUCKET):
+    """MICRO_BATCH_SPLIT on a packed row (issue 40): its n tokens cut into pieces of at most `width` (>= max_len) at
+    segment boundaries only (cut_cu_seqlens': document starts and every max_len tokens of a document), each filled
+    with whole segments in order, so no segment spans two pieces. Per piece: (a, b, the cu_seqlens of tokens a..b
+    padded to `width` tokens: its segments from 0, the padding cut every max_len tokens, right-padded with width to a
+    multiple of `bucket` entries)."""
+    cu = cut_cu_seqlens(starts, n, max_len, bucket=1)
+    pieces, a = [], 0
+    while a < n:
+        b = int(cu[np.searchsorted(cu, a + width, side="right") - 1])
+        local = np.concatenate(([0], cu[(cu > a) & (cu < b)] - a, np.arange(b - a, width, max_len), [width]))
+        pieces.append((a, b, np.pad(local.astype(np.int32), (0, -local.size % bucket), constant_values=width)))
+        a = b
+    return pieces
+
+
 def small_to_device(array, device):
     """A small host array (cu_seqlens) on `device` without stopping the host: on CUDA through pinned memory and a
     non-blocking copy (a copy from pageable memory waits for all the GPU work already queued, which held the host
@@ -1244,7 +1284,7 @@ class DocumentPackingLoader(_HostLoader):
 
     def doc_bounds(self, starts, device):
         cu = cut_cu_seqlens(starts, self.local_tokens, self.seq_len)
-        return DocBounds(small_to_device(cu, device), self.seq_len, self.rope_len)
+        return DocBounds(small_to_device(cu, device), self.seq_len, self.rope_len, starts=starts)
 
     def to_device(self, host):
         tokens, starts = host
@@ -1704,6 +1744,12 @@ class DocBounds(NamedTuple):
     cu_seqlens: Tensor
     max_len: int
     rope_len: int = 0
+    # a piece of a packed row (MICRO_BATCH_SPLIT, issue 40): its first RoPE position in the row (0-dim fp32), the
+    # token before it ((1, 1) ids, SmearGate's previous token) and whether there is one ((1, 1, 1) fp 0/1)
+    pos0: Tensor | None = None
+    prev: Tensor | None = None
+    prev_keep: Tensor | None = None
+    starts: object = None  # the training loader's: where the row's documents start (host), for the Trainer alone
 
 
 def flash_device(t):
@@ -1956,9 +2002,10 @@ def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, R, V, s_row, cap, ROWS: tl.c
         m = m_new
     lse = m + tl.log(s)
     t = tl.load(t_ptr + rows, mask=live, other=0)
-    xt = tl.load(x_ptr + rows.to(tl.int64) * s_row + t, mask=live, other=0.0).to(tl.float32)
+    scored = live & (t >= 0)  # an IGNORE target (< 0): loss 0
+    xt = tl.load(x_ptr + rows.to(tl.int64) * s_row + t, mask=scored, other=0.0).to(tl.float32)
     tl.store(lse_ptr + rows, lse, mask=live)
-    tl.store(loss_ptr + rows, lse - cap * (2.0 * tl.sigmoid(xt * (2.0 / cap)) - 1.0), mask=live)
+    tl.store(loss_ptr + rows, tl.where(scored, lse - cap * (2.0 * tl.sigmoid(xt * (2.0 / cap)) - 1.0), 0.0), mask=live)
 
 
 def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, R, V, s_row, cap,
@@ -1970,6 +2017,7 @@ def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, R, V, s_row, cap,
     lse = tl.load(lse_ptr + rows, mask=live, other=0.0)
     g = tl.load(g_ptr + rows, mask=live, other=0.0)
     t = tl.load(t_ptr + rows, mask=live, other=-1)
+    g = tl.where(t >= 0, g, 0.0)  # an IGNORE target's row: no gradient
     row_offs = rows.to(tl.int64)[:, None] * s_row
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
@@ -2105,20 +2153,27 @@ def softcap_logits(logits, softcap):
     return softcap * torch.tanh(logits / softcap)
 
 
+IGNORE = -100  # a padding target: no loss (F.cross_entropy's ignore_index)
+
+
 def softcapped_ce(logits, targets, softcap):
-    """The eager training loss: mean cross-entropy of the fp32 softcapped logits."""
+    """The eager training loss: mean cross-entropy of the fp32 softcapped logits over the targets not IGNORE."""
     logits = softcap_logits(logits, softcap)
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
 
 
-def fused_softcapped_ce(logits, targets, softcap):
+def fused_softcapped_ce(logits, targets, softcap, padded=False):
     """FUSED_CE (SPEC-FRONTIER 15, 18): softcapped_ce from raw logits in one Triton pass per row, without
-    materialising the softcapped logits; it keeps the fp32 per-row lse for the backward kernel. Eager where the
+    materialising the softcapped logits; it keeps the fp32 per-row lse for the backward kernel (an IGNORE target's
+    row: loss 0, gradient 0). padded: targets may be IGNORE (the mean is then over the others). Eager where the
     kernels cannot run."""
     flat = logits.reshape(-1, logits.size(-1))
     if not fused_ready(flat):
         return softcapped_ce(logits, targets, softcap)
-    return torch.ops.pgolf.softcapped_ce(flat, targets.reshape(-1), float(softcap))[0].mean()
+    losses = torch.ops.pgolf.softcapped_ce(flat, targets.reshape(-1), float(softcap))[0]
+    if not padded:
+        return losses.mean()
+    return losses.sum() / (targets != IGNORE).sum()
 
 
 def _fused_smoke_error(name, h, device, dtype):
@@ -2200,7 +2255,7 @@ class CastedLinear(nn.Linear):
         return F.linear(x, w)
 
 
-def rotary_tables(seq_len, rd, base, device, train_len=1024, context_len=None, freqs_bf16=False):
+def rotary_tables(seq_len, rd, base, device, train_len=1024, context_len=None, freqs_bf16=False, pos0=None):
     """(cos, sin) for partial RoPE on rd dims, NTK-scaled beyond train_len tokens (ROPE_TRAIN_SEQ_LEN: 1024 in the
     03-23 record, 2048 from 04-09). Rebuilt each forward: cheap, and no cache for torch.compile or
     inference_mode to trip over. On packed rows context_len (the longest segment) decides the scaling, never the
@@ -2212,7 +2267,10 @@ def rotary_tables(seq_len, rd, base, device, train_len=1024, context_len=None, f
     inv_freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd))
     if freqs_bf16 and context_len <= train_len:
         inv_freq = rope_frequencies_bf16(inv_freq)
-    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+    if pos0 is not None:  # a piece of a row: its tokens' positions in the row (whole numbers: exact in fp32)
+        positions = positions + pos0
+    freqs = torch.outer(positions, inv_freq)
     return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
 
 
@@ -2492,7 +2550,11 @@ class SmearGateBOS(nn.Module):
         self.gate = nn.Parameter(torch.zeros(1, window, dtype=torch.float32))
         self.lam = nn.Parameter(torch.zeros(1, dtype=torch.float32))
 
-    def forward(self, e, ids):
+    def forward(self, e, ids, prev=None):
+        """prev ((B, 1, d) or None): the embedding of the token before each row (a piece of a packed row,
+        MICRO_BATCH_SPLIT): the first token is then gated with it as every other is with its predecessor."""
+        if prev is not None:
+            return self.forward(torch.cat((prev, e), dim=1), torch.cat((ids[:, :1], ids), dim=1))[:, 1:]
         g = self.lam.to(e.dtype) * torch.sigmoid(F.linear(e[:, 1:, :self.window], self.gate.to(e.dtype)))
         if not self.bos_mask:
             return torch.cat((e[:, :1], e[:, 1:] + g * e[:, :-1]), dim=1)
@@ -2612,12 +2674,14 @@ class GPT(nn.Module):
         if self.bigram is not None:
             x = x + self.bigram(ids)
         if self.smear_bos is not None:
-            x = self.smear_bos(x, ids)
+            prev = None if docs is None or docs.prev is None else self.tok_emb(docs.prev) * docs.prev_keep.to(x.dtype)
+            x = self.smear_bos(x, ids, prev)
         x0 = x = rms_norm(x) if self.smear is None else self.smear(rms_norm(x))
         ve = self.ve_shared(ids) if self.ve_shared is not None else None
         rope = Positions(*rotary_tables(ids.size(1), self.rope_dims, self.rope_base, ids.device, self.rope_train_len,
                                         context_len=None if docs is None else docs.rope_len or docs.max_len,
-                                        freqs_bf16=self.rope_freqs_bf16), docs)
+                                        freqs_bf16=self.rope_freqs_bf16, pos0=None if docs is None else docs.pos0),
+                         docs)
         encoder, decoder = self.orders[self.looping]
         skips = []
         for i in encoder:
@@ -2659,9 +2723,11 @@ class GPT(nn.Module):
         return s * x + (1 - s) * scaled
 
     def forward(self, ids, targets, docs=None):
-        """The mean training loss; FUSED_CE's kernel while training (select_fused_kernels)."""
+        """The mean training loss over the targets that are not IGNORE (a packed row's piece is padded with them);
+        FUSED_CE's kernel while training (select_fused_kernels)."""
         if self.training and _FUSED["ce"]:
-            return fused_softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap)
+            padded = docs is not None and docs.prev is not None
+            return fused_softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap, padded)
         return softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap)
 
 
@@ -3389,7 +3455,7 @@ class CompiledFunction:
         if isinstance(a, Tensor):
             return (a.dim() if self.dynamic else tuple(a.shape)), a.dtype, a.requires_grad
         if isinstance(a, DocBounds):
-            return "docs", a.max_len, a.rope_len
+            return "docs", a.max_len, a.rope_len, a.prev is not None
         if isinstance(a, (tuple, list)):
             return tuple(self._sig(x) for x in a)
         if isinstance(a, nn.Module):
@@ -3505,10 +3571,64 @@ class Trainer:
         # Non-bank parameters are replicated and all-reduced (no DDP wrapper).
         self.replicated = [p for p in model.parameters() if id(p) not in bank_ids]
         self.data_wait_ms = 0.0
+        # MICRO_BATCH_SPLIT: each drawn micro-batch computed in this many pieces of rows (0, auto: from 1, doubled on
+        # out-of-memory during the warmup: grow_split); packed rows are never split
+        self.split = max(self.h.micro_batch_split, 1)
 
     def zero_grad(self):
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+
+    def forward_backward(self, x, y, docs, scale, phase):
+        """One drawn micro-batch's loss (detached), its gradients x `scale` accumulated: in self.split equal pieces of
+        its rows (MICRO_BATCH_SPLIT; the mean of the pieces' mean losses is the micro-batch's), else whole; a packed
+        row in pieces of whole segments (packed_forward_backward)."""
+        if docs and docs[0].starts is not None:  # the training loader's packed row
+            if self.split > 1:
+                return self.packed_forward_backward(x, y, docs[0], scale, phase)
+            docs = [docs[0]._replace(starts=None)]  # host data: never an argument of the (compiled) forward
+        pieces = zip(x.chunk(self.split), y.chunk(self.split)) if self.split > 1 else [(x, y)]
+        total = 0.0
+        for xp, yp in pieces:
+            with phase("forward"), self.rt.autocast():
+                loss = self.forward(xp, yp, *docs)
+            with phase("backward"):
+                (loss * (scale / self.split)).backward()  # clipped: / k when kept
+            total = total + loss.detach()
+        return total / self.split
+
+    def packed_forward_backward(self, x, y, docs, scale, phase):
+        """MICRO_BATCH_SPLIT on a packed (1, n) row: pieces of whole segments (packed_pieces), each padded to
+        ceil(n / split) tokens (padding: token 0 in segments of its own, targets IGNORE), with its first RoPE position
+        in the row and the token before it for SmearGate, so every real token computes what it computes in the whole
+        row; the loss is the pieces' means weighted by their tokens (the row's mean)."""
+        n, dev = x.size(1), x.device
+        width = -(-n // self.split)
+        total = 0.0
+        for a, b, cu in packed_pieces(docs.starts, n, docs.max_len, width):
+            piece = DocBounds(small_to_device(cu, dev), docs.max_len, docs.rope_len,
+                              pos0=small_to_device(np.array(a, dtype=np.float32), dev),
+                              prev=x[:, max(a - 1, 0):max(a, 1)],
+                              prev_keep=small_to_device(np.full((1, 1, 1), float(a > 0), dtype=np.float32), dev))
+            xp = F.pad(x[:, a:b], (0, width - (b - a)))
+            yp = F.pad(y[:, a:b], (0, width - (b - a)), value=IGNORE)
+            with phase("forward"), self.rt.autocast():
+                loss = self.forward(xp, yp, piece)
+            with phase("backward"):
+                (loss * (scale * (b - a) / n)).backward()
+            total = total + loss.detach() * ((b - a) / n)
+        return total
+
+    def grow_split(self):
+        """MICRO_BATCH_SPLIT=0 (auto) after an out-of-memory error: twice the pieces, if the micro-batch allows; False
+        if not."""
+        if self.h.micro_batch_split != 0 or not self.h.split_ok(2 * self.split):
+            return False
+        self.split *= 2
+        self.zero_grad()
+        if self.rt.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
 
     def step(self, loader, lr_scale, momentum, timer=None):
         h, rt = self.h, self.rt
@@ -3539,11 +3659,7 @@ class Trainer:
                     with phase("h2d"):
                         x, y, *docs = loader.to_device(host)
                 self.data_wait_ms += 1000.0 * (time.perf_counter() - t0)
-                with phase("forward"), rt.autocast():
-                    loss = self.forward(x, y, *docs)
-                total += loss.detach()
-                with phase("backward"):
-                    (loss * (1.0 / (accum if clip_local else accum * k))).backward()  # clipped: / k when kept
+                total += self.forward_backward(x, y, docs, 1.0 / (accum if clip_local else accum * k), phase)
             totals.append(total)
             with phase("clip"):
                 if clip_local:
@@ -3690,7 +3806,14 @@ def warmup_and_restore(rt, trainer, position=None):
         if cut is not None:
             loader.set_cut_len(cut)
         for i in range(h.warmup_steps):
-            trainer.step(loader, 1.0, muon_momentum_at(h, 0))
+            while True:  # MICRO_BATCH_SPLIT=0: out of memory -> twice the pieces (the warmup's batches are thrown away)
+                try:
+                    trainer.step(loader, 1.0, muon_momentum_at(h, 0))
+                    break
+                except torch.OutOfMemoryError:
+                    if not trainer.grow_split():
+                        raise
+                    rt.log(f"micro_batch_split:{trainer.split} (auto: out of memory in {trainer.split // 2} pieces)")
             rt.log(f"warmup_step:{i + 1}/{h.warmup_steps}" + (" looping:1" if looping else "")
                    + (f" seq_len:{cut}" if cut is not None else "") + (" qat:1" if qat != h.qat_enabled else ""))
     model.looping = start
@@ -4204,6 +4327,12 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
     sched = Schedule(h)  # every time-based decision; elapsed time agreed by all ranks after each step
     train_ms, step = 0.0, 0
     phases = h.seq_len_phases  # progressive context (TRAIN_SEQ_LEN_SCHEDULE)
+    if trainer.split > 1 or h.micro_batch_split != 1:
+        local = h.train_batch_tokens // (h.replay_world_size * h.grad_accum_steps)
+        rt.log(f"micro_batch_split:{trainer.split} (" + (
+            f"a packed row of {local} tokens in pieces of {-(-local // trainer.split)}" if h.train_loader == "packed"
+            else f"{h.split_limit} rows a micro-batch, {h.split_limit // trainer.split} a piece")
+            + f"{'; auto' if h.micro_batch_split == 0 else ''})")
     if h.replaying:  # a reproduction of another run: say how (recordlib reads this line)
         notes = ["every time-based decision reads the replayed time; train_time is the real time"] if h.clock else []
         if h.virtual_ranks > 1:

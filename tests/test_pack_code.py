@@ -577,15 +577,16 @@ def test_the_utf8_floor_is_the_growth_rate_of_valid_literals():
 
 def test_packed_train_gpt_size_guard(packed_train_gpt):
     """Issue 22 asked for <= 32,000 packed bytes; no UTF-8 file can hold today's compressed payload in fewer
-    than ~35,600 (docs/submitting.md, "Packed code"). The guard holds today's 49,925 (2026-11-26, after
-    issue 40's replay clocks with the records' clock data, virtual ranks and the preflight's replay projection; 47,148 after TRAIN_CLOCK=ms:X; 46,923 after the wrapper registered its source for Triton, 95 bytes, and kept the kernels' tl.constexpr annotations, 16: 46,812
+    than ~35,600 (docs/submitting.md, "Packed code"). The guard holds today's 50,929 (2026-11-26, after
+    issue 40's replay clocks with the records' clock data, virtual ranks, the preflight's replay projection and
+    MICRO_BATCH_SPLIT; 47,148 after TRAIN_CLOCK=ms:X; 46,923 after the wrapper registered its source for Triton, 95 bytes, and kept the kernels' tl.constexpr annotations, 16: 46,812
     before them; 46,704 after the wrapper's one-line error for a missing zpaq, 71 bytes, and train_gpt.py's for a
     broken one; 46,459 after PREFLIGHT=1; 43,867 after the compiled path's graph plan; 42,201 after the n-gram tilt,
     checkpoints and torch_varlen; 36,536 on 2026-11-24) plus some room, so a packer that stopped renaming, went back
     to base 116, ZPAQ level 5, brotli, LZMA2 or Base85 fails it, and the literal must stay within 2.1% of the UTF-8
     floor. Raise it only with the code's own growth, measured with scripts/pack_code.py."""
     _, minified, packed = packed_train_gpt
-    assert len(packed.encode("utf-8")) <= 50_200
+    assert len(packed.encode("utf-8")) <= 51_200
     compressed = len(pc.compress(minified.encode("utf-8")))
     wrapper = len(pc.WRAPPER_HEAD) + len(pc.WRAPPER_TAIL)
     assert len(packed.encode("utf-8")) <= 1.021 * pc.utf8_floor(compressed) + wrapper

@@ -328,3 +328,145 @@ def test_every_frontier_preset_prunes_to_the_cap_and_the_default_never_does():
     assert tg.Hyperparameters({}).target_bytes == 0
     for preset in ("record_0409", "record_0427", "record_0430", "record_0501"):
         assert tg.Hyperparameters({"PRESET": preset}).target_bytes == tg.SIZE_CAP_BYTES == 16_000_000
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def one_step(h, split_forward=None):
+    """One training step of the tiny model from its initial state; returns (trainer, its loss, the gradients the
+    optimizers get: after clipping, before the first all-reduce). The gradients, not the weights after the step: the
+    first Adam step moves each weight by about its learning rate times the sign of its gradient, so a gradient near 0
+    that float reassociation flips moves it by twice that."""
+    rt = tg.Runtime(h, CPU, False, True, None)  # fp32: no autocast
+    torch.manual_seed(0)
+    model = rt.prepare_model(tg.build_model(h))
+    trainer = tg.Trainer(rt, model)
+    if split_forward is not None:
+        trainer.forward = split_forward(trainer.forward)
+    grads, launch = {}, trainer.muon.launch_reduce_scatters
+
+    def snapshot():
+        grads.update({k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None})
+        launch()
+    trainer.muon.launch_reduce_scatters = snapshot
+    loader = tg.make_train_loader(rt)
+    try:
+        loss = trainer.step(loader, 1.0, tg.muon_momentum_at(h, 0))
+    finally:
+        loader.shutdown()
+    return trainer, float(loss), grads
+
+
+def assert_same_gradients(split, whole):
+    """Equal up to float reassociation, in fp32 compute: fp32 gradients within 1e-5 of their largest element (measured:
+    3e-7); the bf16 embedding table's within 4 bf16 steps at its largest element (its gradient is accumulated in bf16
+    over the pieces, as over micro-batches: measured 2 steps)."""
+    assert split.keys() == whole.keys() and len(whole) > 10
+    for k in whole:
+        scale = float(whole[k].float().abs().max())
+        tol = (2 ** -6 if whole[k].dtype == torch.bfloat16 else 1e-5) * scale + 1e-12
+        torch.testing.assert_close(split[k].float(), whole[k].float(), rtol=0, atol=tol, msg=k)
+
+
+@pytest.mark.parametrize("loader", ["stream", "shuffled"])
+def test_a_split_micro_batch_trains_as_the_whole_one(sample_data, loader):
+    """MICRO_BATCH_SPLIT=4: each drawn micro-batch (16 rows here) computed as 4 pieces of 4 rows, its gradient the mean
+    of theirs: the same step's loss and weights as unsplit, up to float reassociation (the batch is the same: the
+    loader draws as before): the same loss and gradients."""
+    env = {**TINY_ENV, **sample_data, "TRAIN_LOADER": loader, "GRAD_ACCUM_STEPS": "2"}
+    seen = []
+
+    def recording(forward):
+        def f(x, y, *docs):
+            seen.append(tuple(x.shape))
+            return forward(x, y, *docs)
+        return f
+    _, whole_loss, whole = one_step(tg.Hyperparameters(env))
+    trainer, split_loss, split = one_step(tg.Hyperparameters({**env, "MICRO_BATCH_SPLIT": "4"}), recording)
+    assert trainer.split == 4 and seen == [(4, 128)] * 8  # 2 micro-batches of 16 rows, 4 pieces each
+    assert split_loss == pytest.approx(whole_loss, rel=1e-6)
+    assert_same_gradients(split, whole)
+
+
+def test_auto_split_doubles_its_pieces_after_each_out_of_memory_error_in_the_warmup(sample_data, capsys):
+    """MICRO_BATCH_SPLIT=0: the warmup retries a step that ran out of memory in twice the pieces (here a forward that
+    fails on more than 4 rows: 16 rows in 1, then 2, then 4 pieces), logs each choice, and training goes on with it."""
+    h = tg.Hyperparameters({**TINY_ENV, **sample_data, "GRAD_ACCUM_STEPS": "2", "MICRO_BATCH_SPLIT": "0"})
+    rt = tg.Runtime(h, CPU, False, True, None)
+    trainer = tg.Trainer(rt, tg.build_model(h))
+    forward = trainer.forward
+
+    def small_only(x, y, *docs):
+        if x.size(0) > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return forward(x, y, *docs)
+    trainer.forward = small_only
+    tg.warmup_and_restore(rt, trainer).shutdown()
+    assert trainer.split == 4 and h.split_limit == 16
+    out = capsys.readouterr().out
+    assert "micro_batch_split:2 (auto: out of memory in 1 pieces)\nmicro_batch_split:4 (auto: out of memory in 2 " \
+           "pieces)\n" in out
+    trainer.forward = lambda x, y, *docs: (_ for _ in ()).throw(torch.OutOfMemoryError("always"))
+    with pytest.raises(torch.OutOfMemoryError):  # no more rows to split: the error stands
+        tg.warmup_and_restore(rt, trainer)
+
+
+def test_bad_micro_batch_splits_are_refused_in_one_line():
+    assert config_error({"MICRO_BATCH_SPLIT": "-1"}) == "MICRO_BATCH_SPLIT=-1 must be >= 0"
+    assert config_error({"MICRO_BATCH_SPLIT": "5"}) == (
+        "MICRO_BATCH_SPLIT=5 must divide the 48 rows of TRAIN_SEQ_LEN=2048 in each micro-batch (the pieces are "
+        "computed with the same math: equal ones)")
+    assert config_error({"PRESET": "record_0430", "MICRO_BATCH_SPLIT": "33"}) == (
+        "MICRO_BATCH_SPLIT=33 must be at most 32 with TRAIN_LOADER=packed (a piece holds whole segments: at least "
+        "the longest training context of tokens)")
+    assert config_error({"MICRO_BATCH_SPLIT": "0", "WARMUP_STEPS": "0"}).startswith(
+        "MICRO_BATCH_SPLIT=0 (auto) is found in the warmup")
+    assert tg.Hyperparameters({"PRESET": "record_0427", "MICRO_BATCH_SPLIT": "48"}).split_limit == 48
+
+
+def test_packed_pieces_cut_a_row_only_between_segments():
+    """Random documents in a 4,096-token row, contexts of 128: every piece holds whole segments of the row's own
+    cu_seqlens (so no document loses a key it attends to), the pieces tile the row in order, none is wider than its
+    width, and each piece's cu_seqlens describe its segments then padding cut every 128 tokens, padded to the bucket."""
+    import numpy as np
+    rng = np.random.default_rng(3)
+    row = rng.integers(2, 1000, size=4096)
+    row[rng.random(4096) < 0.004] = tg.BOS_ID
+    starts, width = tg.doc_starts(row), 4096 // 7 + 1
+    whole = tg.cut_cu_seqlens(starts, 4096, 128, bucket=1)
+    pieces = tg.packed_pieces(starts, 4096, 128, width)
+    assert pieces[0][0] == 0 and pieces[-1][1] == 4096 and all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))
+    assert len(pieces) >= 7 and any(not np.isin(a, starts) for a, _, _ in pieces[1:])  # some cut inside a document
+    for a, b, cu in pieces:
+        assert 0 < b - a <= width and a in whole and b in whole
+        assert cu.size % tg.CU_SEQLENS_BUCKET == 0 and cu[-1] == width
+        segments = np.unique(cu)
+        assert list(segments[segments <= b - a]) == list(whole[(whole >= a) & (whole <= b)] - a)
+        assert np.diff(segments).max() <= 128
+
+
+@pytest.mark.parametrize("bos_fix", ["1", "0"])
+def test_a_split_packed_row_trains_as_the_whole_row(sample_data, bos_fix):
+    """MICRO_BATCH_SPLIT=4 on packed rows of 2,048 tokens (contexts of 128, SmearGate v2 with and without its BOS
+    mask): pieces of whole segments, some cut inside a document (the piece then smears its first token with the
+    token before it), padded to 512 with ignored targets, with their positions in the row. The step's loss and
+    gradients are the whole row's up to float reassociation."""
+    env = {**TINY_ENV, **sample_data, "TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "2",
+           "SMEAR_GATE_BOS_FIX": bos_fix, "GRAD_ACCUM_STEPS": "2"}
+    pieces = []
+
+    def recording(forward):
+        def f(x, y, *docs):
+            d = docs[0]
+            pieces.append((tuple(x.shape), None if d.pos0 is None else int(d.pos0), int((y == tg.IGNORE).sum()),
+                           None if d.prev_keep is None else float(d.prev_keep)))
+            return forward(x, y, *docs)
+        return f
+    _, whole_loss, whole = one_step(tg.Hyperparameters(env))
+    trainer, split_loss, split = one_step(tg.Hyperparameters({**env, "MICRO_BATCH_SPLIT": "4"}), recording)
+    assert all(shape == (1, 512) for shape, *_ in pieces) and len(pieces) >= 8
+    assert [p for p in pieces if p[1] == 0] and all(keep == (pos > 0) for _, pos, _, keep in pieces)
+    assert any(pad > 0 for _, _, pad, _ in pieces)  # pieces of whole segments leave padding
+    assert split_loss == pytest.approx(whole_loss, rel=1e-6)
+    assert_same_gradients(split, whole)
