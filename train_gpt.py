@@ -3610,8 +3610,9 @@ class Trainer:
                               pos0=small_to_device(np.array(a, dtype=np.float32), dev),
                               prev=x[:, max(a - 1, 0):max(a, 1)],
                               prev_keep=small_to_device(np.full((1, 1, 1), float(a > 0), dtype=np.float32), dev))
-            xp = F.pad(x[:, a:b], (0, width - (b - a)))
-            yp = F.pad(y[:, a:b], (0, width - (b - a)), value=IGNORE)
+            # (1, width) with strides (width, 1) whether padded or not: one compiled graph serves every piece
+            xp = F.pad(x[0, a:b], (0, width - (b - a)))[None]
+            yp = F.pad(y[0, a:b], (0, width - (b - a)), value=IGNORE)[None]
             with phase("forward"), self.rt.autocast():
                 loss = self.forward(xp, yp, piece)
             with phase("backward"):

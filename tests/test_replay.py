@@ -11,7 +11,7 @@ import torch
 
 import launcher
 import train_gpt as tg
-from conftest import REPO, TINY_ENV, clean_environ, config_error, read_log, short_val_data
+from conftest import REPO, TINY_ENV, clean_environ, config_error, read_log, run_training, short_val_data
 from test_frontier import CLOCK_WRAPPER
 
 ANCHORS = REPO.parent / "shared" / "anchors"
@@ -470,3 +470,19 @@ def test_a_split_packed_row_trains_as_the_whole_row(sample_data, bos_fix):
     assert any(pad > 0 for _, _, pad, _ in pieces)  # pieces of whole segments leave padding
     assert split_loss == pytest.approx(whole_loss, rel=1e-6)
     assert_same_gradients(split, whole)
+
+
+def test_split_packed_pieces_compile_one_graph_a_training_state(tmp_path, sample_data):
+    """COMPILE=1 (Dynamo's guards and graph breaks; the eager backend) with MICRO_BATCH_SPLIT=4 on packed rows: every
+    piece, padded or not, first or not, has one shape and strides, so train_forward compiles its plan (one graph per
+    QAT state) and the timed steps compile nothing and run nothing eager."""
+    data = short_val_data(sample_data, tmp_path, 2 * 128 + 1)
+    env = {**TINY_ENV, **data, "TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "2",
+           "GRAD_ACCUM_STEPS": "2", "MICRO_BATCH_SPLIT": "4", "COMPILE": "1", "COMPILE_BACKEND": "eager",
+           "ITERATIONS": "2", "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "RUN_ID": "split"}
+    proc = run_training(env, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = read_log(tmp_path, "split")
+    assert "\nmicro_batch_split:4 (a packed row of 2048 tokens in pieces of 512)\n" in log
+    assert re.search(r"^compile: train_forward graphs:2 planned:2 recompiles:1 compile_s:\S+ eager_calls:0 ", log, re.M)
+    assert "\ncompile_region: training graphs_compiled:0 eager_calls:0\n" in log
