@@ -276,13 +276,11 @@ def clock_points(entries, cap_ms, batch_tokens):
     measured after the step, once the cap is already passed), and it wins over a train line of the same step."""
     points, exact = {}, set()
     for kind, step, value in entries:
-        ms = {"ms": value, "frac": least_ms_at(value, cap_ms), "stop": cap_ms}.get(kind)
-        if kind == "tok/s":
-            ms = 1000.0 * step * batch_tokens / value
-        if kind in ("frac", "stop") or (step not in exact and step not in points):
-            points[step] = ms
         if kind in ("frac", "stop"):
+            points[step] = least_ms_at(value, cap_ms) if kind == "frac" else cap_ms
             exact.add(step)
+        elif step not in exact and step not in points and value > 0:  # a train line: the first of its step
+            points[step] = value if kind == "ms" else 1000.0 * step * batch_tokens / value
     return sorted((s, ms) for s, ms in points.items() if s > 0)
 
 
