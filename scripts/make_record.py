@@ -31,6 +31,7 @@ import pack_code  # noqa: E402
 import recordlib as rl  # noqa: E402  (needs the path above)
 
 DASH = "–"
+TRACK_10MIN_DIR = "track_10min_16mb"  # as check_record.py infers the track: a folder directly inside it
 COLUMNS = (
     "seed",
     "step_avg (ms)",
@@ -264,8 +265,8 @@ def readme_with_results(text: str | None, path: Path, title: str, blurb: str, bl
 
 
 def warn_incomplete(logs: list[rl.RunLog]) -> None:
-    """Incomplete, resumed or replayed logs may still be scorable; say so, check_record will fail them (a resumed or
-    replayed one on the 10-minute track)."""
+    """Incomplete, resumed or replayed logs may still be scorable; say so, check_record will fail them (a resumed one
+    on the 10-minute track; a replayed one is refused there here too, in run())."""
     for log in logs:
         missing = rl.missing_final_lines(log)
         if missing:
@@ -281,6 +282,11 @@ def run(args: argparse.Namespace) -> int:
     if not logs:
         raise rl.RecordError(f"{folder}: no {rl.LOG_GLOB} files")
     warn_incomplete(logs)
+    replayed = [log for log in logs if rl.replayed_note(log)]
+    if replayed and (folder.resolve().parent.name == TRACK_10MIN_DIR or args.sota_bpb is not None):
+        where = "--sota-bpb" if args.sota_bpb is not None else f"a folder under {TRACK_10MIN_DIR}"
+        raise rl.RecordError(f"{replayed[0].path}: {rl.replayed_note(replayed[0])}; {where} claims a record: put "
+                             f"a reproduction under track_non_record_16mb and compare it with check_record.py --against")
     lacking_size = [log.path.name for log in logs if log.total_bytes is None]
     if lacking_size:
         raise rl.RecordError(f"no 'Total submission size int6+lzma' line in {', '.join(lacking_size)}")

@@ -1122,7 +1122,11 @@ def replay_folder(tmp_path: Path, ttt: tuple[float, ...], steps: tuple[int, ...]
 
 def test_check_refuses_a_replay_run_on_the_10min_track(tmp_path, capsys):
     """Virtual ranks and a replayed clock: each log is one FAIL line naming both, even with --against."""
-    folder = make_full_record(tmp_path, seeds={s: dict(SEEDS[s], clock_line=RECORD_CLOCK) for s in SEEDS})
+    made = make_full_record(tmp_path, track="track_non_record_16mb",
+                            seeds={s: dict(SEEDS[s], clock_line=RECORD_CLOCK) for s in SEEDS})
+    folder = tmp_path / "records" / "track_10min_16mb" / made.name  # moved there by hand, make_record refusing it
+    folder.parent.mkdir(parents=True)
+    made.rename(folder)
     note = f"{RECORD_CLOCK_TEXT}: a reproduction, not a run timed by the wall clock on its own ranks, so this log is" \
            " not a valid 10-minute-track record run"
     for args in ((), ("--against", ROW)):
@@ -1142,6 +1146,22 @@ def test_make_record_warns_naming_the_clock_and_the_worlds(tmp_path, capsys):
         assert f"warning: {folder / name}: {RECORD_CLOCK_TEXT}: a reproduction" in err
     make_full_record(tmp_path / "plain")
     assert "reproduction" not in capsys.readouterr().err
+
+
+def test_make_record_refuses_a_replay_as_a_record(tmp_path, capsys):
+    """A replay in a 10-minute-track folder, or with --sota-bpb (a record's claim): one error line naming the log
+    and what to do, exit 2, nothing written; a non-record folder of the same logs is made (the warning above)."""
+    seeds = {s: dict(SEEDS[s], clock_line=RECORD_CLOCK) for s in SEEDS}
+    for track, extra in (("track_10min_16mb", ()), ("track_non_record_16mb", ("--sota-bpb", "1.1194"))):
+        folder = make_folder(tmp_path / track, track=track, seeds=seeds)
+        capsys.readouterr()
+        assert make_record.main([str(folder), *META, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        where = "--sota-bpb" if extra else "a folder under track_10min_16mb"
+        assert err.startswith(f"error: {folder / 'train_seed42.log'}: {RECORD_CLOCK_TEXT}: a reproduction") and \
+            err.endswith(f"not a valid 10-minute-track record run; {where} claims a record: put a reproduction under "
+                         "track_non_record_16mb and compare it with check_record.py --against"), err
+        assert not (folder / "submission.json").exists() and not (folder / "README.md").exists()
 
 
 def test_check_a_reproduction_that_reproduces_the_row(tmp_path, capsys):
@@ -1232,7 +1252,9 @@ def test_check_a_folder_mixing_replays_and_runs_is_one_fail_line(tmp_path, capsy
     for args in ((), ("--against", ROW)):
         rc, out = run_check(folder, capsys, *args)
         assert rc == 1 and out.splitlines() == [mix]
-    ten = make_full_record(tmp_path / "ten", seeds=seeds)
+    ten = tmp_path / "ten" / "records" / "track_10min_16mb" / folder.name  # by hand: make_record refuses it there
+    ten.parent.mkdir(parents=True)
+    folder.rename(ten)
     rc, out = run_check(ten, capsys)
     assert rc == 1 and out.splitlines()[-1] == mix.replace(str(folder), str(ten))
     assert out.splitlines()[0].startswith(f"FAIL: {ten / 'train_seed1337.log'}: trained on a replay clock")
