@@ -167,20 +167,6 @@ def parse_chunk_steps(raw):
     return sorted(steps)
 
 
-def replay_step_ms(text):
-    """TRAIN_CLOCK=ms:X (issue 40): X, the milliseconds each step counts for (the warmdown, the loop switch, context
-    phases, late QAT, SWA and the stop at the cap then act at the same steps on any machine and any number of ranks)."""
-    kind, _, value = text.partition(":")
-    try:
-        ms = float(value) if kind == "ms" else math.nan
-    except ValueError:
-        ms = math.nan
-    if not (math.isfinite(ms) and ms > 0):
-        raise ConfigError(f"TRAIN_CLOCK={text!r} must be wall, record, log:PATH or ms:X (X > 0, the milliseconds "
-                          "each training step counts for)")
-    return ms
-
-
 # ---- replay clocks (issue 40; docs/running.md "Replaying a run"): TRAIN_CLOCK=record | log:PATH
 # What a log says about its clock, as (kind, step, value): "ms" the elapsed ms after `step` steps (the 03-23
 # record's and this script's train lines; a replayed run's replayed_time), "tok/s" the later records' rate after
@@ -290,10 +276,18 @@ def make_clock(h):
     if text == "wall":
         return None
     kind, _, arg = text.partition(":")
-    if kind == "ms":
-        return ReplayClock(text, rate=replay_step_ms(text))
+    bad = ConfigError(f"TRAIN_CLOCK={text!r} must be wall, record, log:PATH or ms:X (X > 0, the milliseconds each "
+                      "training step counts for)")
+    if kind == "ms":  # X ms a step: the warmdown, loop switch, phases, late QAT, SWA and stop at the same steps anywhere
+        try:
+            rate = float(arg)
+        except ValueError:
+            raise bad from None
+        if not (math.isfinite(rate) and rate > 0):
+            raise bad
+        return ReplayClock(text, rate=rate)
     if not (text == "record" or (kind == "log" and arg)):
-        raise ConfigError(f"TRAIN_CLOCK={text!r} must be wall, record, log:PATH or ms:X (X > 0)")
+        raise bad
     if h.max_wallclock_ms is None:
         raise ConfigError(f"TRAIN_CLOCK={text} needs MAX_WALLCLOCK_SECONDS > 0: without a cap no decision of training "
                           "reads the clock (training fractions are step / ITERATIONS)")
@@ -641,13 +635,22 @@ class Hyperparameters:
         return self.virtual_ranks * self.grad_accum_steps
 
     @property
+    def local_tokens(self):
+        """Tokens of one drawn micro-batch: a rank's (of REPLAY_WORLD_SIZE) share of a micro-step."""
+        return self.train_batch_tokens // (self.replay_world_size * self.grad_accum_steps)
+
+    @property
+    def longest_train_seq_len(self):
+        """The longest training context: TRAIN_SEQ_LEN_SCHEDULE's longest cut, else TRAIN_SEQ_LEN."""
+        return max((n for n, _ in self.seq_len_phases), default=self.train_seq_len)
+
+    @property
     def split_limit(self):
         """The most pieces MICRO_BATCH_SPLIT may cut a drawn micro-batch into: its rows (which it must divide), or
         for a packed row its tokens over the longest training context (a piece holds whole segments)."""
-        local = self.train_batch_tokens // (self.replay_world_size * self.grad_accum_steps)
         if self.train_loader == "packed":
-            return local // max((n for n, _ in self.seq_len_phases), default=self.train_seq_len)
-        return local // self.train_seq_len
+            return self.local_tokens // self.longest_train_seq_len
+        return self.local_tokens // self.train_seq_len
 
     def split_ok(self, pieces):
         return 0 < pieces <= self.split_limit and (self.train_loader == "packed" or self.split_limit % pieces == 0)
@@ -817,14 +820,12 @@ class Hyperparameters:
              f"per rank and micro-step ({ranks[0].lower()} {ranks[1]} x grad_accum {self.grad_accum_steps})")
         need(self.micro_batch_split != 0 or self.warmup_steps > 0, "MICRO_BATCH_SPLIT=0 (auto) is found in the warmup "
              "(twice the pieces after each out-of-memory error): it needs WARMUP_STEPS > 0")
-        if self.train_loader == "packed":
-            need(self.micro_batch_split == 0 or self.split_ok(self.micro_batch_split),
-                 f"MICRO_BATCH_SPLIT={self.micro_batch_split} must be at most {self.split_limit} with TRAIN_LOADER="
-                 "packed (a piece holds whole segments: at least the longest training context of tokens)")
-        else:
-            need(self.micro_batch_split == 0 or self.split_ok(self.micro_batch_split),
-                 f"MICRO_BATCH_SPLIT={self.micro_batch_split} must divide the {self.split_limit} rows of TRAIN_SEQ_LEN="
-                 f"{self.train_seq_len} in each micro-batch (the pieces are computed with the same math: equal ones)")
+        rule = (f"be at most {self.split_limit} with TRAIN_LOADER=packed (a piece holds whole segments: at least the "
+                "longest training context of tokens)" if self.train_loader == "packed" else
+                f"divide the {self.split_limit} rows of TRAIN_SEQ_LEN={self.train_seq_len} in each micro-batch (the "
+                "pieces are computed with the same math: equal ones)")
+        need(self.micro_batch_split == 0 or self.split_ok(self.micro_batch_split),
+             f"MICRO_BATCH_SPLIT={self.micro_batch_split} must {rule}")
         need(self.virtual_ranks == 1 or self.quant != "gptq" or self.gptq_calibration_seqs > 0
              or self.gptq_calibration_batches % self.grad_accum_steps == 0,
              f"GPTQ_CALIBRATION_BATCHES={self.gptq_calibration_batches} must be a multiple of GRAD_ACCUM_STEPS="
@@ -1298,9 +1299,8 @@ class VirtualRankLoader(_HostLoader):
 
     def __init__(self, loaders, block):
         self.loaders, self.block, self.taken = loaders, block, 0
-        first = loaders[0]
-        self.device, self.seq_len, self.local_tokens = first.device, first.seq_len, getattr(first, "local_tokens", 0)
-        self.rope_len = getattr(first, "rope_len", 0)
+        # what PrefetchingPackedLoader reads of its base (packed loaders); batches go to the device as the first's do
+        self.local_tokens, self.rope_len = getattr(loaders[0], "local_tokens", 0), getattr(loaders[0], "rope_len", 0)
 
     def next_host(self):
         source = self.loaders[(self.taken // self.block) % len(self.loaders)]
@@ -3569,8 +3569,8 @@ class Trainer:
         # Non-bank parameters are replicated and all-reduced (no DDP wrapper).
         self.replicated = [p for p in model.parameters() if id(p) not in bank_ids]
         self.data_wait_ms = 0.0
-        # MICRO_BATCH_SPLIT: each drawn micro-batch computed in this many pieces of rows (0, auto: from 1, doubled on
-        # out-of-memory during the warmup: grow_split); packed rows are never split
+        # MICRO_BATCH_SPLIT: each drawn micro-batch computed in this many pieces (0, auto: from 1, doubled on
+        # out-of-memory during the warmup: grow_split)
         self.split = max(self.h.micro_batch_split, 1)
 
     def zero_grad(self):
@@ -3591,7 +3591,7 @@ class Trainer:
             with phase("forward"), self.rt.autocast():
                 loss = self.forward(xp, yp, *docs)
             with phase("backward"):
-                (loss * (scale / self.split)).backward()  # clipped: / k when kept
+                (loss * (scale / self.split)).backward()
             total = total + loss.detach()
         return total / self.split
 
@@ -3720,14 +3720,13 @@ def clip_reduced_grads(rt, muon, replicated, max_norm):
 def rank_loader(rt, rank, first_bos=None):
     """TRAIN_LOADER's host loader for `rank` of REPLAY_WORLD_SIZE ranks (the real world without a replay)."""
     h = rt.h
-    local_tokens = h.train_batch_tokens // (h.replay_world_size * h.grad_accum_steps)
-    args = (list_shards(h.train_files), rank, h.replay_world_size, rt.device, local_tokens, h.train_seq_len)
+    args = (list_shards(h.train_files), rank, h.replay_world_size, rt.device, h.local_tokens, h.train_seq_len)
     if h.train_loader == "shuffled":
         return ShuffledSequenceLoader(*args, h.seed, vocab_size=h.vocab_size)
     if h.train_loader == "packed":
         phases = h.seq_len_phases
         base = DocumentPackingLoader(*args, vocab_size=h.vocab_size, first_bos=first_bos,
-                                     rope_len=max((n for n, _ in phases), default=h.train_seq_len))
+                                     rope_len=h.longest_train_seq_len)
         if phases:
             base.set_cut_len(phases[0][0])
         return base
@@ -4327,9 +4326,9 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
     train_ms, step = 0.0, 0
     phases = h.seq_len_phases  # progressive context (TRAIN_SEQ_LEN_SCHEDULE)
     if trainer.split > 1 or h.micro_batch_split != 1:
-        local = h.train_batch_tokens // (h.replay_world_size * h.grad_accum_steps)
         rt.log(f"micro_batch_split:{trainer.split} (" + (
-            f"a packed row of {local} tokens in pieces of {-(-local // trainer.split)}" if h.train_loader == "packed"
+            f"a packed row of {h.local_tokens} tokens in pieces of {-(-h.local_tokens // trainer.split)}"
+            if h.train_loader == "packed"
             else f"{h.split_limit} rows a micro-batch, {h.split_limit // trainer.split} a piece")
             + f"{'; auto' if h.micro_batch_split == 0 else ''})")
     if h.replaying:  # a reproduction of another run: say how (recordlib reads this line)
