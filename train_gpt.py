@@ -52,7 +52,7 @@ from torch import Tensor
 
 # PREFLIGHT=1 changes these settings for the rehearsal (Hyperparameters._rehearse); the report gives both values
 PREFLIGHT_CHANGES = ("ITERATIONS", "WARMDOWN_ITERS", "MAX_WALLCLOCK_SECONDS", "GPTQ_CALIBRATION_BATCHES",
-                     "CHECKPOINT_EVERY", "VAL_LOSS_EVERY")
+                     "CHECKPOINT_EVERY", "VAL_LOSS_EVERY", "EVAL_BUDGET_SECONDS")
 SIZE_CAP_BYTES = 16_000_000  # the competition's artifact cap: compressed model + code, decimal bytes
 GET_DATA = ("build the offline sample: python3 data/build_sample_data.py && bash scripts/sample_run.sh; "
             "or download FineWeb: python3 data/cached_challenge_fineweb.py --variant sp1024")
@@ -116,6 +116,8 @@ PRESETS["record_0427"] = {
     "TTT_WEIGHT_DECAY": "0.5", "TTT_CHUNK_SIZE": "48", "TTT_BATCH_SIZE": "64", "PHASED_TTT_PREFIX_DOCS": "2500",
     "PHASED_TTT_NUM_PHASES": "3", "TTT_LR": "0.001", "TTT_EPOCHS": "1", "TTT_MOMENTUM": "0.9",
     "TTT_CHUNK_TOKENS": "32768", "TTT_BATCH_SEQS": "32", "TTT_GRAD_CLIP": "1.0",
+    # not the record's: its two diagnostic scores are left out of the 600 s evaluation (issue 46, docs/evaluation.md)
+    "DIAGNOSTIC_POST_EMA": "0", "DIAGNOSTIC_ROUNDTRIP": "0",
 }
 # The 2026-04-30 row (#2014, 1.05759; SPEC-FRONTIER 19): #1855 plus AWQ-lite, QK gain 5.25, progressive training
 # context 1024 -> 2048 -> 3072 with a 32-step LR re-warmup, context 3072 in evaluation and TTT, the tail scored,
@@ -492,6 +494,13 @@ class Hyperparameters:
         self.eval_stride = self._env("EVAL_STRIDE", 64)
         self.eval_batch_seqs = self._env("EVAL_BATCH_SEQS", 32)
         self.eval_only = self._env("EVAL_ONLY", "", str)
+        # ---- the evaluation's budget (issue 46; docs/evaluation.md "The evaluation's budget")
+        self.eval_budget_seconds = self._env("EVAL_BUDGET_SECONDS", None, float)  # auto: MAX_WALLCLOCK_SECONDS; 0: none
+        if self.eval_budget_seconds is None:
+            self.eval_budget_seconds = self._resolved("EVAL_BUDGET_SECONDS", self.max_wallclock_seconds)
+        self.eval_ttt_stop_at = self._env("EVAL_TTT_STOP_AT", -1)  # TTT adapts in its first N steps only; -1: all
+        self.diagnostic_post_ema = self._env("DIAGNOSTIC_POST_EMA", True, bool)  # the post-EMA score, before quantising
+        self.diagnostic_roundtrip = self._env("DIAGNOSTIC_ROUNDTRIP", True, bool)  # the artifact's plain score
         self.ttt_enabled = self._env("TTT_ENABLED", True, bool)
         self.ttt_lr = self._env("TTT_LR", 0.002, float)
         self.ttt_epochs = self._env("TTT_EPOCHS", 3)
@@ -556,6 +565,7 @@ class Hyperparameters:
         self.real = {name: getattr(self, name.lower()) for name in PREFLIGHT_CHANGES}
         self.real["max_wallclock_ms"] = self.max_wallclock_ms
         self.max_wallclock_seconds, self.checkpoint_every, self.val_loss_every = 0.0, 0, 0
+        self.eval_budget_seconds = 0.0  # the slice's evaluation runs unguarded; the report projects the real budget
         self.gptq_calibration_batches = min(self.gptq_calibration_batches, 2)
         self.iterations = preflight_iterations(self)
         self.warmdown_iters = rehearsal_warmdown(self, self.iterations)
@@ -716,7 +726,8 @@ class Hyperparameters:
                  "TIED_EMBED_LR MATRIX_LR SCALAR_LR MUON_WD ADAM_WD GRAD_CLIP_NORM TTT_LR TTT_GRAD_CLIP ADAM_EPS "
                  "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD GPTQ_RESERVE_SECONDS MATRIX_CLIP_SIGMAS EMBED_CLIP_SIGMAS "
                  "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD ATTN_GATE_INIT_STD MLP_CLIP_SIGMAS ATTN_CLIP_SIGMAS "
-                 "LQER_RANK GPTQ_CALIBRATION_SEQS CHECKPOINT_EVERY REPLAY_WORLD_SIZE MICRO_BATCH_SPLIT", lambda v: v >= 0,
+                 "LQER_RANK GPTQ_CALIBRATION_SEQS CHECKPOINT_EVERY REPLAY_WORLD_SIZE MICRO_BATCH_SPLIT EVAL_BUDGET_SECONDS",
+                 lambda v: v >= 0,
                  ">= 0"),
                 ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
                  "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
@@ -759,6 +770,8 @@ class Hyperparameters:
              or self.gptq_reserve_seconds < self.max_wallclock_seconds,
              f"GPTQ_RESERVE_SECONDS={self.gptq_reserve_seconds} leaves no training time of "
              f"MAX_WALLCLOCK_SECONDS={self.max_wallclock_seconds}")
+        need(self.eval_ttt_stop_at >= -1, f"EVAL_TTT_STOP_AT={self.eval_ttt_stop_at} must be >= 0 (the adaptation "
+             "steps TTT takes) or -1 (all)")
         need(self.rope_base > 1, f"ROPE_BASE={self.rope_base} must be > 1")
         need(0 <= self.seed < 2**32, f"SEED={self.seed} must be in [0, 2^32)")
         need(self.run_id not in (".", "..") and not any(c in self.run_id for c in "/\\\0"),
@@ -5208,8 +5221,9 @@ def check_artifact_types(obj, path):
         raise ConfigError(f"{path}: artifact entry 'late_qat' has type {kind(obj['late_qat'])}, not bool")
 
 
-def load_artifact(path, h):
-    """A fresh model from an artifact file."""
+def load_artifact(path, h, model=None):
+    """The model of an artifact file: a fresh one, or `model` (same settings) with the artifact's weights copied into
+    its parameters in place (prepare_evaluation's, whose compiled graphs then serve it)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -5228,7 +5242,7 @@ def load_artifact(path, h):
     if not isinstance(obj, dict) or "w" not in obj or "m" not in obj:
         raise ConfigError(f"{path}: not an int6 artifact (expected a dict with 'w' and 'm')")
     check_artifact_types(obj, path)
-    model = build_model(h)
+    model = model if model is not None else build_model(h)
     flat = dequantize_state_dict(obj["w"], obj["m"], unbank_state_dict(model.state_dict(), model.num_layers), path)
     model.load_state_dict(rebank_state_dict(flat, model.num_layers), strict=True)
     # The record's artifacts have no flag; its runs always end with late QAT on.
@@ -5400,6 +5414,156 @@ def eval_sliding(rt, model, logits_fn, val_tokens, luts, per_token=None, tilt=No
     return finish_loss_bpb(rt, sums)
 
 
+# ---- the evaluation's budget (issue 46; docs/evaluation.md "The evaluation's budget")
+
+class EvalBudget:
+    """EVAL_BUDGET_SECONDS: the whole evaluation's clock, from reading the artifact (the post-EMA diagnostic before it
+    counted too) to the last score line, and TTT's guard. Before each adaptation step (SGD TTT: training on a scored
+    chunk; LoRA TTT: a round of document batches, one a rank, and each global SGD phase) adapt() takes the projected
+    end of the evaluation if the step is taken: now + the step's cost + the scoring left after it without adapting,
+    the largest over the ranks (one all-reduce, so every rank decides the same). TTT adapts only while that plus the
+    margin (MARGIN) fits. Once a step does not fit, adaptation ends for good: everything left is scored
+    with the weights it has, each target once, as a run with EVAL_TTT_STOP_AT at that step scores it. Budget 0 and no
+    EVAL_TTT_STOP_AT: nothing projected, no collective, TTT as before. costs: the warmup's timed calls
+    (prepare_evaluation), the first projections' rates."""
+
+    MARGIN = (0.02, 1.0)  # kept free for the projection's error: 2% of the budget, 1 s at least (12 s of 600 s)
+
+    def __init__(self, rt, t0, costs=None):
+        h = rt.h
+        self.rt, self.t0, self.costs = rt, t0, costs or {}
+        self.budget, self.stop_at = h.eval_budget_seconds, h.eval_ttt_stop_at
+        self.margin = max(self.MARGIN[0] * self.budget, self.MARGIN[1]) if self.budget > 0 else 0.0
+        self.steps, self.stopped, self.cause = 0, None, None  # steps taken; where adaptation stopped, and why
+
+    def score_note(self):
+        """The legal_ttt line's words when TTT stopped adapting: budget_limited:1 (the budget stopped it) or
+        ttt_stop_at:N (EVAL_TTT_STOP_AT did), with the steps it took."""
+        if self.stopped is None:
+            return ""
+        return f" budget_limited:1 adapted_steps:{self.steps}" if self.cause == "budget" else f" ttt_stop_at:{self.steps}"
+
+    def plan(self, projection):
+        """The evaluation's first budget line: the budget, its margin and the projected scoring without adapting
+        (scoring_projection); when even that ends past the budget, says so (the evaluation goes on: TTT will not
+        adapt, the user decides)."""
+        total = sum(projection.values())
+        end = self.elapsed() + total
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in projection.items())
+        self.rt.log(f"eval_budget: budget:{self.budget:g}s margin:{self.margin:.1f}s elapsed:{self.elapsed():.1f}s "
+                    f"scoring_alone:{total:.1f}s ({parts}; the warmup's timed calls) projected_end:{end:.1f}s")
+        if end + self.margin > self.budget:
+            self.rt.log(f"eval_budget: warning: scoring alone is projected to end at {end:.1f}s, past the "
+                        f"{self.budget:g}s budget: TTT will not adapt and the evaluation goes on "
+                        "(EVAL_BUDGET_SECONDS=0 lifts the budget; a faster machine or fewer diagnostics fit it)")
+
+    @property
+    def guarded(self):
+        return self.budget > 0 or self.stop_at >= 0
+
+    def elapsed(self):
+        return time.perf_counter() - self.t0
+
+    def adapt(self, where, step_s, rest_s):
+        """Whether TTT takes its next adaptation step (`where`, for the log line). False from the stop on."""
+        if self.stopped is not None:
+            return False
+        end = None
+        if self.stop_at < 0 or self.steps < self.stop_at:
+            if self.budget <= 0:
+                self.steps += 1
+                return True
+            t = torch.tensor([self.elapsed() + step_s + rest_s], dtype=torch.float64, device=self.rt.device)
+            end = float(self.rt.all_reduce(t, op=dist.ReduceOp.MAX))
+            if end + self.margin <= self.budget:
+                self.steps += 1
+                return True
+        self.stopped, self.cause = where, "EVAL_TTT_STOP_AT" if end is None else "budget"
+        why = (f"EVAL_TTT_STOP_AT={self.stop_at}" if end is None else
+               f"projected_end:{end:.1f}s with it, budget:{self.budget:g}s margin:{self.margin:.1f}s")
+        self.rt.log(f"eval_budget: TTT stops adapting before step {self.steps} ({where}) elapsed:{self.elapsed():.1f}s "
+                    f"{why}; everything left is scored with the weights it has (EVAL_TTT_STOP_AT={self.steps} gives "
+                    "this score again)")
+        return False
+
+
+class TTTMeter:
+    """One TTT loop as the budget sees it: this rank's work in units (SGD TTT: scoring windows and training rows, each
+    an EVAL_SEQ_LEN forward; LoRA TTT: the warmup's predicted seconds, lora_batch_seconds), the seconds per unit it
+    measured (only under a guard) and adapt()'s projection: the next step's cost at the measured adapting rate and
+    the scoring left after it (`score_units`, each item's, from the next item on) at the measured scoring rate.
+    Before any measurement: `adapt_rate` and `score_rate` (SGD TTT's first step without them: a training row at 3
+    scoring rows)."""
+
+    def __init__(self, rt, budget, score_units, adapt_rate=None, score_rate=None):
+        self.rt, self.budget, self.units = rt, budget, score_units
+        self.on = budget is not None and budget.guarded
+        self.left = [sum(score_units[i:]) for i in range(len(score_units) + 1)] if self.on else []
+        self.scored, self.adapted = [0.0, 0], [0.0, 0]  # [seconds, units]
+        self.adapt_rate, self.score_rate = adapt_rate, score_rate
+
+    @contextlib.contextmanager
+    def timed(self, acc, units):
+        """Adds the block's device-synchronised seconds and `units` to acc (under a guard)."""
+        if self.on:
+            self.rt.sync()
+        t0 = time.perf_counter()
+        yield
+        if self.on:
+            self.rt.sync()
+            self.add(acc, time.perf_counter() - t0, units)
+
+    @staticmethod
+    def add(acc, secs, units):
+        acc[0] += secs
+        acc[1] += units
+
+    def scoring(self, i):
+        return self.timed(self.scored, self.units[i])
+
+    def adapting(self, units):
+        return self.timed(self.adapted, units)
+
+    @staticmethod
+    def rate(acc, fallback):
+        return acc[0] / acc[1] if acc[1] else fallback
+
+    def adapt(self, where, units, next_item, step_s=None):
+        """Whether to take the adaptation step `where` of `units` (or step_s seconds), item `next_item` being the
+        first one scored after it."""
+        if not self.on:
+            return True
+        score = self.rate(self.scored, self.score_rate if self.score_rate is not None else 0.0)
+        if step_s is None:
+            step_s = units * self.rate(self.adapted, self.adapt_rate if self.adapt_rate is not None else 3.0 * score)
+        return self.budget.adapt(where, step_s, self.left[next_item] * score)
+
+
+class Laps:
+    """Seconds between marks without a device sync at each: CUDA events on CUDA (read after one sync, totals()),
+    the host clock elsewhere. mark(kind) ends a lap of that kind (None: a start)."""
+
+    def __init__(self, rt):
+        self.cuda, self.marks = rt.device.type == "cuda", []
+
+    def mark(self, kind):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.marks.append((kind, event if self.cuda else time.perf_counter()))
+
+    def totals(self):
+        """{kind: seconds} of the laps since the last totals()."""
+        if self.cuda and self.marks:
+            self.marks[-1][1].synchronize()
+        out = {}
+        for (_, a), (kind, b) in zip(self.marks, self.marks[1:]):
+            if kind is not None:
+                out[kind] = out.get(kind, 0.0) + (a.elapsed_time(b) / 1000.0 if self.cuda else b - a)
+        self.marks = []
+        return out
+
+
 def frozen_bank_rows(h):
     """Rows of each bank in the first TTT_FREEZE_BLOCKS blocks."""
     first = list(range(h.ttt_freeze_blocks))
@@ -5407,9 +5571,9 @@ def frozen_bank_rows(h):
     return {"qo_bank": both, "kv_bank": both, "mlp_up_bank": first, "mlp_down_bank": first}
 
 
-def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None, tilt=None):
+def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None, tilt=None, budget=None):
     """Legal score-first TTT (SPEC 7): score each chunk under inference_mode (tilted with NGRAM_TILT), then train on
-    it (not the last; the training loss is never tilted)."""
+    it (not the last; the training loss is never tilted) while the budget (EvalBudget) lets it adapt."""
     h = rt.h
     chunk_windows, batch_rows = ttt_chunk_windows(h, val_tokens.numel() - 1)
     num_chunks = len(chunk_windows)
@@ -5417,15 +5581,22 @@ def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None, ti
     params = ttt_params(model, h)
     opt = torch.optim.SGD([p for _, p in params], lr=h.ttt_lr, momentum=h.ttt_momentum)
     sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
+    c = budget.costs if budget is not None else {}
+    rows = max((k[1] for k in c if isinstance(k, tuple) and k[0] == "train"), default=0)
+    meter = TTTMeter(rt, budget, [len(rank_slice(w, h)) for w in chunk_windows], c[("train", rows)] / rows if rows else None)
     t0 = time.perf_counter()
     for ci in range(num_chunks):
         model.eval()
-        with torch.inference_mode():
+        with meter.scoring(ci), torch.inference_mode():
             sums += score_windows(rt, logits_fn, val_tokens, rank_slice(chunk_windows[ci], h), luts, batch_rows,
                                   per_token, tilt)
         if ci == num_chunks - 1 or h.ttt_epochs == 0:
             continue
-        lr = ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ci, num_chunks)
+        rows = h.ttt_epochs * sum(len(rank_slice(range(b, e), h)) for b, e in ttt_chunk_batches(h, ci, val_tokens.numel() - 1))
+        if not meter.adapt(f"chunk {ci + 1}/{num_chunks}", rows, ci + 1):
+            continue
+        with meter.adapting(rows):
+            lr = ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ci, num_chunks)
         if rt.is_main and (ci % 10 == 0 or ci == num_chunks - 2):
             rt.log(f"ttt_progress chunk:{ci + 1}/{num_chunks} lr:{lr:.6f} elapsed:{time.perf_counter() - t0:.1f}s")
     for p in model.parameters():
@@ -5551,17 +5722,31 @@ def lora_ttt_chunk_size(h, batch):
     return next((c for bound, c in h.ttt_chunk_steps if longest <= bound), h.ttt_chunk_size)
 
 
-def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token=None, forward=None, tilt=None):
+def lora_batch_seconds(h, batch, fit):
+    """A document batch's predicted (step, forward) seconds: over its chunks (lora_ttt_chunk), a + b x rows x width
+    each, with fit = (a, b) of a whole step and (a, b) of its forward alone (warm_lora_ttt's timed calls; without
+    them b = 1, a = 0: forward tokens). The budget's units of LoRA TTT."""
+    C, L = lora_ttt_chunk_size(h, batch), h.ttt_eval_seq_len or h.eval_seq_len
+    (a, b), (af, bf) = fit or ((0.0, 1.0), (0.0, 1.0))
+    tokens = [len(batch) * min((ci + 1) * C, L) for ci in range(-(-(max(n for _, n in batch) - 1) // C))]
+    return len(tokens) * a + b * sum(tokens), len(tokens) * af + bf * sum(tokens)
+
+
+def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token=None, forward=None, tilt=None,
+                   adapt=True, laps=None):
     """Score-first doc-LoRA TTT of one document batch (SPEC-FRONTIER 14, 18): for each chunk (lora_ttt_chunk_size),
     one forward of every doc's window through the model with its row's LoRA; the chunk's per-token losses (tilted
     with tilt, NgramTilt: SPEC-FRONTIER 20(c)) and bytes are added to sums; then, if any doc has chunks left, one
     optimizer step on the sum over those docs of their chunk's mean untilted loss (a doc's last chunk is never
-    trained on). forward: model.forward_logits or its compiled form."""
+    trained on). forward: model.forward_logits or its compiled form. adapt=False (the budget stopped adapting): the
+    same forwards and scores, no step. laps (Laps, under a budget): each chunk's scoring and step timed apart."""
     h, dev, C = rt.h, rt.device, lora_ttt_chunk_size(rt.h, batch)
     forward = forward or model.forward_logits
     L = h.ttt_eval_seq_len or h.eval_seq_len
     num_chunks = torch.tensor([-(-(n - 1) // C) for _, n in batch])
     for ci in range(int(num_chunks.max())):
+        if laps is not None:
+            laps.mark(None)
         starts, lens, offs, counts, width, train_off = lora_ttt_chunk(batch, ci, C, L)
         cols = torch.arange(width + 1)
         span = val_tokens[(starts[:, None] + cols).clamp_(max=val_tokens.numel() - 1)].long()
@@ -5579,16 +5764,20 @@ def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_toke
             sums[2] += float(luts.target_bytes(x[scored], y[scored], target_pos[scored]).sum())
             if per_token is not None:
                 per_token[target_pos[scored]] = score[scored_d].double().cpu()
+        if laps is not None:
+            laps.mark("score")
         train = (num_chunks - 1 > ci).to(dev, torch.float32)
-        if bool(train.any()):
+        if adapt and bool(train.any()):
             opt.zero_grad(set_to_none=True)
             (nll[:, train_off:train_off + C].mean(dim=-1) * train).sum().backward()
             opt.step()
+        if laps is not None:
+            laps.mark("step")
 
 
-def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None, forward=None, tilt=None):
+def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None, forward=None, tilt=None, budget=None):
     """TTT_MODE=lora: (val_loss, val_bpb) of lora_ttt_sums over all ranks."""
-    return finish_loss_bpb(rt, lora_ttt_sums(rt, model, val_tokens, luts, per_token, forward, tilt))
+    return finish_loss_bpb(rt, lora_ttt_sums(rt, model, val_tokens, luts, per_token, forward, tilt, budget))
 
 
 def lora_forward(rt, model, planned):
@@ -5629,31 +5818,83 @@ def lora_warm_shapes(h, batch_sizes):
     return [(h.ttt_batch_size, w) for w in widths] + [(n, widths[0]) for n in sorted(set(batch_sizes) - {h.ttt_batch_size})]
 
 
-def warm_lora_ttt(rt, model, forward, batch_sizes):
+def seconds(rt, fn):
+    """Wall seconds of fn(), device-synchronised."""
+    rt.sync()
+    t0 = time.perf_counter()
+    fn()
+    rt.sync()
+    return time.perf_counter() - t0
+
+
+def warm_lora_ttt(rt, model, forward, batch_sizes, costs=None):
     """One LoRA TTT step (forward, backward, AdamW) on random tokens with throwaway adapters for each chunk width the
     evaluation starts with (each chunk size of TTT_CHUNK_SIZE and TTT_CHUNK_SIZE_BY_DOC_LEN, and the full context)
     at TTT_BATCH_SIZE rows, and at the first width for each other batch size of the queue (a compiled forward
     meets every shape it will see), before the eval timer, as the 04-27/04-30 records do: compilation is not
     scored time (SPEC-FRONTIER 18). The model's weights and every generator the evaluation uses stay untouched.
-    Returns [(rows, width)] warmed."""
+    costs (a dict, under a budget): the budget's rates from timed repeats, after the warmup, at TTT_BATCH_SIZE rows of
+    the narrowest and the full width: lora_fit, seconds = a + b x rows x width of a whole step and of its forward
+    alone ((a, b), (a, b)); with phases, phase_row_s (one EVAL_SEQ_LEN row of a global SGD phase, forward and
+    backward). Returns [(rows, width)] warmed."""
     h = rt.h
     shapes = lora_warm_shapes(h, batch_sizes)
     g = torch.Generator().manual_seed(h.seed)
+    timed, rows_ = {}, h.ttt_batch_size  # width -> (step, forward) seconds
     with frozen_weights(model):
         for rows, width in shapes:
             lora = LoRAAdapters(rows, model, h, g).to(rt.device)
             opt = lora_optimizer(h, lora, rt.device)
             # x and y drawn apart: x must not be a view (a graph compiled for a view's input guards on its base)
             x, y = (torch.randint(0, h.vocab_size, (rows, width), generator=g).to(rt.device) for _ in range(2))
-            with rt.autocast():
-                logits = forward(x, lora=lora)
-            F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
-            opt.step()
+
+            def step(train=True):
+                with rt.autocast():
+                    logits = forward(x, lora=lora)
+                if train:
+                    F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
+                    opt.step()
+
+            step()
+            if costs is not None and rows == h.ttt_batch_size and width in (shapes[0][1], h.ttt_eval_seq_len or h.eval_seq_len):
+                timed[width] = (seconds(rt, step), seconds(rt, lambda: step(False)))
+    if costs is not None:
+        (w0, t0), (w1, t1) = sorted(timed.items())[0], sorted(timed.items())[-1]
+        fit = []
+        for k in range(2):  # the whole step, its forward
+            b = max(0.0, (t1[k] - t0[k]) / (rows_ * (w1 - w0))) if w1 > w0 else t1[k] / (rows_ * w1)
+            fit.append((max(0.0, t0[k] - b * rows_ * w0), b))
+        costs["lora_fit"] = tuple(fit)
+    if costs is not None and h.phased_ttt_prefix_docs > 0:
+        costs["phase_row_s"] = global_sgd_row_seconds(rt, model, g)
     rt.sync()
     return shapes
 
 
-def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, tilt=None):
+def global_sgd_row_seconds(rt, model, g):
+    """The seconds of one EVAL_SEQ_LEN row of a global SGD phase (forward and backward of every weight, eager as the
+    phases run), timed after one untimed row; gradients dropped, requires_grad and the mode restored."""
+    h = rt.h
+    saved = [(p, p.requires_grad) for p in model.parameters()]
+    x, y = (torch.randint(0, h.vocab_size, (1, h.eval_seq_len), generator=g).to(rt.device) for _ in range(2))
+
+    def row():
+        with rt.autocast():
+            model(x, y).backward()
+
+    model.train()
+    for p, _ in saved:
+        p.requires_grad_(True)
+    row()
+    took = seconds(rt, row)
+    for p, requires in saved:
+        p.grad = None
+        p.requires_grad_(requires)
+    model.eval()
+    return took
+
+
+def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, tilt=None, budget=None):
     """Document-wise score-first LoRA TTT (SPEC-FRONTIER 14, 18, 19; the 04-27 and 04-30 records): this rank's [nll
     sum, tokens, bytes]. Base weights frozen outside the phases. The length-sorted queue (lora_ttt_queue) is cut
     into segments at the phase boundaries (lora_ttt_segments) and each segment dealt to the ranks
@@ -5665,7 +5906,9 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, til
     runs global_sgd_phase on the first B_k scored docs (lora_ttt_prefix), and the reusable adapters are built afresh.
     So the scores do not depend on the number of ranks, except through A trained on one batch and kept for the next
     batch of the same rank (TTT_WARM_START_A=1, as in the records, whose totals moved with the rank count too).
-    tilt (NgramTilt, NGRAM_TILT=1): the scores are tilted (lora_ttt_batch)."""
+    tilt (NgramTilt, NGRAM_TILT=1): the scores are tilted (lora_ttt_batch). budget (EvalBudget): the ranks run each
+    segment in rounds (round r: batch r*W + rank) and decide together before each round and each phase whether to
+    adapt; once stopped, every batch left is scored without a step and no phase runs."""
     h, dev = rt.h, rt.device
     queue_ = lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)
     P, N, W = min(h.phased_ttt_prefix_docs, sum(len(b) for _, b in queue_)), h.phased_ttt_num_phases, h.world_size
@@ -5683,11 +5926,25 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, til
            f"chunk_by_doc_len:{h.ttt_chunk_size_by_doc_len or '-'}")
     reusable = fresh(h.ttt_batch_size, 0)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
+    costs = budget.costs if budget is not None else {}
+    units, forward_s = zip(*(lora_batch_seconds(h, b, costs.get("lora_fit")) for _, b in queue_)) if queue_ else ((), ())
+    mine_all = [lo + i for lo, hi in segments for i in lora_ttt_assignment(hi - lo, W)[h.rank]]
+    # units: predicted seconds, so each measured rate is its prediction's correction (1.0 before any)
+    meter = TTTMeter(rt, budget, [forward_s[q] for q in mine_all], 1.0, 1.0)
+    laps = Laps(rt) if meter.on else None
+    phase_s = [0.0, 0]  # the phases' seconds and rows (this rank's), for the next phase's projection
     t0, done = time.perf_counter(), 0
     with frozen_weights(model):
         for phase, (lo, hi) in enumerate(segments):
             mine = lora_ttt_assignment(hi - lo, W)[h.rank]
-            for i in mine:
+            for r in range(-(-(hi - lo) // W)):
+                i = r * W + h.rank
+                ran = i < hi - lo
+                first, last = lo + r * W + 1, min(lo + r * W + W, hi)
+                adapt = meter.adapt(f"document batch{f'es {first}-' if last > first else ' '}{last}/{len(queue_)}",
+                                    units[lo + i] if ran else 0, done + ran)
+                if not ran:
+                    continue
                 index, batch = queue_[lo + i]
                 if len(batch) == h.ttt_batch_size:
                     lora, opt = reusable
@@ -5695,7 +5952,12 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, til
                     opt.state.clear()
                 else:
                     lora, opt = fresh(len(batch), 1 + index)
-                lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token, forward, tilt)
+                lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_token, forward, tilt, adapt,
+                               laps if adapt else None)
+                if adapt and laps is not None:
+                    took = laps.totals()
+                    meter.add(meter.scored, took.get("score", 0.0), forward_s[lo + i])
+                    meter.add(meter.adapted, sum(took.values()), units[lo + i])
                 done += 1
                 if rt.is_main and (done % 50 == 1 or i == mine[-1] and hi == len(queue_)):
                     rt.log(f"ttt_lora_progress batch:{lo + i + 1}/{len(queue_)} doc_len:{batch[0][1]}-"
@@ -5703,9 +5965,14 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, til
             if phase < len(segments) - 1:
                 scored = sum(len(b) for _, b in queue_[:hi])
                 prefix = lora_ttt_prefix(queue_[:hi], boundaries[phase])
-                rt.log(f"ttt_lora_phase:{phase + 1}/{N} scored_docs:{scored} trained_docs:{len(prefix)} "
-                       f"elapsed:{time.perf_counter() - t0:.1f}s")
-                global_sgd_phase(rt, model, torch.cat([val_tokens[a:a + n] for a, n in prefix]))
+                tokens = torch.cat([val_tokens[a:a + n] for a, n in prefix])
+                rows = h.ttt_epochs * -(-(tokens.numel() - 1) // (h.eval_seq_len * W))
+                step_s = rows * (phase_s[0] / phase_s[1] if phase_s[1] else costs.get("phase_row_s", 0.0))
+                if meter.adapt(f"phase {phase + 1}/{N}", 0, done, step_s):
+                    rt.log(f"ttt_lora_phase:{phase + 1}/{N} scored_docs:{scored} trained_docs:{len(prefix)} "
+                           f"elapsed:{time.perf_counter() - t0:.1f}s")
+                    with meter.timed(phase_s, rows):
+                        global_sgd_phase(rt, model, tokens)
                 reusable = fresh(h.ttt_batch_size, len(queue_) + 1 + phase)
     return sums
 
@@ -6050,6 +6317,7 @@ class Preflight:
         self.full_val = self.targets = None  # the tilt's hints come from the whole stream: its cost is the stream's
         self.steps, self.last_ms = {}, 0.0  # training state -> [ms of each timed step]
         self.scored, self.tilt_build_s, self.regions, self.artifact = set(), {}, {}, None  # scored: evaluation labels
+        self.scoring_alone = None  # {label: seconds} of the real run's evaluations without adapting (under a budget)
         self.begin("start-up")
 
     def slice(self):
@@ -6087,8 +6355,11 @@ class Preflight:
 
     def evaluation(self):
         """Each evaluation stage's seconds and its projection to the whole val set: the scored evaluations and the
-        diagnostic scale with the targets (the tilt's build, already the whole stream's, does not); warmups and the
-        artifact's loading do not scale. Against the track's evaluation budget: MAX_WALLCLOCK_SECONDS (600)."""
+        diagnostic scale with the targets (the tilt's build, already the whole stream's, does not); the artifact's
+        loading does not scale. Against the real run's EVAL_BUDGET_SECONDS (issue 46): whether its guard would cut
+        TTT (the unguarded projection past the budget less its margin) and whether scoring alone fits (the warmup's
+        timed calls at the real shapes, scoring_projection, plus the other stages' projections); without a budget,
+        against MAX_WALLCLOCK_SECONDS (600 if none)."""
         sliced, full = self.targets
         scale = full / max(sliced, 1)
         rows, total = [], 0.0
@@ -6104,9 +6375,20 @@ class Preflight:
                 continue
             rows.append({"stage": name, "seconds": st["seconds"], "projected_s": round(projected, 1)})
             total += projected
-        budget = self.rt.h.real["MAX_WALLCLOCK_SECONDS"] or 600.0
-        return {"slice_targets": sliced, "val_targets": full, "stages": rows, "tilt_build_s": self.tilt_build_s,
-                "projected_s": round(total, 1), "budget_s": budget}
+        real = self.rt.h.real
+        guarded = real["EVAL_BUDGET_SECONDS"] > 0
+        budget = real["EVAL_BUDGET_SECONDS"] if guarded else (real["MAX_WALLCLOCK_SECONDS"] or 600.0)
+        out = {"slice_targets": sliced, "val_targets": full, "stages": rows, "tilt_build_s": self.tilt_build_s,
+               "projected_s": round(total, 1), "budget_s": budget, "guarded": guarded}
+        if guarded:
+            margin = max(EvalBudget.MARGIN[0] * budget, EvalBudget.MARGIN[1])
+            alone = dict(self.scoring_alone or {})
+            scored = {r["stage"][len("evaluation ("):-1]: r["projected_s"] for r in rows}
+            other = sum(v for k, v in scored.items() if k not in alone) + sum(
+                r["projected_s"] for r in rows if not r["stage"].startswith("evaluation (")) + sum(self.tilt_build_s.values())
+            out.update(guard_cuts_ttt=total + margin > budget, margin_s=round(margin, 1),
+                       scoring_alone_s=round(other + sum(alone.values()), 1))
+        return out
 
     def peak_memory_mib(self, collective):
         """Each rank's peak memory (CUDA: allocated; CPU: the process's resident set), MiB."""
@@ -6166,9 +6448,12 @@ class Preflight:
             out.append(f"the artifact is {art['total_bytes']} bytes (model {art['model_bytes']} + code "
                        f"{art['code_bytes']}), over the {SIZE_CAP_BYTES}-byte cap")
         ev = rep.get("evaluation")
-        if ev and ev["projected_s"] > ev["budget_s"]:
+        if ev and ev["guarded"] and ev["scoring_alone_s"] > ev["budget_s"]:
+            out.append(f"the evaluation's scoring alone is projected to take {ev['scoring_alone_s']:.0f}s, over its "
+                       f"{ev['budget_s']:g}s budget (EVAL_BUDGET_SECONDS): no TTT could fit")
+        elif ev and not ev["guarded"] and ev["projected_s"] > ev["budget_s"]:
             out.append(f"the evaluation is projected to take {ev['projected_s']:.0f}s, over its {ev['budget_s']:g}s "
-                       "budget (MAX_WALLCLOCK_SECONDS)")
+                       "budget (MAX_WALLCLOCK_SECONDS; EVAL_BUDGET_SECONDS=0: no guard)")
         return out
 
     @staticmethod
@@ -6186,6 +6471,11 @@ class Preflight:
             parts = "; ".join(f"{r['stage']} {r['seconds']:.1f}s -> {r['projected_s']:.1f}s" for r in ev["stages"])
             out.append(f"preflight: evaluation slice_targets:{ev['slice_targets']} of {ev['val_targets']} ({parts}) "
                        f"projected:{ev['projected_s']:.1f}s budget:{ev['budget_s']:g}s")
+            if ev["guarded"]:
+                out.append(f"preflight: eval_budget budget:{ev['budget_s']:g}s margin:{ev['margin_s']:g}s unguarded:"
+                           f"{ev['projected_s']:.1f}s scoring_alone:{ev['scoring_alone_s']:.1f}s guard:" + (
+                            "would cut TTT (it stops adapting where the rest no longer fits)" if ev["guard_cuts_ttt"]
+                            else "would not cut TTT"))
         art = rep.get("artifact")
         if art:
             out.append(f"preflight: artifact model:{art['model_bytes']} code:{art['code_bytes']} "
@@ -6199,25 +6489,98 @@ class Preflight:
         return out
 
 
-def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
-    """Round-trip, sliding-window and legal-TTT evaluation of a model loaded from the artifact file; then
-    evaluation_time, the TTT loop's and the whole evaluation's wall time since t_eval (perf_counter)."""
-    h = rt.h
-    model = rt.prepare_model(model)
-    shapes = evaluation_shapes(h, val_tokens.numel() - 1)
-    pf = _PREFLIGHT[0]
-    if pf is not None:  # the real run's graphs, and the slice's
-        shapes = merge_shapes(shapes, evaluation_shapes(h, pf.full_val.numel() - 1))
-    forward = compile_fn(rt, "eval_forward", model, model.graph_state, len(shapes.val) + len(shapes.train))
-    logits_fn = compile_fn(rt, "eval_logits", model.forward_logits, model.graph_state, len(shapes.score))
-    if compile_enabled(rt):
-        stage("evaluation (warming the compiled evaluation graphs)")
-        t0 = time.perf_counter()
-        warm_evaluation(rt, model, forward, logits_fn, shapes)
-        rt.log(f"eval_warmup: time:{time.perf_counter() - t0:.1f}s (every scored evaluation's graphs, random tokens, "
-               "before their timers)")
+class Evaluation(NamedTuple):
+    """The evaluation's model and callables (prepare_evaluation); costs: the warmup's timed calls (under a budget)."""
+    model: nn.Module
+    forward: object  # eval_val's and SGD TTT's loss: the model or its compiled form
+    logits_fn: object  # the sliding window's and SGD TTT's scoring
+    lora_fn: object  # TTT_MODE=lora's forward, else None
+    costs: dict
 
-    def timed(label, fn, extra=""):
+
+def eval_qat_states(rt):
+    """The QAT flags the evaluation's graphs are warmed with: those training can end with (QAT_ENABLED's, and on with
+    LATE_QAT_THRESHOLD), both with EVAL_ONLY (the artifact's flag is read inside the evaluation's clock). Eager
+    runs compile nothing: one."""
+    h = rt.h
+    if not compile_enabled(rt):
+        return [h.qat_enabled]
+    return [False, True] if h.eval_only else sorted({h.qat_enabled, h.qat_enabled or h.late_qat_threshold > 0})
+
+
+def prepare_evaluation(rt, val_tokens):
+    """The evaluation's model, built and warmed before any clock starts (issue 46): before training's warmup, or with
+    EVAL_ONLY before the evaluation's clock. Every graph the scored evaluations call (evaluation_shapes; LoRA TTT's
+    steps, warm_lora_ttt) is called once on random tokens for each QAT flag of eval_qat_states, so the evaluation
+    compiles nothing; under a budget each is timed once more (the budget's first rates). The artifact's weights are
+    loaded into this model in place (load_artifact), keeping its parameters and so its graphs. The global generators
+    are left as they were: the training run draws what it drew before."""
+    h, pf = rt.h, _PREFLIGHT[0]
+    lora = h.ttt_enabled and h.ttt_mode == "lora"
+    with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
+        model = rt.prepare_model(build_model(h))
+        model.looping = h.num_loops > 0  # a looped model is evaluated looped (SPEC-FRONTIER 4)
+        streams = [val_tokens] if pf is None else [val_tokens, pf.full_val]  # PREFLIGHT=1: the real run's shapes too
+        shapes = evaluation_shapes(h, val_tokens.numel() - 1)
+        for v in streams[1:]:
+            shapes = merge_shapes(shapes, evaluation_shapes(h, v.numel() - 1))
+        sizes = [len(b) for v in streams for _, b in lora_ttt_queue(lora_ttt_documents(v), h.ttt_batch_size)] if lora else []
+        qats = eval_qat_states(rt)
+        forward = compile_fn(rt, "eval_forward", model, model.graph_state, len(qats) * (len(shapes.val) + len(shapes.train)))
+        logits_fn = compile_fn(rt, "eval_logits", model.forward_logits, model.graph_state, len(qats) * len(shapes.score))
+        lora_fn, how = lora_forward(rt, model, len(qats) * len(lora_warm_shapes(h, sizes))) if lora else (None, None)
+        budgeted = h.eval_budget_seconds > 0 or (pf is not None and h.real["EVAL_BUDGET_SECONDS"] > 0)
+        costs = {} if budgeted else None  # PREFLIGHT=1: timed for the real run's budget (its report)
+        if compile_enabled(rt) or costs is not None:
+            stage("warming the evaluation graphs")
+            t0 = time.perf_counter()
+            for qat in qats:
+                model.set_qat(qat)
+                warm_evaluation(rt, model, forward, logits_fn, shapes, costs)
+            rt.log(f"eval_warmup: time:{time.perf_counter() - t0:.1f}s qat:{','.join(str(int(q)) for q in qats)} "
+                   "(every scored evaluation's graphs, random tokens, before the clocks)")
+        if lora:
+            stage("warming the LoRA TTT step")
+            t0 = time.perf_counter()
+            for qat in qats:
+                model.set_qat(qat)
+                warmed = warm_lora_ttt(rt, model, lora_fn, sizes, costs)
+            rt.log(f"ttt_lora_warmup: forward:{how} shapes:{' '.join(f'{n}x{w}' for n, w in warmed)} "
+                   f"time:{time.perf_counter() - t0:.1f}s (random tokens, before the clocks)")
+    return Evaluation(model, forward, logits_fn, lora_fn, costs or {})
+
+
+def scoring_projection(h, ev, val_tokens):
+    """{label: seconds} of each scored evaluation on this rank without adapting, from the warmup's timed calls (LoRA
+    TTT: the queue's forward tokens shared evenly by the ranks; the n-gram tilt's build not included): the budget's
+    plan line."""
+    c, L, out, num_targets = ev.costs, h.eval_seq_len, {}, val_tokens.numel() - 1
+    if h.diagnostic_roundtrip:
+        first, last, batch_seqs, total = eval_val_split(h, num_targets)
+        out["final_int6_roundtrip"] = sum(c.get(("val", (min(batch_seqs, last - s), L)), 0.0)
+                                          for s in range(first, last, batch_seqs))
+    if h.eval_stride > 0:
+        mine = len(rank_slice(sliding_windows(num_targets, L, h.eval_stride), h))
+        rows = eval_batch_rows(h, [mine])
+        out["final_int6_sliding_window"] = -(-mine // rows) * c.get(("score", rows), 0.0)
+    if h.ttt_enabled and h.ttt_mode == "lora":
+        queue_ = lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)
+        out["legal_ttt"] = sum(lora_batch_seconds(h, b, c.get("lora_fit"))[1] for _, b in queue_) / h.world_size
+    elif h.ttt_enabled:
+        chunks, rows = ttt_chunk_windows(h, num_targets)
+        out["legal_ttt"] = sum(-(-len(rank_slice(w, h)) // rows) for w in chunks) * c.get(("score", rows), 0.0)
+    return out
+
+
+def evaluate_artifact(rt, ev, val_tokens, luts, t_eval):
+    """Round-trip, sliding-window and legal-TTT evaluation of the model prepare_evaluation built, the artifact's
+    weights in it; then evaluation_time, the TTT loop's and the whole evaluation's wall time since t_eval
+    (perf_counter), which the budget (EVAL_BUDGET_SECONDS, EvalBudget) counts from too."""
+    h, pf = rt.h, _PREFLIGHT[0]
+    model, forward, logits_fn = ev.model, ev.forward, ev.logits_fn
+    budget = EvalBudget(rt, t_eval, ev.costs)
+
+    def timed(label, fn, extra="", note=None):
         stage(f"evaluation ({label})")
         rt.sync()
         t0 = time.perf_counter()
@@ -6234,11 +6597,17 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
             rt.log(f"preflight_eval: {label} targets:{val_tokens.numel() - 1} val_loss:{loss:.4f} val_bpb:{bpb:.4f}"
                    f"{extra} eval_time:{ms:.0f}ms")
             return ms / 1000.0
-        rt.log(f"{label} val_loss:{loss:.4f} val_bpb:{bpb:.4f}{extra} eval_time:{ms:.0f}ms")
+        rt.log(f"{label} val_loss:{loss:.4f} val_bpb:{bpb:.4f}{extra} eval_time:{ms:.0f}ms"
+               + (note.score_note() if note is not None else ""))
         rt.log(f"{label}_exact val_loss:{loss:.8f} val_bpb:{bpb:.8f}")
         return ms / 1000.0
 
-    timed("final_int6_roundtrip", lambda: eval_val(rt, forward, val_tokens, luts))
+    if budget.budget > 0:
+        budget.plan(scoring_projection(h, ev, val_tokens))
+    if pf is not None and ev.costs:  # the real run's scoring without adapting, for the report
+        pf.scoring_alone = scoring_projection(h, ev, pf.full_val)
+    if h.diagnostic_roundtrip:
+        timed("final_int6_roundtrip", lambda: eval_val(rt, forward, val_tokens, luts))
     # NGRAM_TILT=1 tilts the final score only: legal TTT's, else the sliding window's (SPEC-FRONTIER 20(c))
     if h.eval_stride > 0:
         label = "final_int6_sliding_window"
@@ -6246,19 +6615,11 @@ def evaluate_artifact(rt, model, val_tokens, luts, t_eval):
                                           build_ngram_tilt(rt, val_tokens, label)), f" stride:{h.eval_stride}")
     ttt_s = None
     if h.ttt_enabled and h.ttt_mode == "lora":
-        stage("evaluation (warming the LoRA TTT step)")
-        sizes = [len(b) for v in ([val_tokens] if pf is None else [val_tokens, pf.full_val])
-                 for _, b in lora_ttt_queue(lora_ttt_documents(v), h.ttt_batch_size)]
-        lora_fn, how = lora_forward(rt, model, len(lora_warm_shapes(h, sizes)))
-        t0 = time.perf_counter()
-        shapes = warm_lora_ttt(rt, model, lora_fn, sizes)
-        rt.log(f"ttt_lora_warmup: forward:{how} shapes:{' '.join(f'{n}x{w}' for n, w in shapes)} "
-               f"time:{time.perf_counter() - t0:.1f}s (random tokens, before the TTT timer)")
-        ttt_s = timed("legal_ttt", lambda: eval_ttt_lora(rt, model, val_tokens, luts, forward=lora_fn,
-                                                         tilt=build_ngram_tilt(rt, val_tokens, "legal_ttt")))
+        ttt_s = timed("legal_ttt", lambda: eval_ttt_lora(rt, model, val_tokens, luts, forward=ev.lora_fn, budget=budget,
+                                                         tilt=build_ngram_tilt(rt, val_tokens, "legal_ttt")), note=budget)
     elif h.ttt_enabled:
-        ttt_s = timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts,
-                                                    tilt=build_ngram_tilt(rt, val_tokens, "legal_ttt")))
+        ttt_s = timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts, budget=budget,
+                                                    tilt=build_ngram_tilt(rt, val_tokens, "legal_ttt")), note=budget)
     log_evaluation_time(rt, ttt_s, time.perf_counter() - t_eval)
     log_compiled(rt)
 
@@ -6280,12 +6641,13 @@ def evaluation_shapes(h, num_targets):
                       ttt_train_rows(h, num_targets) if sgd_ttt else [])
 
 
-def warm_evaluation(rt, model, forward, logits_fn, shapes):
-    """Compiled evaluation: one call of each graph of `shapes` (EvalShapes) the scored evaluations will make (eval_val's
-    through forward; the sliding window's and SGD TTT's scoring batch through logits_fn; SGD TTT's training batches
-    through forward with its frozen blocks and a backward), before their timers, on random tokens cut and moved
-    exactly as each evaluation cuts its own (Dynamo guards on strides, and tells tensors made in inference mode
-    apart). Weights, their requires_grad flags and the model's mode are left as they were; gradients are dropped."""
+def warm_evaluation(rt, model, forward, logits_fn, shapes, costs=None):
+    """One call of each graph of `shapes` (EvalShapes) the scored evaluations will make (eval_val's through forward;
+    the sliding window's and SGD TTT's scoring batch through logits_fn; SGD TTT's training batches through forward
+    with its frozen blocks and a backward), before the clocks, on random tokens cut and moved exactly as each
+    evaluation cuts its own (Dynamo guards on strides, and tells tensors made in inference mode apart). costs (a dict,
+    under a budget): each call timed once more, seconds by ("val", (rows, width)), ("score", rows), ("train", rows).
+    Weights, their requires_grad flags and the model's mode are left as they were; gradients are dropped."""
     h, dev, L = rt.h, rt.device, rt.h.eval_seq_len
     g = torch.Generator().manual_seed(h.seed)
 
@@ -6296,9 +6658,12 @@ def warm_evaluation(rt, model, forward, logits_fn, shapes):
         docs = eval_doc_bounds(rt, x.cpu().numpy())
         return () if docs is None else (docs,)
 
-    was_training = model.training
-    model.eval()
-    for rows, width in shapes.val:
+    def call(key, fn):
+        fn()
+        if costs is not None:
+            costs[key] = seconds(rt, fn)
+
+    def val_call(rows, width):
         if width == L:  # eval_val: rows of one flat span, moved outside inference mode (its loader)
             x, y = host_to_device(tokens(rows * L + 1), L, dev)
         with torch.inference_mode(), rt.autocast():
@@ -6306,18 +6671,29 @@ def warm_evaluation(rt, model, forward, logits_fn, shapes):
                 span = tokens(width + 1).long()
                 x, y = (t[None].to(dev) for t in (span[:-1], span[1:]))
             forward(x, y, *docs_of(x))
-    for rows in shapes.score:  # score_windows: (rows, L + 1) windows cut into views
+
+    def score_call(rows):  # score_windows: (rows, L + 1) windows cut into views
         with torch.inference_mode(), rt.autocast():
             x, _ = cut_batch(tokens(rows, L + 1).to(dev).to(torch.int64), L)
             logits_fn(x, *docs_of(x))
+
+    def train_call(rows):  # ttt_train_batch
+        x, y = host_to_device(tokens(rows * L + 1), L, dev)
+        with rt.autocast():
+            forward(x, y, *docs_of(x)).backward()
+
+    was_training = model.training
+    model.eval()
+    for rows, width in shapes.val:
+        call(("val", (rows, width)), lambda: val_call(rows, width))
+    for rows in shapes.score:
+        call(("score", rows), lambda: score_call(rows))
     if shapes.train:
         saved = [(p, p.requires_grad) for p in model.parameters()]
         ttt_params(model, h)
         model.train()
-        for rows in shapes.train:  # ttt_train_batch
-            x, y = host_to_device(tokens(rows * L + 1), L, dev)
-            with rt.autocast():
-                forward(x, y, *docs_of(x)).backward()
+        for rows in shapes.train:
+            call(("train", rows), lambda: train_call(rows))
         for p, requires in saved:
             p.grad = None
             p.requires_grad_(requires)
@@ -6388,6 +6764,10 @@ def run(rt):
     rt.log(rt.describe_data_path())
     rt.log(f"eval_stride:{h.eval_stride}")
     rt.log(f"ttt_enabled:{int(h.ttt_enabled)}")
+    rt.log(f"diagnostics: post_ema:{int(h.diagnostic_post_ema)} roundtrip:{int(h.diagnostic_roundtrip)}")
+    rt.log(f"eval_budget_seconds:{h.eval_budget_seconds:g}" + (" (none: TTT adapts to the end)" if h.eval_budget_seconds <= 0
+           else " (the whole evaluation, from reading the artifact; TTT adapts while the rest fits)")
+           + (f" eval_ttt_stop_at:{h.eval_ttt_stop_at}" if h.eval_ttt_stop_at >= 0 else ""))
     rt.log(f"artifact: quant:{h.quant} matrix_clip_sigmas:{h.matrix_clip_sigmas:g} embed_bits:{h.embed_bits} "
            f"embed_clip_sigmas:{h.embed_clip_sigmas:g} compressor:{h.compressor} target_bytes:{h.target_bytes}")
     torch.manual_seed(h.seed)
@@ -6410,11 +6790,12 @@ def run(rt):
         rt.log(f"documents: eval_split_at_bos:{int(h.eval_split_at_bos)} eval_include_tail:{int(h.eval_include_tail)}")
 
     if h.eval_only:
+        ev = prepare_evaluation(rt, val_tokens)
         stage("loading the EVAL_ONLY artifact")
         t_eval = time.perf_counter()
-        model = load_artifact(h.eval_only, h)
+        model = load_artifact(h.eval_only, h, ev.model)
         rt.log(f"eval_only artifact:{h.eval_only} bytes:{os.path.getsize(h.eval_only)} late_qat:{int(model.qat_on())}")
-        evaluate_artifact(rt, model, val_tokens, luts, t_eval)
+        evaluate_artifact(rt, ev, val_tokens, luts, t_eval)
         return
 
     if h.target_bytes and h.target_bytes <= code_bytes():
@@ -6433,16 +6814,19 @@ def run(rt):
         (enc, dec), (loop_enc, loop_dec) = model.orders[False], model.orders[True]
         rt.log(f"layer_loop: encoder:{enc} decoder:{dec}, looped from ENABLE_LOOPING_AT={h.enable_looping_at:g}: "
                f"encoder:{loop_enc} decoder:{loop_dec}")
+    ev = prepare_evaluation(rt, val_tokens)  # before any clock: the evaluation compiles nothing
     stage("setting up training")
     qat_on, hessians = train(rt, model, val_tokens, luts)
 
-    stage("evaluating the final weights")
-    t0 = time.perf_counter()
-    loss, bpb = eval_val(rt, model, val_tokens, luts)
-    if not math.isfinite(loss):
-        raise RunError(f"the final weights give val_loss {loss}; no artifact written")
-    diagnostic_s = time.perf_counter() - t0
-    rt.log(f"DIAGNOSTIC post_ema val_loss:{loss:.4f} val_bpb:{bpb:.4f} eval_time:{1000.0 * diagnostic_s:.0f}ms")
+    diagnostic_s = 0.0
+    if h.diagnostic_post_ema:
+        stage("evaluating the final weights")
+        t0 = time.perf_counter()
+        loss, bpb = eval_val(rt, model, val_tokens, luts)
+        if not math.isfinite(loss):
+            raise RunError(f"the final weights give val_loss {loss}; no artifact written")
+        diagnostic_s = time.perf_counter() - t0
+        rt.log(f"DIAGNOSTIC post_ema val_loss:{loss:.4f} val_bpb:{bpb:.4f} eval_time:{1000.0 * diagnostic_s:.0f}ms")
     stage("writing the artifact")
     write_outputs(rt, model, qat_on, hessians)
     if rt.distributed:
@@ -6451,8 +6835,8 @@ def run(rt):
     # the diagnostic above and everything from here on; writing the artifact (quantisation) is training's side.
     t_eval = time.perf_counter() - diagnostic_s
     stage("loading the artifact")
-    eval_model = load_artifact(artifact_files(h)[1], h)
-    evaluate_artifact(rt, eval_model, val_tokens, luts, t_eval)
+    load_artifact(artifact_files(h)[1], h, ev.model)
+    evaluate_artifact(rt, ev, val_tokens, luts, t_eval)
     if pf is not None:
         stage("report")
         return pf.report()
