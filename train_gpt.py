@@ -5929,8 +5929,10 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, til
     costs = budget.costs if budget is not None else {}
     units, forward_s = zip(*(lora_batch_seconds(h, b, costs.get("lora_fit")) for _, b in queue_)) if queue_ else ((), ())
     mine_all = [lo + i for lo, hi in segments for i in lora_ttt_assignment(hi - lo, W)[h.rank]]
-    # units: predicted seconds, so each measured rate is its prediction's correction (1.0 before any)
-    meter = TTTMeter(rt, budget, [forward_s[q] for q in mine_all], 1.0, 1.0)
+    # units: predicted seconds, so each measured rate is its prediction's correction (1.0 before any; without the
+    # warmup's fit, forward tokens at an unknown rate: the first step is taken and measured)
+    first = 1.0 if "lora_fit" in costs else 0.0
+    meter = TTTMeter(rt, budget, [forward_s[q] for q in mine_all], first, first)
     laps = Laps(rt) if meter.on else None
     phase_s = [0.0, 0]  # the phases' seconds and rows (this rank's), for the next phase's projection
     t0, done = time.perf_counter(), 0

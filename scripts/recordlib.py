@@ -86,6 +86,9 @@ RX_QUANT_BYTES = _rx(r"Serialized model int6\+(?:lzma|brotli): (\d+) bytes")
 RX_TOTAL_BYTES = _rx(r"Total submission size int6\+(?:lzma|brotli): (\d+) bytes")
 RX_OVER_LIMIT = _rx(r"OVER_LIMIT total_bytes:(\d+) cap:(\d+)")
 RX_TTT_FLAG = _rx(r"ttt_enabled:(0|1|True|False|true|false)")
+# The diagnostic evaluations a run was set to make (DIAGNOSTIC_POST_EMA, DIAGNOSTIC_ROUNDTRIP; issue 46): a log
+# saying roundtrip:0 has no final_int6_roundtrip lines, by its settings.
+RX_DIAGNOSTICS = _rx(r"diagnostics: post_ema:(0|1) roundtrip:(0|1)")
 RX_STRIDE_FLAG = _rx(r"eval_stride:(\d+)")
 RX_DEVICE = _rx(r"device:(\S+) world_size:(\d+)")
 # A run resumed from a checkpoint (RESUME) appends to its log: one more header and once-per-run lines per resume.
@@ -156,6 +159,7 @@ class RunLog:
     total_bytes: int | None = None
     over_limit: tuple[int, int] | None = None
     ttt_flag: bool | None = None
+    roundtrip_flag: bool | None = None  # the diagnostics line's roundtrip (None: no such line, so required)
     eval_stride: int | None = None
     short: dict[str, EvalLine] = field(default_factory=dict)
     exact: dict[str, EvalLine] = field(default_factory=dict)
@@ -277,6 +281,8 @@ def _parse_line(log: RunLog, line: str) -> None:
         log.over_limit = (int(m.group(1)), int(m.group(2)))
     elif m := RX_TTT_FLAG.match(line):
         log.ttt_flag = m.group(1).lower() in ("1", "true")
+    elif m := RX_DIAGNOSTICS.match(line):
+        log.roundtrip_flag = m.group(2) == "1"
     elif m := RX_STRIDE_FLAG.match(line):
         log.eval_stride = int(m.group(1))
     else:
@@ -438,7 +444,8 @@ def missing_final_lines(log: RunLog, also_enabled: set[str] | frozenset[str] = f
     ):
         if value is None:
             missing.append(label)
-    for name in ("roundtrip", *sorted(enabled_evals(log) | set(also_enabled))):
+    required = () if log.roundtrip_flag is False else ("roundtrip",)
+    for name in (*required, *sorted(enabled_evals(log) | set(also_enabled) - set(required))):
         prefix = EVAL_PREFIXES[name]
         if name not in log.short:
             missing.append(prefix)

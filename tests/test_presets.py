@@ -475,6 +475,8 @@ RUN_SCALE = {
     "GPTQ_CALIBRATION_SEQS": "2", "EVAL_STRIDE": "64", "EVAL_BATCH_SEQS": "16", "TTT_CHUNK_SIZE": "16",
     "TTT_BATCH_SIZE": "4", "TTT_LORA_RANK": "4", "PHASED_TTT_PREFIX_DOCS": "4", "PHASED_TTT_NUM_PHASES": "2",
     "TTT_CHUNK_TOKENS": "512",
+    # the LoRA presets skip both diagnostics (issue 46); the tiny runs keep them, to compare every compiled graph
+    "DIAGNOSTIC_POST_EMA": "1", "DIAGNOSTIC_ROUNDTRIP": "1",
 }
 RUN_0430 = {"TRAIN_SEQ_LEN_SCHEDULE": "32@0,64@0.3,128@0.6", "SEQ_LEN_REWARMUP_STEPS": "2",
             "ROPE_TRAIN_SEQ_LEN": "128", "TTT_CHUNK_SIZE_BY_DOC_LEN": "64:4,256:8"}

@@ -309,7 +309,7 @@ def test_numeric_settings_that_nothing_could_use_are_refused_in_one_line():
     assert config_error({"TTT_LORA_ALPHA": "0"}).startswith("TTT_LORA_ALPHA=0 must be > 0")
     assert config_error({"TTT_WEIGHT_DECAY": "-1"}) == "TTT_WEIGHT_DECAY=-1 must be >= 0"
     assert config_error({"ATTN_GATE_SCALE": "-0.5"}) == "ATTN_GATE_SCALE=-0.5 must be > 0"
-    # every numeric setting but PARALLEL_RESIDUAL_START (-1: off) refuses -1
+    # every numeric setting but PARALLEL_RESIDUAL_START (-1: off) and EVAL_TTT_STOP_AT (-1: every step) refuses -1
     h = tg.Hyperparameters({})
     numeric = [n for n, _ in h.settings if type(h.effective[n][0]) in (int, float)]
     accepted = []
@@ -319,7 +319,7 @@ def test_numeric_settings_that_nothing_could_use_are_refused_in_one_line():
             accepted.append(name)
         except tg.ConfigError:
             pass
-    assert accepted == ["PARALLEL_RESIDUAL_START"]
+    assert sorted(accepted) == ["EVAL_TTT_STOP_AT", "PARALLEL_RESIDUAL_START"]
 
 
 def test_every_frontier_preset_prunes_to_the_cap_and_the_default_never_does():
