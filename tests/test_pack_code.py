@@ -1059,6 +1059,7 @@ echo "$@" > "args_$SEED.txt"
 script="${@: -1}"
 mkdir -p logs
 { cat "$script"; echo "seed:$SEED"; echo "Code size: $(wc -c < "$script") bytes"; } > "logs/$RUN_ID.txt"
+mkdir -p "runs/$RUN_ID" && echo "$SEED" > "runs/$RUN_ID/final_model.int6.ptz"
 """
 
 
