@@ -342,10 +342,10 @@ def test_runs_in_one_folder_keep_their_own_outputs(tmp_path, sample_data):
     (tmp_path / "data").mkdir()
     env = {**TINY_ENV, **short_val_data(sample_data, tmp_path / "data", 2 * 128 + 1), "ITERATIONS": "1",
            "WARMDOWN_ITERS": "1", "TTT_ENABLED": "0", "EVAL_STRIDE": "0"}
-    names = ("final_model.pt", "final_model.int6.ptz", "../../logs/{}.txt")
+    names = ("final_model.pt", "final_model.int6.ptz")
 
-    def outputs(run_id):
-        return [run_file(tmp_path, run_id, name.format(run_id)).read_bytes() for name in names]
+    def outputs(run_id):  # what the run wrote: its raw weights, artifact and log
+        return [run_file(tmp_path, run_id, name).read_bytes() for name in names] + [read_log(tmp_path, run_id)]
 
     wrote = {}
     for run_id, seed in (("a", "1"), ("b", "2")):
@@ -361,7 +361,7 @@ def test_runs_in_one_folder_keep_their_own_outputs(tmp_path, sample_data):
     proc = run_training({**env, "RUN_ID": "a", "SEED": "3", "OVERWRITE_RUN": "1"}, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = read_log(tmp_path, "a")
-    for name in names[:2]:
+    for name in names:
         assert f"\nremoved runs/a/{name} of the earlier run (OVERWRITE_RUN=1)\n" in log
     assert log.index("removed runs/a/") < log.index("\nval_tokens:")  # before any work
     assert outputs("a")[1] != wrote["a"][1] and outputs("b") == wrote["b"]
