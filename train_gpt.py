@@ -339,6 +339,7 @@ class Hyperparameters:
         self.tokenizer_path = self._env("TOKENIZER_PATH", "./data/tokenizers/fineweb_1024_bpe.model", str)
         self.run_id = self._env("RUN_ID", "", str)
         self.run_id = self.run_id or self._resolved("RUN_ID", str(uuid.uuid4()))
+        self.overwrite_run = self._env("OVERWRITE_RUN", False, bool)  # 1: a finished RUN_ID's outputs are replaced
         self.seed = self._env("SEED", 1337)
         self.device = self._env("DEVICE", "", str)
         self.compile = self._env("COMPILE", None, bool)
@@ -473,7 +474,7 @@ class Hyperparameters:
         self.checkpoint_every = self._env("CHECKPOINT_EVERY", 0)  # steps; 0: no checkpoints
         self.checkpoint_dir = self._env("CHECKPOINT_DIR", "", str)
         self.checkpoint_dir = self.checkpoint_dir or self._resolved("CHECKPOINT_DIR",
-                                                                    os.path.join("checkpoints", self.run_id))
+                                                                    os.path.join(self.run_dir, "checkpoints"))
         self.checkpoint_keep = self._env("CHECKPOINT_KEEP", 2)
         self.resume = self._env("RESUME", "", str)  # "": a fresh run; auto: the newest checkpoint of RUN_ID; a path
         self.test_kill_at_checkpoint = self._env("TEST_KILL_AT_CHECKPOINT", "", str)  # test hook: STEP:after|during
@@ -684,6 +685,11 @@ class Hyperparameters:
         return phases
 
     @property
+    def run_dir(self):
+        """runs/$RUN_ID: this run's artifacts, preflight.json and, by default, its checkpoints (issue 47)."""
+        return os.path.join("runs", self.run_id)
+
+    @property
     def mlp_hidden(self):
         return int(self.mlp_mult * self.model_dim)
 
@@ -780,6 +786,9 @@ class Hyperparameters:
         need(len(os.fsencode(longest)) <= file_name_max("."), f"RUN_ID={self.run_id[:24]!r}... is too long: "
              f"its {len(os.fsencode(self.run_id))} bytes + {longest[len(self.run_id):]!r} exceed this filesystem's "
              f"{file_name_max('.')}-byte limit on a file name (logs/$RUN_ID.txt)")
+        done = artifact_files(self, "final_model")[1]
+        need(self.overwrite_run or not os.path.exists(done), f"RUN_ID={self.run_id} is a finished run ({done} exists): "
+             "choose a new RUN_ID, or set OVERWRITE_RUN=1 to replace its outputs")
         need(not self.eval_only or os.path.isfile(self.eval_only), f"EVAL_ONLY={self.eval_only}: no such artifact file")
         need(not (self.eval_only and self.resume), f"RESUME={self.resume} and EVAL_ONLY both set: EVAL_ONLY trains nothing")
         need(self.test_kill_step is not None, f"TEST_KILL_AT_CHECKPOINT={self.test_kill_at_checkpoint!r} must be "
@@ -3090,6 +3099,15 @@ def open_log(h, append=False):
     return path
 
 
+def make_run_dir(h):
+    """runs/$RUN_ID, made at start: a folder that cannot be made stops the run before any work."""
+    try:
+        os.makedirs(h.run_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"RUN_ID={h.run_id}: cannot make its folder {h.run_dir} ({e.strerror or e}); run from a "
+                          "writable directory") from None
+
+
 # The settings that scale the model's memory; a refusal names the one that grew it most beyond its default.
 SIZE_SETTINGS = ("NUM_LAYERS", "MODEL_DIM", "MLP_MULT", "NUM_KV_HEADS", "NUM_LOOPS", "VOCAB_SIZE",
                  "BIGRAM_VOCAB_SIZE", "BIGRAM_DIM", "VE_DIM")
@@ -3202,6 +3220,8 @@ def setup_runtime(h, resume=None):
         check_compile_backend(h.compile_backend)
     check_model_memory(h, device)
     threads = choose_cpu_threads(h)
+    if h.rank == 0 and not h.eval_only:
+        make_run_dir(h)
     log_path = open_log(h, append=resume is not None) if h.rank == 0 else None
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -3893,7 +3913,8 @@ RESUME_FREE_SETTINGS = frozenset((
     "DEBUG_TRACEBACK", "DIST_TIMEOUT_SECONDS", "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK",
     "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WARMUP_STEPS", "TRAIN_PREFETCH", "TRAIN_PREFETCH_QUEUE", "TRAIN_COPY_STREAM",
     "VAL_PREFETCH", "VAL_COPY_STREAM", "VAL_BYTECOUNT_DEVICE", "VAL_PROGRESS_LOG_EVERY", "VAL_LOSS_EVERY",
-    "TRAIN_LOG_EVERY", "TRAINING_TIMING_BREAKDOWN", "TRAINING_TIMING_EVERY", "PROFILE", "PROFILE_STEPS"))
+    "TRAIN_LOG_EVERY", "TRAINING_TIMING_BREAKDOWN", "TRAINING_TIMING_EVERY", "PROFILE", "PROFILE_STEPS",
+    "OVERWRITE_RUN"))
 
 
 @dataclass
@@ -6258,9 +6279,11 @@ def stage(name):
         _PREFLIGHT[0].begin(name)
 
 
-def artifact_files(h):
-    """The raw state dict and the artifact a run writes; PREFLIGHT=1 writes its own, removed after its report."""
-    return ("preflight_model.pt", "preflight_model.int6.ptz") if h.preflight else ("final_model.pt", "final_model.int6.ptz")
+def artifact_files(h, stem=None):
+    """The raw state dict and the artifact a run writes in runs/$RUN_ID; PREFLIGHT=1 writes its own, removed after its
+    report."""
+    stem = stem or ("preflight_model" if h.preflight else "final_model")
+    return os.path.join(h.run_dir, stem + ".pt"), os.path.join(h.run_dir, stem + ".int6.ptz")
 
 
 def merge_shapes(a, b):
@@ -6430,7 +6453,7 @@ class Preflight:
         for line in self.lines(rep):
             rt.log(line)
         if rt.is_main:
-            write_atomically("preflight.json", (json.dumps(rep, indent=1) + "\n").encode())
+            write_atomically(os.path.join(h.run_dir, "preflight.json"), (json.dumps(rep, indent=1) + "\n").encode())
             for name in artifact_files(h):
                 with contextlib.suppress(OSError):
                     os.remove(name)
@@ -6744,6 +6767,10 @@ def run(rt):
     h = rt.h
     pf = _PREFLIGHT[0] = Preflight(rt) if h.preflight else None
     log_environment(rt)
+    if h.overwrite_run and rt.is_main and not (h.eval_only or h.preflight):  # before any work: if this run fails,
+        for name in filter(os.path.exists, artifact_files(h)):  # nothing under its name looks finished
+            os.remove(name)
+            rt.log(f"removed {name} of the earlier run (OVERWRITE_RUN=1)")
     backend = select_attention_backend(rt.device, h.attention_backend)
     overrides = [name for name in PRESETS[h.preset] if h.effective[name][1] == "env"]
     rt.log(f"preset:{h.preset}" + (f" overridden_by_env:{','.join(overrides)}" if overrides else ""))
@@ -6805,10 +6832,6 @@ def run(rt):
     stage("checking the training shards")
     for f in list_shards(h.train_files):
         read_shard_header(f)
-    for name in artifact_files(h):  # a failed run must not leave an older run's files
-        if rt.is_main and os.path.exists(name):
-            os.remove(name)
-            rt.log(f"removed {name} of an earlier run")
     stage("building the model")
     model = rt.prepare_model(build_model(h))
     rt.log(f"model_params:{sum(p.numel() for p in model.parameters())}")

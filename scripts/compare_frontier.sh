@@ -5,7 +5,8 @@
 # vocabularies: the 8192 sample's validation text is not the 1024 sample's, so compare bpb within a vocabulary),
 # and PRESET=record_0427 / record_0430 scaled the same way on the CaseOps sample (build_sample_data.py --vocab-size
 # 8192 --caseops: CaseOps sample data, NOT FineWeb, a third validation text) beside the default on that sample.
-# Prints one markdown table; logs go to logs/frontier_<variant>.txt.
+# Prints one markdown table; logs go to logs/frontier_<variant>.txt, artifacts to runs/frontier_<variant>/ (a rerun
+# replaces them: OVERWRITE_RUN=1).
 #
 #   bash scripts/compare_frontier.sh                  # every variant, 90 s of training each
 #   SECONDS_PER_RUN=60 VARIANTS="default loops" bash scripts/compare_frontier.sh
@@ -74,7 +75,7 @@ for v in $VARIANTS; do
       # the schedule of a 200-step sample run, timed against the budget instead of a step count
       export WARMDOWN_ITERS=80 MUON_MOMENTUM_WARMUP_STEPS=100 EMA_DECAY=0.98 MAX_WALLCLOCK_SECONDS="$SECONDS_PER_RUN"
     fi
-    export VAL_LOSS_EVERY=0 TRAIN_LOG_EVERY=50 TTT_ENABLED=0 RUN_ID="frontier_$v"
+    export VAL_LOSS_EVERY=0 TRAIN_LOG_EVERY=50 TTT_ENABLED=0 RUN_ID="frontier_$v" OVERWRITE_RUN=1
     for kv in $settings; do export "${kv?}"; done
     "$PYTHON" train_gpt.py >/dev/null
   ) || { echo "scripts/compare_frontier.sh: variant $v failed (log: logs/frontier_$v.txt)" >&2; exit 1; }

@@ -79,7 +79,7 @@ python3 data/build_sample_data.py --out-dir "$S" --vocab-size 8192 --caseops --t
 step preflight 200 env PREFLIGHT=1 PRESET=record_0501 $PF_SHAPE DATA_PATH="$S/datasets/sample_sp8192_caseops" \
   TOKENIZER_PATH="$S/tokenizers/sample_8192_bpe_caseops.model" RUN_ID=device_checks_0501 \
   python3 train_gpt.py > "$OUT/preflight.txt" 2>&1
-cp preflight.json "$OUT/preflight.json" 2>/dev/null && rm -f preflight.json
+cp runs/device_checks_0501/preflight.json "$OUT/preflight.json" 2>/dev/null && rm -rf runs/device_checks_0501
 grep -E "^(preflight|compile|warmup_time|eval_warmup|peak memory|data_wait|error)|Traceback" "$OUT/preflight.txt" \
   | tail -40 | tee -a "$SUMMARY"
 

@@ -5,8 +5,12 @@
 #
 # Each run gets the caller's environment plus SEED=<seed> and
 # RUN_ID=<folder name>_seed<seed>; train_gpt.py writes logs/$RUN_ID.txt, which
-# is copied to FOLDER/train_seed<seed>.log. train_gpt.py itself is copied into
-# FOLDER once, before the first run, so the folder holds the code that ran.
+# is copied to FOLDER/train_seed<seed>.log, and its artifact
+# runs/$RUN_ID/final_model.int6.ptz (in the repo root: one per seed; a record
+# folder holds the logs and the code, not the artifacts). train_gpt.py itself is
+# copied into FOLDER once, before the first run, so the folder holds the code that ran.
+# A seed whose runs/$RUN_ID/ holds a finished run stops the script before any
+# run, as train_gpt.py would refuse it (OVERWRITE_RUN=1 reruns it).
 #
 # With PACK_CODE=1, FOLDER/train_gpt.py is instead the packed (self-extracting,
 # minified, locals renamed, ZPAQ in a 7-bit literal) form written by scripts/pack_code.py, the readable
@@ -22,6 +26,7 @@
 #   TORCHRUN        launcher command, default "torchrun"
 #   PACK_CODE       1: run and ship the packed train_gpt.py (see above); default 0
 #   PYTHON          interpreter for scripts/pack_code.py, default "python3"
+#   OVERWRITE_RUN   1: rerun seeds that finished before (train_gpt.py's setting)
 set -euo pipefail
 
 usage() {
@@ -51,6 +56,14 @@ cd "$repo_root"
 [[ -f train_gpt.py ]] || die "no train_gpt.py in $repo_root"
 pack=${PACK_CODE:-0}
 [[ $pack == 0 || $pack == 1 ]] || die "PACK_CODE must be 0 or 1, got '$pack'"
+# train_gpt.py refuses a RUN_ID that holds a finished run: find out now, not after the earlier seeds' runs.
+if [[ ${OVERWRITE_RUN:-0} != 1 ]]; then
+  for seed in "$@"; do
+    done_artifact="runs/${name}_seed${seed}/final_model.int6.ptz"
+    [[ ! -e $done_artifact ]] || die "seed $seed already finished ($repo_root/$done_artifact exists): leave it out," \
+      "choose another FOLDER name, or set OVERWRITE_RUN=1 to rerun it"
+  done
+fi
 
 # Unquoted on purpose: TORCHRUN may be a command with arguments.
 launcher=(${TORCHRUN:-torchrun})
@@ -100,8 +113,10 @@ for seed in "$@"; do
   SEED="$seed" RUN_ID="$run_id" "${launcher[@]}" || status=$?
   [[ $status -eq 0 ]] || die "run for seed $seed failed with exit status $status (log, if any: $log)"
   [[ -f $log ]] || die "run for seed $seed finished but $repo_root/$log is missing"
+  artifact="runs/${run_id}/final_model.int6.ptz"
+  [[ -f $artifact ]] || die "run for seed $seed finished but $repo_root/$artifact is missing"
   cp "$log" "$folder/train_seed${seed}.log"
-  echo "run_seeds: wrote $folder/train_seed${seed}.log" >&2
+  echo "run_seeds: wrote $folder/train_seed${seed}.log; the artifact is $repo_root/$artifact" >&2
 done
 
 echo "run_seeds: done; next: python scripts/make_record.py $folder && python scripts/check_record.py $folder --sota-bpb <current record bpb>" >&2

@@ -4,6 +4,7 @@
 # evaluations (round trip, sliding window, legal TTT). About 5 minutes on 2 CPU cores.
 #
 # Any setting can be overridden from the environment, e.g.  ITERATIONS=50 bash scripts/sample_run.sh
+# A second run under the same RUN_ID is refused (runs/$RUN_ID/ holds a finished run): OVERWRITE_RUN=1 replaces it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,5 +14,5 @@ if [ ! -f "$TOKENIZER_PATH" ] || ! ls "$DATA_PATH"/fineweb_val_*.bin >/dev/null 
   "$PYTHON" data/build_sample_data.py
 fi
 export RUN_ID="${RUN_ID:-sample_cpu_seed${SEED:-1337}}"
-echo "sample run: RUN_ID=$RUN_ID DATA_PATH=$DATA_PATH (log: logs/$RUN_ID.txt)"
+echo "sample run: RUN_ID=$RUN_ID DATA_PATH=$DATA_PATH (log: logs/$RUN_ID.txt, artifact: runs/$RUN_ID/)"
 exec "$PYTHON" train_gpt.py

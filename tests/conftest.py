@@ -162,6 +162,11 @@ def read_log(cwd: Path, run_id: str) -> str:
     return (cwd / "logs" / f"{run_id}.txt").read_text(encoding="utf-8")
 
 
+def run_file(cwd: Path, run_id: str, name: str = "final_model.int6.ptz") -> Path:
+    """A file of the run RUN_ID in `cwd`, in its folder runs/RUN_ID: its artifact unless `name` says another."""
+    return cwd / "runs" / run_id / name
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread for a module's in-process work (restored after), for modules that ask for it with

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import TINY_ENV, config_error, hide_modules, read_log, run_training, short_val_data
+from conftest import TINY_ENV, config_error, hide_modules, read_log, run_file, run_training, short_val_data
 
 RECORD_0427 = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "frontier" / "record_0427" / "train_gpt.py"
 RECORD_0430 = RECORD_0427.parents[1] / "record_0430" / "train_gpt.py"
@@ -461,7 +461,7 @@ def test_pergroup_run_with_every_option_and_eval_only(run_data, tmp_path):
     log = read_log(cwd, "all")
     assert re.search(r"^gptq: hessians:13 batches:2x1 time:\d+ms train\+hessians:\d+ms calibration:shuffled 3x128$",
                      log, re.M)
-    artifact = cwd / "final_model.int6.ptz"
+    artifact = run_file(cwd, "all")
     assert artifact.read_bytes()[:4] == b"PGRP"
     assert re.search(rf"^Serialized model int6\+pergroup: {artifact.stat().st_size} bytes$", log, re.M)
     meta = tg.pergroup_deserialize(artifact.read_bytes(), str(artifact))["m"]
@@ -486,8 +486,8 @@ def test_two_processes_write_the_one_process_pergroup_artifact(run_data, tmp_pat
         proc = run_training({**RUN_ENV, **run_data, "RUN_ID": "h", "GPTQ_CALIBRATION_BATCHES": str(batches)},
                             cwd, nproc=nproc)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = (tmp_path / "n0" / "final_model.int6.ptz").read_bytes(), (tmp_path / "n2" / "final_model.int6.ptz")
-    assert one[:4] == b"PGRP" and one == two.read_bytes()
+    one, two = run_file(tmp_path / "n0", "h").read_bytes(), run_file(tmp_path / "n2", "h").read_bytes()
+    assert one[:4] == b"PGRP" and one == two
 
 
 @pytest.mark.parametrize("compressor, missing, message", [

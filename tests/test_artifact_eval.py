@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as tg
-from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, run_training, short_val_data
+from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, run_file, run_training, short_val_data
 
 CPU = torch.device("cpu")
 SPACE = "\u2581"
@@ -649,8 +649,8 @@ def test_full_run_logs_results_and_byte_accounting(trained_run, run_env, monkeyp
     model_bytes = one(r"^Serialized model int6\+lzma: (\d+) bytes$")
     code = one(r"^Code size: (\d+) bytes$")
     total = one(r"^Total submission size int6\+lzma: (\d+) bytes$")
-    assert raw == (cwd / "final_model.pt").stat().st_size
-    assert model_bytes == (cwd / "final_model.int6.ptz").stat().st_size
+    assert raw == run_file(cwd, "trained", "final_model.pt").stat().st_size
+    assert model_bytes == run_file(cwd, "trained").stat().st_size
     assert code == trained_run["code_bytes"]
     assert total == model_bytes + code
     assert "OVER_LIMIT" not in tail
@@ -660,7 +660,7 @@ def test_full_run_logs_results_and_byte_accounting(trained_run, run_env, monkeyp
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     h = tg.Hyperparameters()
-    model = tg.load_artifact(str(cwd / "final_model.int6.ptz"), h)
+    model = tg.load_artifact(str(run_file(cwd, "trained")), h)
     luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
     rt = cpu_runtime(h)
     loss, bpb = tg.eval_val(rt, rt.prepare_model(model), val_tokens_for(h), luts)
@@ -682,8 +682,7 @@ def test_two_processes_evaluate_like_one(run_env, tmp_path):
         log = read_log(cwd, f"n{nproc}")
         assert re.search(rf"^device:cpu world_size:{max(nproc, 1)} ", log, re.M)
         logs[nproc] = run_output(log)
-    assert (tmp_path / "n0" / "final_model.int6.ptz").read_bytes() == \
-        (tmp_path / "n2" / "final_model.int6.ptz").read_bytes()
+    assert run_file(tmp_path / "n0", "n0").read_bytes() == run_file(tmp_path / "n2", "n2").read_bytes()
     for label, rel in (("final_int6_roundtrip", 1e-6), ("final_int6_sliding_window", 1e-6), ("legal_ttt", 1e-5)):
         one, two = _exact(logs[0], label), _exact(logs[2], label)
         assert two[0] == pytest.approx(one[0], rel=rel, abs=2e-8), (label, one, two)
@@ -696,13 +695,13 @@ def test_eval_only_reproduces_the_training_run(trained_run, run_env, tmp_path):
     """All three results, legal TTT included: the artifact records that late QAT was on at the end of
     training (trained_run switches it on at step 3), and EVAL_ONLY's TTT trains with it as the run did."""
     assert "late_qat:enabled step:3" in trained_run["log"]
-    artifact = trained_run["cwd"] / "final_model.int6.ptz"
+    artifact = run_file(trained_run["cwd"], "trained")
     proc = run_training({**run_env, "RUN_ID": "evalonly", "EVAL_ONLY": str(artifact), "ITERATIONS": "1000"},
                         tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     tail = run_output(read_log(tmp_path, "evalonly"))
     assert not re.search(r"^step:", tail, re.M) and "warmup_step" not in tail
-    assert "Serialized model" not in tail and not (tmp_path / "final_model.int6.ptz").exists()
+    assert "Serialized model" not in tail and not (tmp_path / "runs").exists()  # EVAL_ONLY writes no run folder
     assert f"eval_only artifact:{artifact} bytes:{artifact.stat().st_size}" in tail
     assert "late_qat:1" in tail
     for label in ("final_int6_roundtrip", "final_int6_sliding_window", "legal_ttt"):
@@ -751,7 +750,7 @@ def test_eval_only_bad_file_is_a_one_line_error(run_env, tmp_path, name, make):
 
 
 def test_eval_only_artifact_of_other_settings_is_a_one_line_error(trained_run, run_env, tmp_path):
-    artifact = trained_run["cwd"] / "final_model.int6.ptz"
+    artifact = run_file(trained_run["cwd"], "trained")
     proc = run_training({**run_env, "RUN_ID": "bad", "EVAL_ONLY": str(artifact), "MLP_MULT": "2"}, tmp_path)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr[-3000:]

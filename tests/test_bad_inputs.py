@@ -149,6 +149,31 @@ def test_run_id_longer_than_a_file_name_is_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_finished_run_id_is_refused_at_start(tmp_path, monkeypatch):
+    """runs/RUN_ID/final_model.int6.ptz exists (issue 47): a training run, a resume and EVAL_ONLY under that name are
+    refused in one line naming RUN_ID, the file and both ways out, before the data is read or the log opened; with
+    OVERWRITE_RUN=1 the settings pass. A folder runs/RUN_ID that cannot be made is refused too."""
+    done = tmp_path / "runs" / "r1" / "final_model.int6.ptz"
+    done.parent.mkdir(parents=True)
+    done.write_bytes(b"a finished run's artifact")
+    monkeypatch.chdir(tmp_path)
+    line = ("RUN_ID=r1 is a finished run (runs/r1/final_model.int6.ptz exists): choose a new RUN_ID, or set "
+            "OVERWRITE_RUN=1 to replace its outputs")
+    for over in ({}, {"RESUME": "auto"}, {"EVAL_ONLY": str(done)}):
+        assert config_error({"RUN_ID": "r1", **over}) == line
+        assert tg.Hyperparameters({"RUN_ID": "r1", "OVERWRITE_RUN": "1", **over}).overwrite_run
+    assert "OVERWRITE_RUN='yes' must be 0 or 1" in config_error({"OVERWRITE_RUN": "yes"})
+    proc = run_training({**TINY_ENV, "RUN_ID": "r1", "DATA_PATH": str(tmp_path / "no_data")}, tmp_path, timeout=60)
+    assert_one_line_error(proc, 2, f"error: {line}")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["runs", "runs/r1",
+                                                                                "runs/r1/final_model.int6.ptz"]
+    assert done.read_bytes() == b"a finished run's artifact"
+    (tmp_path / "runs" / "r2").write_text("a file where the run's folder should be\n")
+    proc = run_training({**TINY_ENV, "RUN_ID": "r2", "DATA_PATH": str(tmp_path / "no_data")}, tmp_path, timeout=60)
+    assert_one_line_error(proc, 2, "error: RUN_ID=r2: cannot make its folder runs/r2 (")
+    assert not (tmp_path / "logs").exists()
+
+
 # ---------------------------------------------------------------------------------------------- CHECKPOINT_DIR
 
 def test_checkpoint_dir_that_is_a_file_or_not_writable_is_refused_at_start(tmp_path, sample_data, monkeypatch):

@@ -20,7 +20,7 @@ import torch
 
 import launcher
 import train_gpt as tg
-from conftest import SCRIPT, clean_environ, config_error, read_log, run_training, short_val_data
+from conftest import SCRIPT, clean_environ, config_error, read_log, run_file, run_training, short_val_data
 from test_documents import caseops_sample, write_tokens  # noqa: F401 (fixture: the vocab-8192 CaseOps sample)
 
 EXACT = r"^(final_int6_\w+|legal_ttt)_exact (.*)$"
@@ -41,15 +41,15 @@ PRESET_SCALE = {**QUIET, "NUM_LAYERS": "5", "MODEL_DIM": "32", "NUM_HEADS": "2",
 # switches on at step 3 (ENABLE_LOOPING_AT=0.5 of 6 steps), right after the checkpoint of step 2. record_0430:
 # context 32 -> 64 at step 3 with a 3-step LR re-warmup (steps 3, 4, 5), the resume at step 4 inside it, 128 at 5.
 SCENARIOS = {
-    "default": (DEFAULT, 1, None, ["resumed_from:checkpoints/cut/step_00000003 step:3"]),
+    "default": (DEFAULT, 1, None, ["resumed_from:runs/cut/checkpoints/step_00000003 step:3"]),
     "record_0427": ({**PRESET_SCALE, "PRESET": "record_0427", "ITERATIONS": "6", "ENABLE_LOOPING_AT": "0.5"}, 2,
-                    "2:after", ["resumed_from:checkpoints/cut/step_00000002 step:2", "layer_loop:enabled step:3",
+                    "2:after", ["resumed_from:runs/cut/checkpoints/step_00000002 step:2", "layer_loop:enabled step:3",
                                 "final_weights:ema"]),
     "record_0430": ({**PRESET_SCALE, "PRESET": "record_0430", "ITERATIONS": "8", "EVAL_SEQ_LEN": "128",
                      "TRAIN_SEQ_LEN": "128", "ROPE_TRAIN_SEQ_LEN": "128",
                      "TRAIN_SEQ_LEN_SCHEDULE": "32@0,64@0.3,128@0.6", "SEQ_LEN_REWARMUP_STEPS": "3"}, 4,
-                    "4:after", ["resumed_from:checkpoints/cut/step_00000004 step:4", "seq_len:128 step:5 frac:0.6250",
-                                "final_weights:ema"]),
+                    "4:after", ["resumed_from:runs/cut/checkpoints/step_00000004 step:4",
+                                "seq_len:128 step:5 frac:0.6250", "final_weights:ema"]),
 }
 
 
@@ -102,12 +102,13 @@ def scenario(data, tmp_path_factory):
         ref_dir, cut_dir = tmp_path_factory.mktemp(f"{name}_{nproc}_ref"), tmp_path_factory.mktemp(f"{name}_{nproc}")
         finished(launch({**env, "RUN_ID": "ref"}, ref_dir, nproc))
         ck = {**env, "RUN_ID": "cut", "CHECKPOINT_EVERY": str(every)}
-        folder = cut_dir / "checkpoints" / "cut"
+        folder = cut_dir / "runs" / "cut" / "checkpoints"
         if kill is None and nproc == 0:  # killed while writing step 2's checkpoint, then right after step 3's
             killed(launch({**ck, "TEST_KILL_AT_CHECKPOINT": "2:during"}, cut_dir, nproc))
             assert [p.name for p in sorted(folder.iterdir())] == [".tmp_step_00000002", "step_00000001"]
             killed(launch({**ck, "RESUME": "auto", "TEST_KILL_AT_CHECKPOINT": "3:after"}, cut_dir, nproc))
-            assert re.search(r"^resumed_from:checkpoints/cut/step_00000001 step:1 ", read_log(cut_dir, "cut"), re.M)
+            assert re.search(r"^resumed_from:runs/cut/checkpoints/step_00000001 step:1 ", read_log(cut_dir, "cut"),
+                             re.M)
         else:
             killed(launch({**ck, "TEST_KILL_AT_CHECKPOINT": kill or "3:after"}, cut_dir, nproc))
         if kill is None:
@@ -123,7 +124,7 @@ def scenario(data, tmp_path_factory):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_stop_and_resume_equals_the_run_never_stopped(scenario, name, nproc):
     ref_dir, cut_dir = scenario(name, nproc)
-    ref, cut = torch.load(ref_dir / "final_model.pt"), torch.load(cut_dir / "final_model.pt")
+    ref, cut = (torch.load(run_file(d, i, "final_model.pt")) for d, i in ((ref_dir, "ref"), (cut_dir, "cut")))
     assert sorted(ref) == sorted(cut)
     different = [k for k in ref if not (ref[k].dtype == cut[k].dtype and torch.equal(ref[k], cut[k]))]
     assert not different, different
@@ -160,19 +161,26 @@ def test_refused_resumes_are_one_line_exit_2_and_change_nothing(scenario, data, 
     shutil.copytree(cut_dir, work, symlinks=True)
     env = {**SCENARIOS["default"][0], **data["default"], "RUN_ID": "cut", "CHECKPOINT_EVERY": "1"}
     before = tree(work)
+    # the resumed run finished: its name is refused until OVERWRITE_RUN=1 (issue 47)
+    proc = run_training({**env, "RESUME": "auto"}, work)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: RUN_ID=cut is a finished run (runs/cut/final_model.int6.ptz exists): choose a new RUN_ID, or set "
+        "OVERWRITE_RUN=1 to replace its outputs"), proc.stderr[-3000:]
+    assert tree(work) == before
+    env["OVERWRITE_RUN"] = "1"
     # settings that change the math
     one_line_refusal(run_training({**env, "RESUME": "auto", "MODEL_DIM": "64", "SEED": "7"}, work),
                      "step_00000003 was written with settings that change the training", "MODEL_DIM=32 (now 64)",
                      "SEED=1337 (now 7)")
     assert tree(work) == before
     # a corrupted file: one byte flipped in the newest checkpoint
-    newest = work / "checkpoints" / "cut" / "step_00000003"
+    newest = work / "runs" / "cut" / "checkpoints" / "step_00000003"
     blob = bytearray((newest / "shared0.pt").read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     (newest / "shared0.pt").write_bytes(bytes(blob))
     before = tree(work)
     one_line_refusal(run_training({**env, "RESUME": "auto"}, work),
-                     "checkpoint file checkpoints/cut/step_00000003/shared0.pt is corrupted (its CRC-32 differs")
+                     "checkpoint file runs/cut/checkpoints/step_00000003/shared0.pt is corrupted (its CRC-32 differs")
     assert tree(work) == before
 
 
@@ -182,7 +190,7 @@ def test_each_refusal_names_what_differs_or_the_file(scenario, data, tmp_path):
     _, two = scenario("default", 2)
     base = {**SCENARIOS["default"][0], **data["default"], "RUN_ID": "cut"}
     folder = tmp_path / "ck"
-    shutil.copytree(one / "checkpoints" / "cut", folder)
+    shutil.copytree(one / "runs" / "cut" / "checkpoints", folder)
     before = tree(folder)
 
     def refusal(**over):
@@ -191,7 +199,7 @@ def test_each_refusal_names_what_differs_or_the_file(scenario, data, tmp_path):
         assert "\n" not in str(err.value)
         return str(err.value)
 
-    assert "WORLD_SIZE=2 (now 1)" in refusal(RESUME=str(two / "checkpoints" / "cut"))
+    assert "WORLD_SIZE=2 (now 1)" in refusal(RESUME=str(two / "runs" / "cut" / "checkpoints"))
     assert "PRESET=record_0323 (now record_0409)" in refusal(RESUME="auto", PRESET="record_0409", NUM_LOOPS="0",
                                                              PARALLEL_RESIDUAL_START="-1", WARMDOWN_ITERS="0")
     assert "DATA_PATH=" in refusal(RESUME="auto", DATA_PATH=str(tmp_path))
@@ -241,7 +249,7 @@ def test_record_tools_say_a_resumed_log_is_no_10_minute_record(scenario, capsys)
     assert cut.run_headers == 3 and [s for _, s in cut.resumes] == [1, 3]
     assert rl.integrity_problems(cut) == [] and rl.resumed_note(ref) is None
     note = rl.resumed_note(cut)
-    assert note.startswith("resumed from a checkpoint (resumed_from:checkpoints/cut/step_00000003 step:3)")
+    assert note.startswith("resumed from a checkpoint (resumed_from:runs/cut/checkpoints/step_00000003 step:3)")
     assert "not a valid 10-minute-track record run" in note and "\n" not in note
     assert (cut.path, note) in check_record.check_log(cut, set(), "10min", None)
     assert all(note != msg for _, msg in check_record.check_log(cut, set(), "non-record", None))
@@ -256,7 +264,7 @@ def test_checkpoint_bytes_are_the_formulas(scenario, data, nproc):
     """checkpoint_payload_bytes (docs/running.md's sizes) equals the tensor bytes of a real checkpoint, replicated
     and each rank's Muon momentum; the files add only torch.save's framing and the RNG/loader state."""
     _, cut_dir = scenario("default", nproc)
-    folder = cut_dir / "checkpoints" / "cut" / "step_00000003"
+    folder = cut_dir / "runs" / "cut" / "checkpoints" / "step_00000003"
     ws = max(nproc, 1)
     h = tg.Hyperparameters({**SCENARIOS["default"][0], **data["default"], "WORLD_SIZE": str(ws),
                             **({"MASTER_ADDR": "x", "MASTER_PORT": "1"} if ws > 1 else {})})

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import TINY_ENV, computed_once, read_log, run_training, shared_folder, shared_run, short_val_data
+from conftest import (TINY_ENV, computed_once, read_log, run_file, run_training, shared_folder, shared_run,
+                      short_val_data)
 from test_documents import caseops_sample, packed_runtime  # noqa: F401 (fixture: the vocab-8192 CaseOps sample)
 from test_trust import assert_one_line_error
 from test_presets import EXACT, RUN_0430, RUN_0501, RUN_SCALE, caseops_run_data  # noqa: F401 (fixture)
@@ -84,7 +85,7 @@ def check_preset_run(preset, nproc, data, tmp_path, tmp_path_factory, eager=True
     assert_scores_close(eager, compiled)
     assert not re.search("^compile", eager, re.M) and "compile:0" in eager
     if (preset, nproc) in EVAL_ONLY_RUNS:
-        artifact = next(folder.glob("final_model.*.ptz"))
+        artifact = run_file(folder, f"{preset}_{nproc}")
         again = run({**env, "RUN_ID": f"{preset}_{nproc}_eval", "COMPILE": "0", "EVAL_ONLY": str(artifact)},
                     tmp_path / "eval_only", nproc)
         assert re.findall(EXACT, again, re.M) == re.findall(EXACT, eager, re.M)

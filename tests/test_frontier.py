@@ -12,7 +12,7 @@ import torch
 
 import launcher
 import train_gpt as tg
-from conftest import REPO, TINY_ENV, clean_environ, config_error, read_log, run_training, short_val_data
+from conftest import REPO, TINY_ENV, clean_environ, config_error, read_log, run_file, run_training, short_val_data
 
 # ---------------------------------------------------------------------------------------------- presets
 
@@ -447,7 +447,7 @@ def test_tiny_record_0409_run_logs_preset_settings_loop_switch_and_evaluates(tmp
     exact = re.findall(r"^(final_int6_roundtrip|final_int6_sliding_window|legal_ttt)_exact (.*)$", log, re.M)
     assert [k for k, _ in exact] == ["final_int6_roundtrip", "final_int6_sliding_window", "legal_ttt"]
     # the artifact alone reproduces it: a fresh process reads it back and evaluates looped
-    again = run_training({**env, "RUN_ID": "p0409_eval", "EVAL_ONLY": str(run_dir / "final_model.int6.ptz")}, run_dir)
+    again = run_training({**env, "RUN_ID": "p0409_eval", "EVAL_ONLY": str(run_file(run_dir, "p0409"))}, run_dir)
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.findall(r"^(final_int6_roundtrip|final_int6_sliding_window|legal_ttt)_exact (.*)$",
                       read_log(run_dir, "p0409_eval"), re.M) == exact

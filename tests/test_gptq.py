@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as tg
-from conftest import TINY_ENV, config_error, read_log, run_training, short_val_data
+from conftest import TINY_ENV, config_error, read_log, run_file, run_training, short_val_data
 
 CPU = torch.device("cpu")
 XZ_MAGIC = b"\xfd7zXZ\x00"
@@ -693,14 +693,14 @@ def test_gptq_brotli_run_and_eval_only(gptq_data, tmp_path):
     used, total = one_int(r"^gptq: (\d+) of (\d+) tensors with a Hessian quantised by GPTQ .*\(scales: SDClip\)",
                           log)
     assert (int(used), int(total)) == (5, 13)  # mlp.fc/proj of 2 layers + tok_emb; c_q.. are fp16 at width 256
-    artifact = cwd / "final_model.int6.ptz"
+    artifact = run_file(cwd, "gptq")
     assert int(one_int(r"^Serialized model int6\+brotli: (\d+) bytes$", log)) == artifact.stat().st_size
     raw = brotli.decompress(artifact.read_bytes())
     assert raw[:5] == b"BSHF\x02"
     # The artifact's codes are GPTQ's: they differ from rounding the saved final weights to nearest
     # (same SDClip scales), while the scales and the fp16 passthrough tensors agree.
     stored = torch.load(io.BytesIO(tg.byte_unshuffle(raw)), map_location="cpu")["w"]
-    final = torch.load(cwd / "final_model.pt", map_location="cpu")
+    final = torch.load(run_file(cwd, "gptq", "final_model.pt"), map_location="cpu")
     rtn_w, meta = tg.quantize_state_dict(tg.unbank_state_dict(final, 2), hp(**SMALL_MODEL, MATRIX_CLIP_SIGMAS=12.85))
     gptq_names = {"blocks.0.mlp.fc.weight", "blocks.1.mlp.fc.weight", "blocks.0.mlp.proj.weight",
                   "blocks.1.mlp.proj.weight", "tok_emb.weight"}
@@ -725,9 +725,8 @@ def test_two_process_hessians_give_the_one_process_artifact(gptq_data, tmp_path)
         proc = run_training({**env, "RUN_ID": "h", "GPTQ_CALIBRATION_BATCHES": str(batches)}, cwd, nproc=nproc)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert re.search(rf"^gptq: hessians:13 batches:{batches}x{max(nproc, 1)} ", read_log(cwd, "h"), re.M)
-    one, two = tmp_path / "n0", tmp_path / "n2"
-    assert (one / "final_model.pt").read_bytes() == (two / "final_model.pt").read_bytes()
-    assert (one / "final_model.int6.ptz").read_bytes() == (two / "final_model.int6.ptz").read_bytes()
+    for name in ("final_model.pt", "final_model.int6.ptz"):
+        assert run_file(tmp_path / "n0", "h", name).read_bytes() == run_file(tmp_path / "n2", "h", name).read_bytes()
 
 
 @pytest.mark.parametrize("env, fragment", [
@@ -771,4 +770,4 @@ def test_target_bytes_below_the_script_is_exit_2(gptq_data, tmp_path, monkeypatc
     assert err == [f"error: TARGET_BYTES={code_bytes} leaves no room beside this script's {code_bytes} bytes"]
     log = read_log(tmp_path, "tb")
     assert re.search(r"^val_tokens:\d+$", log, re.M) and not re.search(r"^(step|model_params):", log, re.M)
-    assert log.rstrip().endswith(err[0]) and not (tmp_path / "final_model.pt").exists()
+    assert log.rstrip().endswith(err[0]) and not run_file(tmp_path, "tb", "final_model.pt").exists()

@@ -584,7 +584,7 @@ def test_reduced_clip_on_two_ranks_equals_one_process_with_the_mean_gradient(tmp
 def test_tiny_two_rank_run_with_every_04_27_switch_trains_quantizes_evaluates_and_reloads(tmp_path, sample_data):
     """Every forward path with SmearGate v2, the sparse gate and the two lanes (training, GPTQ calibration, the
     artifact's evaluations, TTT), on 2 gloo ranks with the reduced clip; EVAL_ONLY reproduces the scores."""
-    from conftest import TINY_ENV, read_log, run_training, short_val_data
+    from conftest import TINY_ENV, read_log, run_file, run_training, short_val_data
     data = short_val_data(sample_data, tmp_path, 4 * 128 + 1)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -600,7 +600,7 @@ def test_tiny_two_rank_run_with_every_04_27_switch_trains_quantizes_evaluates_an
         assert f"\n{line}\n" in log, line
     exact = re.findall(r"^(final_int6_roundtrip|final_int6_sliding_window|legal_ttt)_exact (.*)$", log, re.M)
     assert [k for k, _ in exact] == ["final_int6_roundtrip", "final_int6_sliding_window", "legal_ttt"]
-    again = run_training({**env, "RUN_ID": "n0427_eval", "EVAL_ONLY": str(run_dir / "final_model.int6.ptz")},
+    again = run_training({**env, "RUN_ID": "n0427_eval", "EVAL_ONLY": str(run_file(run_dir, "n0427"))},
                          run_dir, nproc=2)
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.findall(r"^(final_int6_roundtrip|final_int6_sliding_window|legal_ttt)_exact (.*)$",

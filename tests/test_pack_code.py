@@ -927,7 +927,8 @@ def test_packed_train_gpt_runs_the_fused_kernels_like_the_readable_one(packed_tr
         for name in ("mlp", "ce"):
             line = f"fused_{name}: triton kernel (Triton interpreter on CPU, TRITON_INTERPRET=1, float32)"
             assert re.search(f"^{re.escape(line)}$", logs[run_id], re.M), (run_id, name)
-        assert sorted(p.name for p in cwd.iterdir()) == ["final_model.int6.ptz", "final_model.pt", "logs"]
+        assert sorted(p.name for p in cwd.iterdir()) == ["logs", "runs"]
+        assert sorted(p.name for p in (cwd / "runs" / run_id).iterdir()) == ["final_model.int6.ptz", "final_model.pt"]
     assert sorted(p.name for p in packed_path.parent.iterdir()) == ["train_gpt.py"]  # nothing written beside it
     readable, packed = _result_lines(logs["readable"]), _result_lines(logs["packed"])
     assert sum(" train_loss:" in line for line in readable) == 2 and packed == readable
@@ -1058,6 +1059,7 @@ echo "$@" > "args_$SEED.txt"
 script="${@: -1}"
 mkdir -p logs
 { cat "$script"; echo "seed:$SEED"; echo "Code size: $(wc -c < "$script") bytes"; } > "logs/$RUN_ID.txt"
+mkdir -p "runs/$RUN_ID" && echo "$SEED" > "runs/$RUN_ID/final_model.int6.ptz"
 """
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import launcher
 import train_gpt as tg
-from conftest import REPO, clean_environ, read_log, run_training
+from conftest import REPO, TINY_ENV, clean_environ, read_log, run_file, run_training
 from test_compile import PRESET_ENV, eager_run, preset_data  # noqa: F401 (fixture: each preset's tiny data)
 from test_documents import caseops_sample  # noqa: F401 (fixture)
 from test_presets import caseops_run_data  # noqa: F401 (fixture)
@@ -31,7 +32,7 @@ def preflight(env, cwd, script=None, timeout=300, nproc=0):
         proc = run_training(env, cwd, nproc=nproc, timeout=timeout)
     else:
         proc = launcher.run([script], {**clean_environ(), **env, "OMP_NUM_THREADS": "1"}, cwd, timeout=timeout)
-    report = cwd / "preflight.json"
+    report = run_file(cwd, env["RUN_ID"], "preflight.json")
     log = cwd / "logs" / f"{env['RUN_ID']}.preflight.txt"
     return (proc, json.loads(report.read_text()) if report.exists() else None,
             log.read_text(encoding="utf-8") if log.exists() else "")
@@ -39,7 +40,7 @@ def preflight(env, cwd, script=None, timeout=300, nproc=0):
 
 def assert_nothing_complete_looking(cwd):
     """No artifact or raw model of any run, no score line of a finished run, no log named as a run's."""
-    left = sorted(p.name for p in cwd.glob("*_model*"))
+    left = sorted(str(p.relative_to(cwd)) for p in cwd.glob("**/*_model*"))
     assert left == [], left
     assert not (cwd / "logs" / "pf.txt").exists()
 
@@ -169,6 +170,28 @@ def test_a_bad_setting_is_not_ready_with_exit_1(tmp_path):
     proc = run_training({"PREFLIGHT": "1", "EVAL_STRIDE": "-5"}, tmp_path)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("preflight: NOT READY: EVAL_STRIDE=-5")
+
+
+def test_a_finished_run_id_is_not_ready_and_its_files_stay(sample_data, tmp_path):
+    """The real run would be refused (issue 47): so is its rehearsal, before any work. With OVERWRITE_RUN=1 it runs
+    (here up to a missing train shard, past where a real run removes the old files) and removes none of them."""
+    done = run_file(tmp_path, "pf")
+    done.parent.mkdir(parents=True)
+    done.write_bytes(b"a finished run's artifact")
+    env = {**TINY_ENV, **sample_data, "PREFLIGHT": "1", "RUN_ID": "pf"}
+    proc = run_training(env, tmp_path)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        "preflight: NOT READY: RUN_ID=pf is a finished run (runs/pf/final_model.int6.ptz exists): choose a new RUN_ID, "
+        "or set OVERWRITE_RUN=1 to replace its outputs")
+    assert not (tmp_path / "logs").exists()
+    val_only = tmp_path / "val_only"
+    val_only.mkdir()
+    for f in Path(sample_data["DATA_PATH"]).glob("fineweb_val_*.bin"):
+        (val_only / f.name).symlink_to(f)
+    proc, rep, log = preflight({**env, "OVERWRITE_RUN": "1", "DATA_PATH": str(val_only)}, tmp_path)
+    assert proc.returncode == 1 and "DATA_PATH: no files match" in rep["verdict"]
+    assert rep["stages"][-1]["stage"] == "checking the training shards" and not re.search(r"^removed ", log, re.M)
+    assert done.read_bytes() == b"a finished run's artifact"
 
 
 def test_preflight_iterations_give_every_state_its_steps():

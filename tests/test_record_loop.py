@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import TINY_ENV, read_log, run_training, short_val_data
+from conftest import TINY_ENV, read_log, run_file, run_training, short_val_data
 from test_trust import ANCHOR, needs_anchor, record_command_env
 
 # Initialised by orthogonal_, whose QR (LAPACK) differs in its last bits between CPUs and so in some bf16 roundings.
@@ -161,7 +161,7 @@ def test_default_run_trains_exactly_as_the_records_own_code(tmp_path, sample_dat
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = read_log(ours_dir, "loop")
     assert "late_qat:enabled step:3" in log and "final_weights:ema" in log
-    ours = torch.load(ours_dir / "final_model.pt")
+    ours = torch.load(run_file(ours_dir, "loop", "final_model.pt"))
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

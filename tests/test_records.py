@@ -1287,7 +1287,7 @@ def test_plot_logs_errors(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------
-# run_seeds.sh, with a fake torchrun that writes the log train_gpt.py would
+# run_seeds.sh, with a fake torchrun that writes the log and artifact train_gpt.py would
 
 
 FAKE_TORCHRUN = """#!/usr/bin/env bash
@@ -1296,6 +1296,9 @@ echo "$@" > "args_$SEED.txt"
 [[ "${NOLOG_SEED:-}" == "$SEED" ]] && exit 0
 mkdir -p logs
 { cat train_gpt.py; echo "seed:$SEED"; echo "run_id:$RUN_ID"; echo "inherited:${CALLER_VAR:-}"; } > "logs/$RUN_ID.txt"
+[[ "${NOARTIFACT_SEED:-}" == "$SEED" ]] && exit 0
+mkdir -p "runs/$RUN_ID"
+echo "artifact of seed $SEED" > "runs/$RUN_ID/final_model.int6.ptz"
 """
 
 
@@ -1333,6 +1336,11 @@ def test_run_seeds_collects_logs(fake_repo, tmp_path):
     assert (folder / "train_seed1337.log").exists()
     args = (repo / "args_1337.txt").read_text().split()
     assert args == ["--standalone", "--nproc_per_node=2", "--max-restarts", "0", "train_gpt.py"]
+    for seed in ("1337", "42"):  # one artifact per seed, each where its run wrote it (issue 47)
+        artifact = repo / "runs" / f"2025-11-21_X_seed{seed}" / "final_model.int6.ptz"
+        assert artifact.read_text() == f"artifact of seed {seed}\n"
+        assert f"the artifact is {artifact}" in proc.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["train_gpt.py", "train_seed1337.log", "train_seed42.log"]
 
 
 def test_run_seeds_failures(fake_repo, tmp_path):
@@ -1346,6 +1354,28 @@ def test_run_seeds_failures(fake_repo, tmp_path):
     assert proc.returncode == 1 and "logs/out_seed5.txt is missing" in proc.stderr
     proc = run_seeds(repo, env, str(tmp_path / "out"), "abc")
     assert proc.returncode == 1 and "not a non-negative integer" in proc.stderr
+    proc = run_seeds(repo, dict(env, NOARTIFACT_SEED="6"), str(tmp_path / "out"), "6")
+    assert proc.returncode == 1 and "runs/out_seed6/final_model.int6.ptz is missing" in proc.stderr
+
+
+def test_run_seeds_refuses_a_finished_seed_before_any_run(fake_repo, tmp_path):
+    """Seed 1 finished: rerunning it stops the script before any run (seed 3's neither), its log and artifact
+    untouched; with OVERWRITE_RUN=1 both seeds run."""
+    repo, env = fake_repo
+    out = str(tmp_path / "out")
+    assert run_seeds(repo, env, out, "1").returncode == 0
+    log, artifact = repo / "logs" / "out_seed1.txt", repo / "runs" / "out_seed1" / "final_model.int6.ptz"
+    before = log.read_bytes(), artifact.read_bytes()
+    (repo / "args_1.txt").unlink()
+    proc = run_seeds(repo, env, out, "3", "1")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip() == (f"run_seeds: error: seed 1 already finished ({artifact} exists): leave it out, "
+                                   "choose another FOLDER name, or set OVERWRITE_RUN=1 to rerun it")
+    assert not (repo / "args_3.txt").exists() and not (repo / "args_1.txt").exists()
+    assert (log.read_bytes(), artifact.read_bytes()) == before and not log.with_suffix(".txt.prev").exists()
+    proc = run_seeds(repo, dict(env, OVERWRITE_RUN="1"), out, "3", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert (repo / "args_3.txt").exists() and (repo / "args_1.txt").exists()
 
 
 # ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 import launcher
 import train_gpt as tg
-from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, run_training
+from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, run_file, run_training, short_val_data
 
 
 def cpu_runtime(h: tg.Hyperparameters) -> tg.Runtime:
@@ -335,6 +335,39 @@ def test_tiny_cpu_run_writes_the_log(tmp_path, sample_data):
     assert losses[-1] < losses[0]  # it learns
 
 
+def test_runs_in_one_folder_keep_their_own_outputs(tmp_path, sample_data):
+    """Issue 47: two runs of other RUN_IDs in one folder each keep what they wrote in runs/RUN_ID/, byte for byte; a
+    third under a finished RUN_ID is refused at start in one line (exit 2), touching neither run's files; with
+    OVERWRITE_RUN=1 it runs, removing that name's old outputs first (a log line each)."""
+    (tmp_path / "data").mkdir()
+    env = {**TINY_ENV, **short_val_data(sample_data, tmp_path / "data", 2 * 128 + 1), "ITERATIONS": "1",
+           "WARMDOWN_ITERS": "1", "TTT_ENABLED": "0", "EVAL_STRIDE": "0"}
+    names = ("final_model.pt", "final_model.int6.ptz")
+
+    def outputs(run_id):  # what the run wrote: its raw weights, artifact and log
+        return [run_file(tmp_path, run_id, name).read_bytes() for name in names] + [read_log(tmp_path, run_id)]
+
+    wrote = {}
+    for run_id, seed in (("a", "1"), ("b", "2")):
+        proc = run_training({**env, "RUN_ID": run_id, "SEED": seed}, tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        wrote[run_id] = outputs(run_id)
+    assert wrote["a"][1] != wrote["b"][1] and outputs("a") == wrote["a"]
+    proc = run_training({**env, "RUN_ID": "a", "SEED": "3"}, tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: RUN_ID=a is a finished run (runs/a/final_model.int6.ptz exists): choose a new RUN_ID, or set "
+        "OVERWRITE_RUN=1 to replace its outputs"), proc.stderr[-3000:]
+    assert {r: outputs(r) for r in wrote} == wrote
+    proc = run_training({**env, "RUN_ID": "a", "SEED": "3", "OVERWRITE_RUN": "1"}, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = read_log(tmp_path, "a")
+    for name in names:
+        assert f"\nremoved runs/a/{name} of the earlier run (OVERWRITE_RUN=1)\n" in log
+    assert log.index("removed runs/a/") < log.index("\nval_tokens:")  # before any work
+    assert outputs("a")[1] != wrote["a"][1] and outputs("b") == wrote["b"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a", "b"]
+
+
 def test_two_process_gloo_equals_one_process(tmp_path, tiny_env, monkeypatch):
     """Parallel Muon's sharded path + all-reduced replicated grads reach the single-process weights."""
     extra = {"ITERATIONS": "3", "WARMUP_STEPS": "0", "GRAD_CLIP_NORM": "0", "EMA_ENABLED": "0",
@@ -349,7 +382,7 @@ def test_two_process_gloo_equals_one_process(tmp_path, tiny_env, monkeypatch):
         proc = run_training({**tiny_env, **extra, "RUN_ID": f"n{nproc}"}, cwd, nproc=nproc)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert f"world_size:{max(nproc, 1)} grad_accum_steps:{8 // max(nproc, 1)}" in read_log(cwd, f"n{nproc}")
-        results[nproc] = torch.load(cwd / "final_model.pt")
+        results[nproc] = torch.load(run_file(cwd, f"n{nproc}", "final_model.pt"))
         val_losses[nproc] = float(re.search(r"^step:3/3 val_loss:(\S+)", read_log(cwd, f"n{nproc}"), re.M).group(1))
     diff2 = moved2 = 0.0
     for name, a in results[0].items():

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, config_error, read_log, run_training, short_val_data
+from conftest import (REPO, SCRIPT, TINY_ENV, clean_environ, config_error, read_log, run_file, run_training,
+                      short_val_data)
 
 sys.path.insert(0, str(REPO / "scripts"))
 import pack_code  # noqa: E402  (needs the path above)
@@ -231,7 +232,7 @@ def test_bad_setting_stops_the_script_fast_with_one_line(tmp_path, sample_data, 
     elapsed = time.perf_counter() - t0
     assert_one_line_error(proc, code, fragment)
     assert elapsed < 5.0, f"took {elapsed:.1f}s"
-    assert not (tmp_path / "final_model.int6.ptz").exists()
+    assert not (tmp_path / "runs").exists()
 
 
 def test_tokenizer_that_is_not_sentencepiece(tmp_path, sample_data):
@@ -307,11 +308,15 @@ def test_unknown_argument_is_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------- faults during a run
 
 def test_non_finite_loss_stops_the_run_without_artifact(tmp_path, sample_data):
-    (tmp_path / "final_model.int6.ptz").write_bytes(b"an earlier run's artifact")
+    """The failed run leaves nothing under its name that looks finished, and another run's files untouched."""
+    other = run_file(tmp_path, "other")
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"an earlier run's artifact")
     proc = run_training({**TINY_ENV, **sample_data, "TIED_EMBED_LR": "1e30", "SCALAR_LR": "1e30",
                          "MATRIX_LR": "1e30", "RUN_ID": "nan"}, tmp_path)
     line = assert_one_line_error(proc, 1, "training loss is not finite at step", "no artifact written")
-    assert not (tmp_path / "final_model.int6.ptz").exists() and not (tmp_path / "final_model.pt").exists()
+    assert list((tmp_path / "runs" / "nan").iterdir()) == []  # no final_model.pt or .int6.ptz, no temporary file
+    assert other.read_bytes() == b"an earlier run's artifact"
     log = read_log(tmp_path, "nan")
     assert log.rstrip("\n").endswith(line) and "\nfinal_int6_roundtrip" not in log
 
@@ -334,7 +339,7 @@ def test_unexpected_error_is_one_line_naming_the_stage(tmp_path, sample_data):
             assert_one_line_error(proc, 1, "error: writing the artifact failed: OSError:", "DEBUG_TRACEBACK=1")
         else:
             assert "Traceback" in proc.stderr and "writing the artifact failed" in proc.stderr
-        assert not any(p.name.startswith("final_model") for p in tmp_path.iterdir()), list(tmp_path.iterdir())
+        assert not list(tmp_path.rglob("final_model*")), list(tmp_path.rglob("*"))
 
 
 @pytest.mark.real_command
@@ -354,7 +359,7 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path, sample_data):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert proc.returncode == 130, err[-3000:]
     assert lines == ["interrupted (Ctrl-C) during training"], lines
-    assert not (tmp_path / "final_model.int6.ptz").exists()
+    assert not run_file(tmp_path, "int").exists()
 
 
 def _children(pid: int) -> list[int]:

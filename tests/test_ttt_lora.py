@@ -495,12 +495,12 @@ def test_eval_only_repeats_the_lora_run_and_logs_the_ttt_loop_and_the_whole_eval
     eval_time and whose total is larger; EVAL_ONLY with MAX_WALLCLOCK_SECONDS=0.001 (the limit the warning
     derives from; EVAL_BUDGET_SECONDS=0, so no guard stops TTT) warns once for each, the run without a limit never."""
     import re
-    from conftest import TINY_ENV, read_log, run_training, short_val_data
+    from conftest import TINY_ENV, read_log, run_file, run_training, short_val_data
     (tmp_path / "data").mkdir()
     env = {**TINY_ENV, **short_val_data(sample_data, tmp_path / "data", 1025), **LORA_RUN}
     logs = {}
     for name, extra in (("train", {}), ("eval", {"MAX_WALLCLOCK_SECONDS": "0.001", "EVAL_BUDGET_SECONDS": "0",
-                                                 "EVAL_ONLY": str(tmp_path / "train" / "final_model.int6.ptz")})):
+                                                 "EVAL_ONLY": str(run_file(tmp_path / "train", "train"))})):
         (tmp_path / name).mkdir()
         proc = run_training({**env, **extra, "RUN_ID": name}, tmp_path / name)
         assert proc.returncode == 0, proc.stderr[-3000:]
