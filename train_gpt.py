@@ -170,9 +170,12 @@ def parse_chunk_steps(raw):
 # ---- replay clocks (issue 40; docs/running.md "Replaying a run"): TRAIN_CLOCK=record | log:PATH
 # What a log says about its clock, as (kind, step, value): "ms" the elapsed ms after `step` steps (the 03-23
 # record's and this script's train lines; a replayed run's replayed_time), "tok/s" the later records' rate after
-# `step` steps (elapsed = step x TRAIN_BATCH_TOKENS / rate), "frac" a decision logged at a training fraction (the
-# layer loop, a context phase), "stop" the step the run stopped at for the cap (value: its logged train_time).
+# `step` steps (elapsed = step x tokens per step / rate), "frac" a decision logged at a training fraction (the
+# layer loop, a context phase), "stop" the step the run stopped at for the cap (value: its logged train_time),
+# "batch" the tokens per step the log states (step 0; the tok/s lines' batch: the records' hyperparameter lines,
+# this script's settings dump).
 CLOCK_LINES = (
+    ("batch", r"(?:train_batch_tokens: ?|setting TRAIN_BATCH_TOKENS=)(?P<value>\d+)(?: \[\w+\]| train_seq_len:.*)?"),
     ("ms", r"step:(?P<step>\d+)/\d+ train_loss:\S+ train_time:(?P<value>\d+)ms.*?(?:replayed_time:(?P<replayed>\d+)ms)?"),
     ("tok/s", r"(?P<step>\d+)/\d+ train_loss: \S+ train_time: \S+m tok/s: (?P<value>\d+)"),
     ("frac", r"layer_loop:enabled step:(?P<step>\d+) frac:(?P<value>[\d.]+) .*"),
@@ -182,29 +185,34 @@ CLOCK_LINES = (
              r"(?: replayed_time:(?P<replayed>\d+)ms)?"),
 )
 # TRAIN_CLOCK=record: each preset's record run, the entries clock_entries() reads from its seed log in
-# ../shared/anchors (tests/test_replay.py checks them against the logs).
+# ../shared/anchors, its batch first (tests/test_replay.py checks them against the logs).
 RECORD_CLOCKS = {
-    "record_0323": ("seed 1337", (("ms", 1, 133), ("ms", 2, 166), ("ms", 3, 246), ("ms", 4, 327), ("ms", 5, 409),
+    "record_0323": ("seed 1337", (("batch", 0, 786432),
+        ("ms", 1, 133), ("ms", 2, 166), ("ms", 3, 246), ("ms", 4, 327), ("ms", 5, 409),
         ("ms", 6, 489), ("ms", 7, 571), ("ms", 8, 652), ("ms", 9, 733), ("ms", 10, 816), ("ms", 500, 41450),
         ("ms", 1000, 83020), ("ms", 1500, 124687), ("ms", 2000, 166425), ("ms", 2500, 208180), ("ms", 3000, 249938),
         ("ms", 3500, 291695), ("ms", 4000, 333469), ("ms", 4500, 375247), ("ms", 5000, 417014), ("ms", 5500, 458773),
         ("ms", 6000, 500541), ("ms", 6500, 542303), ("ms", 7000, 584853), ("stop", 7179, 600128))),
-    "record_0409": ("seed 42", (("tok/s", 1, 8348323), ("tok/s", 2, 7501070), ("tok/s", 3, 7450650),
+    "record_0409": ("seed 42", (("batch", 0, 786432),
+        ("tok/s", 1, 8348323), ("tok/s", 2, 7501070), ("tok/s", 3, 7450650),
         ("tok/s", 4, 7463659), ("tok/s", 5, 7497425), ("tok/s", 500, 7691255), ("tok/s", 1000, 7698918),
         ("tok/s", 1500, 7705554), ("tok/s", 2000, 7710490), ("frac", 2018, 0.35), ("tok/s", 2500, 7021940),
         ("tok/s", 3000, 6642896), ("tok/s", 3500, 6396259), ("tok/s", 4000, 6223343), ("tok/s", 4500, 6095957),
         ("stop", 4550, 588047))),
-    "record_0427": ("seed 42", (("tok/s", 1, 17921784), ("tok/s", 2, 4839117), ("tok/s", 3, 5502039),
+    "record_0427": ("seed 42", (("batch", 0, 786432),
+        ("tok/s", 1, 17921784), ("tok/s", 2, 4839117), ("tok/s", 3, 5502039),
         ("tok/s", 4, 5944320), ("tok/s", 5, 6200017), ("tok/s", 500, 8217810), ("tok/s", 1000, 8195099),
         ("tok/s", 1500, 8184986), ("tok/s", 2000, 8167705), ("frac", 2178, 0.35), ("tok/s", 2500, 7705526),
         ("tok/s", 3000, 7245517), ("tok/s", 3500, 6949337), ("tok/s", 4000, 6741955), ("tok/s", 4500, 6589668),
         ("stop", 4945, 599592))),
-    "record_0430": ("seed 42", (("tok/s", 1, 16816914), ("tok/s", 2, 11473671), ("tok/s", 3, 10576385),
+    "record_0430": ("seed 42", (("batch", 0, 786432),
+        ("tok/s", 1, 16816914), ("tok/s", 2, 11473671), ("tok/s", 3, 10576385),
         ("tok/s", 4, 10065769), ("tok/s", 5, 9789599), ("tok/s", 500, 8580039), ("frac", 646, 0.1),
         ("tok/s", 1000, 8394433), ("tok/s", 1500, 8299557), ("tok/s", 2000, 8253338), ("frac", 2185, 0.35),
         ("tok/s", 2500, 7770424), ("tok/s", 3000, 7291702), ("tok/s", 3500, 6983904), ("frac", 3664, 0.7),
         ("tok/s", 4000, 6745846), ("tok/s", 4500, 6561659), ("stop", 4888, 596025))),
-    "record_0501": ("seed 42", (("tok/s", 1, 11979212), ("tok/s", 2, 11457637), ("tok/s", 3, 10270494),
+    "record_0501": ("seed 42", (("batch", 0, 786432),
+        ("tok/s", 1, 11979212), ("tok/s", 2, 11457637), ("tok/s", 3, 10270494),
         ("tok/s", 4, 9773216), ("tok/s", 5, 9496601), ("tok/s", 500, 8341171), ("tok/s", 1000, 8279023),
         ("tok/s", 1500, 8271404), ("tok/s", 2000, 8270074), ("frac", 2206, 0.35), ("tok/s", 2500, 7836770),
         ("tok/s", 3000, 7358144), ("tok/s", 3500, 7050260), ("tok/s", 4000, 6835701), ("tok/s", 4500, 6679430),
@@ -220,7 +228,8 @@ def clock_entries(lines):
         for kind, pattern in CLOCK_LINES:
             m = re.fullmatch(pattern, line.strip())
             if m:
-                entries.append((kind, int(m["step"]), float(m.groupdict().get("replayed") or m["value"])))
+                entries.append((kind, int(m.groupdict().get("step") or 0),
+                                float(m.groupdict().get("replayed") or m["value"])))
                 break
     return entries
 
@@ -236,10 +245,11 @@ def least_ms_at(frac, cap_ms):
 class ReplayClock:
     """A replay clock (TRAIN_CLOCK other than wall, issue 40): the elapsed training time the schedule reads after each
     step, the same on every rank and machine. ms:X: step x X. record and log:PATH: a log's points, linear between
-    them from 0 ms at step 0, at the last interval's rate after the last point."""
+    them from 0 ms at step 0, at the last interval's rate after the last point. batch: (tokens a step, whose) that
+    converted the log's tok/s lines, None where it has none."""
 
-    def __init__(self, name, points=(), rate=None):
-        self.name, self.rate = name, rate
+    def __init__(self, name, points=(), rate=None, batch=None):
+        self.name, self.rate, self.batch = name, rate, batch
         self.steps, self.times = [s for s, _ in points], [ms for _, ms in points]
 
     def _point(self, i):
@@ -262,6 +272,8 @@ def clock_points(entries, cap_ms, batch_tokens):
     measured after the step, once the cap is already passed), and it wins over a train line of the same step."""
     points, exact = {}, set()
     for kind, step, value in entries:
+        if kind == "batch":
+            continue
         if kind in ("frac", "stop"):
             points[step] = least_ms_at(value, cap_ms) if kind == "frac" else cap_ms
             exact.add(step)
@@ -307,13 +319,17 @@ def make_clock(h):
             raise ConfigError(f"TRAIN_CLOCK={text}: the log has no clock lines (train lines with train_time or tok/s, "
                               "layer_loop / seq_len / growth_stage / stopping_early lines)")
         name = f"log({arg})"
-    points = clock_points(entries, h.max_wallclock_ms, h.train_batch_tokens)
+    # tok/s converts with the replayed run's batch, a fact of its log: the first one it states, else this run's
+    stated = [value for k, _, value in entries if k == "batch"]
+    batch = ((int(stated[0]), f"the {'record' if kind == 'record' else 'log'}'s batch") if stated
+             else (h.train_batch_tokens, "this run's TRAIN_BATCH_TOKENS: the log states none"))
+    points = clock_points(entries, h.max_wallclock_ms, batch[0])
     for (s0, m0), (s1, m1) in zip(points, points[1:]):
         if m1 <= m0:
             raise ConfigError(f"TRAIN_CLOCK={text}: the clock goes back at step {s1} ({m1:.0f} ms after {m0:.0f} ms "
-                              f"at step {s0}) with the cap {h.max_wallclock_ms:.0f} ms and TRAIN_BATCH_TOKENS="
-                              f"{h.train_batch_tokens}: set the replayed run's own values")
-    return ReplayClock(name, points)
+                              f"at step {s0}) with the cap {h.max_wallclock_ms:.0f} ms and {batch[0]} tokens a step "
+                              f"({batch[1]}): set the replayed run's own cap{'' if stated else ' and batch'}")
+    return ReplayClock(name, points, batch=batch if any(k == "tok/s" for k, _, _ in entries) else None)
 
 
 class Hyperparameters:
@@ -870,7 +886,7 @@ class Hyperparameters:
             need(self.swa_enabled, "SWA_APPLY=1 needs SWA_ENABLED=1 (the snapshots it averages)")
             need(self.swa_snapshot_possible(), f"SWA_APPLY=1 but no SWA snapshot would be taken (no step with LR "
                                                f"scale < 0.2 on a multiple of SWA_EVERY={self.swa_every})")
-        self.clock = make_clock(self)  # last: it reads the cap and TRAIN_BATCH_TOKENS
+        self.clock = make_clock(self)  # last: it reads the cap (and TRAIN_BATCH_TOKENS where a log states none)
 
     def rehearsal_settings(self):
         """PREFLIGHT=1: the settings the rehearsal ran with in place of the real ones (a run with these and
@@ -4333,6 +4349,8 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
             + f"{'; auto' if h.micro_batch_split == 0 else ''})")
     if h.replaying:  # a reproduction of another run: say how (recordlib reads this line)
         notes = ["every time-based decision reads the replayed time; train_time is the real time"] if h.clock else []
+        if h.clock and h.clock.batch:
+            notes.append(f"its tok/s lines read at {h.clock.batch[0]} tokens a step, {h.clock.batch[1]}")
         if h.virtual_ranks > 1:
             notes.append(f"virtual ranks: each rank computes the micro-batches of {h.virtual_ranks} ranks")
         rt.log(f"train_clock:{h.clock.name if h.clock else 'wall'} replay_world_size:{h.replay_world_size} "
