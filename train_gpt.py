@@ -2022,14 +2022,17 @@ def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, R, V, s_row, cap, ROWS: tl.c
     tl.store(loss_ptr + rows, tl.where(scored, lse - cap * (2.0 * tl.sigmoid(xt * (2.0 / cap)) - 1.0), 0.0), mask=live)
 
 
-def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, R, V, s_row, cap,
-                   ROWS: tl.constexpr, BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr):
+def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, gl_ptr, dx_ptr, R, V, s_row, cap,
+                   ROWS: tl.constexpr, BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr, LSE_GRAD: tl.constexpr):
     """dloss/dx = g * (softmax(z) - onehot(t)) * (1 - tanh^2(x/cap)), with 1 - tanh^2(x/cap) = 4 sg (1 - sg),
-    sg = sigmoid(2x/cap), and softmax(z) = exp(z - lse) from the forward's lse; dx contiguous like x."""
+    sg = sigmoid(2x/cap), and softmax(z) = exp(z - lse) from the forward's lse; dx contiguous like x. LSE_GRAD:
+    plus gl * softmax(z) * (1 - tanh^2(x/cap)), gl the lse output's gradient (every live row, padding too)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < R
     lse = tl.load(lse_ptr + rows, mask=live, other=0.0)
     g = tl.load(g_ptr + rows, mask=live, other=0.0)
+    if LSE_GRAD:
+        gl = tl.load(gl_ptr + rows, mask=live, other=0.0)
     t = tl.load(t_ptr + rows, mask=live, other=-1)
     g = tl.where(t >= 0, g, 0.0)  # an IGNORE target's row: no gradient
     row_offs = rows.to(tl.int64)[:, None] * s_row
@@ -2040,6 +2043,8 @@ def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, R, V, s_row, cap,
         sg = tl.sigmoid(x * (2.0 / cap))
         p = tl.exp(cap * (2.0 * sg - 1.0) - lse[:, None])
         dz = g[:, None] * (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0))
+        if LSE_GRAD:
+            dz = dz + gl[:, None] * p
         dx = dz * 4.0 * sg * (1.0 - sg)
         if ROUND_BF16:
             dx = _bf16_rtne(dx)
@@ -2095,15 +2100,18 @@ def _softcapped_ce_fake(logits, targets, softcap):
                                                                                    dtype=torch.float32)
 
 
-def _softcapped_ce_backward_impl(grad, logits, targets, lse, softcap):
+def _softcapped_ce_backward_impl(grad, logits, targets, lse, softcap, grad_lse=None):
+    """The logits' gradient for the losses' gradient `grad` and, where the lse output was used, its `grad_lse`."""
     x = logits.contiguous()
     dx = torch.empty_like(x)
-    ce_rows("_ce_bwd_kernel", x, targets.contiguous(), softcap, (lse.contiguous(), grad.float().contiguous(), dx),
-            ROUND_BF16=not x.is_cuda and x.dtype == torch.bfloat16)
+    g = grad.float().contiguous()
+    gl = g if grad_lse is None else grad_lse.float().contiguous()  # not read without LSE_GRAD
+    ce_rows("_ce_bwd_kernel", x, targets.contiguous(), softcap, (lse.contiguous(), g, gl, dx),
+            ROUND_BF16=not x.is_cuda and x.dtype == torch.bfloat16, LSE_GRAD=grad_lse is not None)
     return dx
 
 
-def _softcapped_ce_backward_fake(grad, logits, targets, lse, softcap):
+def _softcapped_ce_backward_fake(grad, logits, targets, lse, softcap, grad_lse=None):
     return torch.empty_like(logits)
 
 
@@ -2123,7 +2131,12 @@ def _save_mlp(ctx, inputs, output):
 def _save_ce(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1], output[1])  # logits, targets, lse
     ctx.softcap = inputs[2]
-    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # an output nothing used has no gradient (None): the lse, unless a term reads it
+
+
+def _ce_backward(ctx, g, g_lse):
+    g = torch.zeros_like(g_lse) if g is None else g  # only the lse used
+    return torch.ops.pgolf.softcapped_ce_backward(g, *ctx.saved_tensors, ctx.softcap, g_lse), None, None
 
 
 _register_op("fused_mlp", "(Tensor x, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor)",
@@ -2134,11 +2147,9 @@ _register_op("fused_mlp_backward",
              "(Tensor g, Tensor x, Tensor w1, Tensor w2, Tensor pre, Tensor post) -> (Tensor, Tensor, Tensor)",
              _fused_mlp_backward_impl, _fused_mlp_backward_fake)
 _register_op("softcapped_ce", "(Tensor logits, Tensor targets, float softcap) -> (Tensor, Tensor)",
-             _softcapped_ce_impl, _softcapped_ce_fake).register_autograd(
-    lambda ctx, g, _g_lse: (torch.ops.pgolf.softcapped_ce_backward(g, *ctx.saved_tensors, ctx.softcap), None, None),
-    setup_context=_save_ce)
+             _softcapped_ce_impl, _softcapped_ce_fake).register_autograd(_ce_backward, setup_context=_save_ce)
 _register_op("softcapped_ce_backward",
-             "(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float softcap) -> Tensor",
+             "(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float softcap, Tensor? grad_lse=None) -> Tensor",
              _softcapped_ce_backward_impl, _softcapped_ce_backward_fake)
 
 
@@ -2170,24 +2181,39 @@ def softcap_logits(logits, softcap):
 IGNORE = -100  # a padding target: no loss (F.cross_entropy's ignore_index)
 
 
-def softcapped_ce(logits, targets, softcap):
-    """The eager training loss: mean cross-entropy of the fp32 softcapped logits over the targets not IGNORE."""
-    logits = softcap_logits(logits, softcap)
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
+class CE(NamedTuple):
+    """softcapped_ce(..., lse=True): what a term added to the loss reads. mean: the loss; lse: each
+    row's fp32 logsumexp of the softcapped logits, with its gradient (softmax times the softcap's derivative; padding
+    rows too); targets: the flat targets."""
+    mean: Tensor
+    lse: Tensor
+    targets: Tensor
+
+    @property
+    def scored(self):
+        """1.0 where the target is not IGNORE, else 0.0: a term's mask for padding rows."""
+        return (self.targets != IGNORE).float()
 
 
-def fused_softcapped_ce(logits, targets, softcap, padded=False):
+def softcapped_ce(logits, targets, softcap, lse=False):
+    """The eager training loss: mean cross-entropy of the fp32 softcapped logits over the targets not IGNORE; lse:
+    a CE with each row's logsumexp."""
+    z = softcap_logits(logits, softcap).float().reshape(-1, logits.size(-1))
+    mean = F.cross_entropy(z, targets.reshape(-1), ignore_index=IGNORE)
+    return CE(mean, torch.logsumexp(z, -1), targets.reshape(-1)) if lse else mean
+
+
+def fused_softcapped_ce(logits, targets, softcap, padded=False, lse=False):
     """FUSED_CE (SPEC-FRONTIER 15, 18): softcapped_ce from raw logits in one Triton pass per row, without
     materialising the softcapped logits; it keeps the fp32 per-row lse for the backward kernel (an IGNORE target's
-    row: loss 0, gradient 0). padded: targets may be IGNORE (the mean is then over the others). Eager where the
-    kernels cannot run."""
+    row: loss 0, gradient 0), which adds the lse's own gradient only where a term used it. padded: targets may be
+    IGNORE (the mean is then over the others). Eager where the kernels cannot run."""
     flat = logits.reshape(-1, logits.size(-1))
     if not fused_ready(flat):
-        return softcapped_ce(logits, targets, softcap)
-    losses = torch.ops.pgolf.softcapped_ce(flat, targets.reshape(-1), float(softcap))[0]
-    if not padded:
-        return losses.mean()
-    return losses.sum() / (targets != IGNORE).sum()
+        return softcapped_ce(logits, targets, softcap, lse)
+    losses, rows_lse = torch.ops.pgolf.softcapped_ce(flat, targets.reshape(-1), float(softcap))
+    mean = losses.sum() / (targets != IGNORE).sum() if padded else losses.mean()
+    return CE(mean, rows_lse, targets.reshape(-1)) if lse else mean
 
 
 def _fused_smoke_error(name, h, device, dtype):
