@@ -2182,7 +2182,7 @@ IGNORE = -100  # a padding target: no loss (F.cross_entropy's ignore_index)
 
 
 class CE(NamedTuple):
-    """softcapped_ce(..., lse=True): what a term added to the loss reads. mean: the loss; lse: each
+    """softcapped_ce(..., lse=True): what a term added to the loss reads (training_loss). mean: the loss; lse: each
     row's fp32 logsumexp of the softcapped logits, with its gradient (softmax times the softcap's derivative; padding
     rows too); targets: the flat targets."""
     mean: Tensor
@@ -2762,13 +2762,17 @@ class GPT(nn.Module):
         s = torch.sigmoid(self.skip_gates[j].to(x.dtype))
         return s * x + (1 - s) * scaled
 
-    def forward(self, ids, targets, docs=None):
-        """The mean training loss over the targets that are not IGNORE (a packed row's piece is padded with them);
-        FUSED_CE's kernel while training (select_fused_kernels)."""
+    def cross_entropy(self, ids, targets, docs=None, lse=False):
+        """The mean cross-entropy over the targets that are not IGNORE (a packed row's piece is padded with them);
+        FUSED_CE's kernel while training (select_fused_kernels); lse: a CE, with each row's logsumexp."""
         if self.training and _FUSED["ce"]:
             padded = docs is not None and docs.prev is not None
-            return fused_softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap, padded)
-        return softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap)
+            return fused_softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap, padded, lse)
+        return softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap, lse)
+
+    def forward(self, ids, targets, docs=None):
+        """The scoring loss (validation, evaluation, TTT): the mean cross-entropy. Training's is training_loss."""
+        return self.cross_entropy(ids, targets, docs)
 
 
 @contextlib.contextmanager
@@ -3595,12 +3599,21 @@ class StepTimer:
         return line
 
 
+def training_loss(h, model, ids, targets, docs=None):
+    """Training's objective (SPEC 3; SPEC-FRONTIER 18, item 7), what Trainer minimises: the mean cross-entropy, as
+    the scoring loss (GPT.forward, which evaluation and TTT use), nothing added. A term is added here, its settings
+    read from h, e.g. z-loss (docs/frontier.md "Adding a technique"): ce = model.cross_entropy(ids, targets, docs,
+    lse=True), then ce.mean + coef * (ce.lse.square() * ce.scored).sum() / ce.scored.sum()."""
+    return model.cross_entropy(ids, targets, docs)
+
+
 class Trainer:
     """A step: grad_accum micro-batches, clip, overlapped Parallel Muon; data_wait_ms: time blocked on data."""
 
     def __init__(self, rt, model):
         self.rt, self.h, self.model = rt, rt.h, model
-        self.forward = compile_fn(rt, "train_forward", model, model.graph_state, len(training_graph_states(rt)))
+        self.forward = compile_fn(rt, "train_forward", lambda *batch: training_loss(rt.h, model, *batch),
+                                  model.graph_state, len(training_graph_states(rt)))
         # validation inside training (not timed): a callable of its own, compiled at its first call
         self.val_forward = compile_fn(rt, "val_forward", model, model.graph_state,
                                       3 * len(loop_states(rt.h)) * len(qat_states(rt)))

@@ -240,7 +240,7 @@ def test_interpreted_fused_ce_lse_output_has_the_eager_formulas_gradient(interpr
 
 
 def z_loss(ce, coef=0.05):
-    """A z-loss term: coef x the mean squared lse over the scored rows."""
+    """The z-loss term of docs/frontier.md "Adding a technique": coef x the mean squared lse over the scored rows."""
     return coef * (ce.lse.square() * ce.scored).sum() / ce.scored.sum()
 
 
@@ -288,6 +288,62 @@ def test_interpreted_the_lse_gradient_is_computed_only_where_a_term_reads_the_ls
             launched.clear()
             (torch.compile(fn, fullgraph=True) if compiled else fn)(x).backward()
             assert launched == [None, lse_grad], (fn.__name__, compiled, launched)  # the forward kernel, the backward
+
+
+def training_loss_extension(monkeypatch, fused):
+    """training_loss is the Trainer's objective: by default today's loss bit for bit (GPT.forward's formula before
+    issue 47, written out here), and training_loss replaced by one with a z-loss term (docs/frontier.md "Adding a
+    technique") changes the loss and every gradient by the term's, as autograd of the eager formula gives it."""
+    h = hp(AUTOCAST_DTYPE="fp32", TRAIN_SEQ_LEN=24)
+    rt = tg.Runtime(h, CPU, False, True, None)
+    model = rt.prepare_model(tg.build_model(h))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # weights off their initial zeros, so that every one has a gradient
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen).to(p.dtype))
+    x, y = (torch.randint(0, 64, (2, 24), generator=gen) for _ in range(2))
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainer = tg.Trainer(rt, model)
+    assert model.training and tg._FUSED["ce"] == fused
+
+    def grads(loss):
+        return [loss.detach()] + [torch.zeros_like(p) if d is None else d for p, d in
+                                  zip(params, torch.autograd.grad(loss, params, allow_unused=True))]
+    default = grads(trainer.forward(x, y))
+    logits = model.raw_logits(x)
+    if fused:
+        before = torch.ops.pgolf.softcapped_ce(logits.reshape(-1, 64), y.reshape(-1), 30.0)[0].mean()
+    else:
+        capped = tg.softcap_logits(logits, 30.0)
+        before = F.cross_entropy(capped.float().reshape(-1, capped.size(-1)), y.reshape(-1), ignore_index=tg.IGNORE)
+    assert all(torch.equal(a, b) for a, b in zip(default, grads(before)))
+
+    def training_loss(h, model, ids, targets, docs=None):
+        ce = model.cross_entropy(ids, targets, docs, lse=True)
+        return ce.mean + z_loss(ce)
+    monkeypatch.setattr(tg, "training_loss", training_loss)
+    with_z = grads(trainer.forward(x, y))
+
+    def eager(with_ce):
+        z = 30.0 * torch.tanh(model.raw_logits(x).reshape(-1, 64) / 30.0)
+        term = 0.05 * torch.logsumexp(z, -1).square().mean()
+        return grads(F.cross_entropy(z, y.reshape(-1)) + term if with_ce else term)
+    want, term = eager(True), eager(False)
+    assert float(term[0]) > 0.2 * float(default[0])  # lse ~ log 64 here: a term a fifth of the loss
+    # the loss and gradients with the term: the eager formula's, to fp32 reassociation (the bf16 embedding's gradient:
+    # to its rounding); the change of each fp32 gradient: the term's gradient
+    assert rel(with_z[0], want[0]) <= 1e-6 and rel(with_z[0] - default[0], term[0]) <= 1e-5
+    for p, got, w, d, t in zip(params, with_z[1:], want[1:], default[1:], term[1:]):
+        assert float(t.abs().max()) > 0 and rel(got, w) <= (1e-5 if p.dtype == torch.float32 else 2 ** -8)
+        assert p.dtype != torch.float32 or rel(got - d, t) <= 1e-4, (rel(got - d, t), p.shape)
+
+
+def test_training_loss_is_the_trainers_objective_and_takes_a_z_loss_term_eager(monkeypatch):
+    training_loss_extension(monkeypatch, fused=False)
+
+
+def test_interpreted_training_loss_is_the_trainers_objective_and_takes_a_z_loss_term_fused(interpret, monkeypatch):
+    training_loss_extension(monkeypatch, fused=True)
 
 
 def test_fallback_lines_name_the_reason(monkeypatch):
@@ -402,7 +458,7 @@ def test_kernels_interpreted_in_a_fresh_process():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interpreted",
                            __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "skipped" not in proc.stdout, proc.stdout[-5000:] + proc.stderr[-2000:]
-    assert "15 passed" in proc.stdout, proc.stdout[-2000:]
+    assert "16 passed" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_tiny_training_run_with_both_kernels_matches_the_eager_run(tmp_path, sample_data):
