@@ -172,9 +172,12 @@ def parse_chunk_steps(raw):
 # ---- replay clocks (issue 40; docs/running.md "Replaying a run"): TRAIN_CLOCK=record | log:PATH
 # What a log says about its clock, as (kind, step, value): "ms" the elapsed ms after `step` steps (the 03-23
 # record's and this script's train lines; a replayed run's replayed_time), "tok/s" the later records' rate after
-# `step` steps (elapsed = step x TRAIN_BATCH_TOKENS / rate), "frac" a decision logged at a training fraction (the
-# layer loop, a context phase), "stop" the step the run stopped at for the cap (value: its logged train_time).
+# `step` steps (elapsed = step x tokens per step / rate), "frac" a decision logged at a training fraction (the
+# layer loop, a context phase), "stop" the step the run stopped at for the cap (value: its logged train_time),
+# "batch" the tokens per step the log states (step 0; the tok/s lines' batch: the records' hyperparameter lines,
+# this script's settings dump).
 CLOCK_LINES = (
+    ("batch", r"(?:train_batch_tokens: ?|setting TRAIN_BATCH_TOKENS=)(?P<value>\d+)(?: \[\w+\]| train_seq_len:.*)?"),
     ("ms", r"step:(?P<step>\d+)/\d+ train_loss:\S+ train_time:(?P<value>\d+)ms.*?(?:replayed_time:(?P<replayed>\d+)ms)?"),
     ("tok/s", r"(?P<step>\d+)/\d+ train_loss: \S+ train_time: \S+m tok/s: (?P<value>\d+)"),
     ("frac", r"layer_loop:enabled step:(?P<step>\d+) frac:(?P<value>[\d.]+) .*"),
@@ -184,29 +187,34 @@ CLOCK_LINES = (
              r"(?: replayed_time:(?P<replayed>\d+)ms)?"),
 )
 # TRAIN_CLOCK=record: each preset's record run, the entries clock_entries() reads from its seed log in
-# ../shared/anchors (tests/test_replay.py checks them against the logs).
+# ../shared/anchors, its batch first (tests/test_replay.py checks them against the logs).
 RECORD_CLOCKS = {
-    "record_0323": ("seed 1337", (("ms", 1, 133), ("ms", 2, 166), ("ms", 3, 246), ("ms", 4, 327), ("ms", 5, 409),
+    "record_0323": ("seed 1337", (("batch", 0, 786432),
+        ("ms", 1, 133), ("ms", 2, 166), ("ms", 3, 246), ("ms", 4, 327), ("ms", 5, 409),
         ("ms", 6, 489), ("ms", 7, 571), ("ms", 8, 652), ("ms", 9, 733), ("ms", 10, 816), ("ms", 500, 41450),
         ("ms", 1000, 83020), ("ms", 1500, 124687), ("ms", 2000, 166425), ("ms", 2500, 208180), ("ms", 3000, 249938),
         ("ms", 3500, 291695), ("ms", 4000, 333469), ("ms", 4500, 375247), ("ms", 5000, 417014), ("ms", 5500, 458773),
         ("ms", 6000, 500541), ("ms", 6500, 542303), ("ms", 7000, 584853), ("stop", 7179, 600128))),
-    "record_0409": ("seed 42", (("tok/s", 1, 8348323), ("tok/s", 2, 7501070), ("tok/s", 3, 7450650),
+    "record_0409": ("seed 42", (("batch", 0, 786432),
+        ("tok/s", 1, 8348323), ("tok/s", 2, 7501070), ("tok/s", 3, 7450650),
         ("tok/s", 4, 7463659), ("tok/s", 5, 7497425), ("tok/s", 500, 7691255), ("tok/s", 1000, 7698918),
         ("tok/s", 1500, 7705554), ("tok/s", 2000, 7710490), ("frac", 2018, 0.35), ("tok/s", 2500, 7021940),
         ("tok/s", 3000, 6642896), ("tok/s", 3500, 6396259), ("tok/s", 4000, 6223343), ("tok/s", 4500, 6095957),
         ("stop", 4550, 588047))),
-    "record_0427": ("seed 42", (("tok/s", 1, 17921784), ("tok/s", 2, 4839117), ("tok/s", 3, 5502039),
+    "record_0427": ("seed 42", (("batch", 0, 786432),
+        ("tok/s", 1, 17921784), ("tok/s", 2, 4839117), ("tok/s", 3, 5502039),
         ("tok/s", 4, 5944320), ("tok/s", 5, 6200017), ("tok/s", 500, 8217810), ("tok/s", 1000, 8195099),
         ("tok/s", 1500, 8184986), ("tok/s", 2000, 8167705), ("frac", 2178, 0.35), ("tok/s", 2500, 7705526),
         ("tok/s", 3000, 7245517), ("tok/s", 3500, 6949337), ("tok/s", 4000, 6741955), ("tok/s", 4500, 6589668),
         ("stop", 4945, 599592))),
-    "record_0430": ("seed 42", (("tok/s", 1, 16816914), ("tok/s", 2, 11473671), ("tok/s", 3, 10576385),
+    "record_0430": ("seed 42", (("batch", 0, 786432),
+        ("tok/s", 1, 16816914), ("tok/s", 2, 11473671), ("tok/s", 3, 10576385),
         ("tok/s", 4, 10065769), ("tok/s", 5, 9789599), ("tok/s", 500, 8580039), ("frac", 646, 0.1),
         ("tok/s", 1000, 8394433), ("tok/s", 1500, 8299557), ("tok/s", 2000, 8253338), ("frac", 2185, 0.35),
         ("tok/s", 2500, 7770424), ("tok/s", 3000, 7291702), ("tok/s", 3500, 6983904), ("frac", 3664, 0.7),
         ("tok/s", 4000, 6745846), ("tok/s", 4500, 6561659), ("stop", 4888, 596025))),
-    "record_0501": ("seed 42", (("tok/s", 1, 11979212), ("tok/s", 2, 11457637), ("tok/s", 3, 10270494),
+    "record_0501": ("seed 42", (("batch", 0, 786432),
+        ("tok/s", 1, 11979212), ("tok/s", 2, 11457637), ("tok/s", 3, 10270494),
         ("tok/s", 4, 9773216), ("tok/s", 5, 9496601), ("tok/s", 500, 8341171), ("tok/s", 1000, 8279023),
         ("tok/s", 1500, 8271404), ("tok/s", 2000, 8270074), ("frac", 2206, 0.35), ("tok/s", 2500, 7836770),
         ("tok/s", 3000, 7358144), ("tok/s", 3500, 7050260), ("tok/s", 4000, 6835701), ("tok/s", 4500, 6679430),
@@ -222,7 +230,8 @@ def clock_entries(lines):
         for kind, pattern in CLOCK_LINES:
             m = re.fullmatch(pattern, line.strip())
             if m:
-                entries.append((kind, int(m["step"]), float(m.groupdict().get("replayed") or m["value"])))
+                entries.append((kind, int(m.groupdict().get("step") or 0),
+                                float(m.groupdict().get("replayed") or m["value"])))
                 break
     return entries
 
@@ -238,10 +247,11 @@ def least_ms_at(frac, cap_ms):
 class ReplayClock:
     """A replay clock (TRAIN_CLOCK other than wall, issue 40): the elapsed training time the schedule reads after each
     step, the same on every rank and machine. ms:X: step x X. record and log:PATH: a log's points, linear between
-    them from 0 ms at step 0, at the last interval's rate after the last point."""
+    them from 0 ms at step 0, at the last interval's rate after the last point. batch: (tokens a step, whose) that
+    converted the log's tok/s lines, None where it has none."""
 
-    def __init__(self, name, points=(), rate=None):
-        self.name, self.rate = name, rate
+    def __init__(self, name, points=(), rate=None, batch=None):
+        self.name, self.rate, self.batch = name, rate, batch
         self.steps, self.times = [s for s, _ in points], [ms for _, ms in points]
 
     def _point(self, i):
@@ -264,6 +274,8 @@ def clock_points(entries, cap_ms, batch_tokens):
     measured after the step, once the cap is already passed), and it wins over a train line of the same step."""
     points, exact = {}, set()
     for kind, step, value in entries:
+        if kind == "batch":
+            continue
         if kind in ("frac", "stop"):
             points[step] = least_ms_at(value, cap_ms) if kind == "frac" else cap_ms
             exact.add(step)
@@ -309,13 +321,17 @@ def make_clock(h):
             raise ConfigError(f"TRAIN_CLOCK={text}: the log has no clock lines (train lines with train_time or tok/s, "
                               "layer_loop / seq_len / growth_stage / stopping_early lines)")
         name = f"log({arg})"
-    points = clock_points(entries, h.max_wallclock_ms, h.train_batch_tokens)
+    # tok/s converts with the replayed run's batch, a fact of its log: the first one it states, else this run's
+    stated = [value for k, _, value in entries if k == "batch"]
+    batch = ((int(stated[0]), f"the {'record' if kind == 'record' else 'log'}'s batch") if stated
+             else (h.train_batch_tokens, "this run's TRAIN_BATCH_TOKENS: the log states none"))
+    points = clock_points(entries, h.max_wallclock_ms, batch[0])
     for (s0, m0), (s1, m1) in zip(points, points[1:]):
         if m1 <= m0:
             raise ConfigError(f"TRAIN_CLOCK={text}: the clock goes back at step {s1} ({m1:.0f} ms after {m0:.0f} ms "
-                              f"at step {s0}) with the cap {h.max_wallclock_ms:.0f} ms and TRAIN_BATCH_TOKENS="
-                              f"{h.train_batch_tokens}: set the replayed run's own values")
-    return ReplayClock(name, points)
+                              f"at step {s0}) with the cap {h.max_wallclock_ms:.0f} ms and {batch[0]} tokens a step "
+                              f"({batch[1]}): set the replayed run's own cap{'' if stated else ' and batch'}")
+    return ReplayClock(name, points, batch=batch if any(k == "tok/s" for k, _, _ in entries) else None)
 
 
 class Hyperparameters:
@@ -892,7 +908,7 @@ class Hyperparameters:
             need(self.swa_enabled, "SWA_APPLY=1 needs SWA_ENABLED=1 (the snapshots it averages)")
             need(self.swa_snapshot_possible(), f"SWA_APPLY=1 but no SWA snapshot would be taken (no step with LR "
                                                f"scale < 0.2 on a multiple of SWA_EVERY={self.swa_every})")
-        self.clock = make_clock(self)  # last: it reads the cap and TRAIN_BATCH_TOKENS
+        self.clock = make_clock(self)  # last: it reads the cap (and TRAIN_BATCH_TOKENS where a log states none)
 
     def rehearsal_settings(self):
         """PREFLIGHT=1: the settings the rehearsal ran with in place of the real ones (a run with these and
@@ -2028,14 +2044,17 @@ def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, R, V, s_row, cap, ROWS: tl.c
     tl.store(loss_ptr + rows, tl.where(scored, lse - cap * (2.0 * tl.sigmoid(xt * (2.0 / cap)) - 1.0), 0.0), mask=live)
 
 
-def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, R, V, s_row, cap,
-                   ROWS: tl.constexpr, BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr):
+def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, gl_ptr, dx_ptr, R, V, s_row, cap,
+                   ROWS: tl.constexpr, BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr, LSE_GRAD: tl.constexpr):
     """dloss/dx = g * (softmax(z) - onehot(t)) * (1 - tanh^2(x/cap)), with 1 - tanh^2(x/cap) = 4 sg (1 - sg),
-    sg = sigmoid(2x/cap), and softmax(z) = exp(z - lse) from the forward's lse; dx contiguous like x."""
+    sg = sigmoid(2x/cap), and softmax(z) = exp(z - lse) from the forward's lse; dx contiguous like x. LSE_GRAD:
+    plus gl * softmax(z) * (1 - tanh^2(x/cap)), gl the lse output's gradient (every live row, padding too)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < R
     lse = tl.load(lse_ptr + rows, mask=live, other=0.0)
     g = tl.load(g_ptr + rows, mask=live, other=0.0)
+    if LSE_GRAD:
+        gl = tl.load(gl_ptr + rows, mask=live, other=0.0)
     t = tl.load(t_ptr + rows, mask=live, other=-1)
     g = tl.where(t >= 0, g, 0.0)  # an IGNORE target's row: no gradient
     row_offs = rows.to(tl.int64)[:, None] * s_row
@@ -2046,6 +2065,8 @@ def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, R, V, s_row, cap,
         sg = tl.sigmoid(x * (2.0 / cap))
         p = tl.exp(cap * (2.0 * sg - 1.0) - lse[:, None])
         dz = g[:, None] * (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0))
+        if LSE_GRAD:
+            dz = dz + gl[:, None] * p
         dx = dz * 4.0 * sg * (1.0 - sg)
         if ROUND_BF16:
             dx = _bf16_rtne(dx)
@@ -2101,15 +2122,18 @@ def _softcapped_ce_fake(logits, targets, softcap):
                                                                                    dtype=torch.float32)
 
 
-def _softcapped_ce_backward_impl(grad, logits, targets, lse, softcap):
+def _softcapped_ce_backward_impl(grad, logits, targets, lse, softcap, grad_lse=None):
+    """The logits' gradient for the losses' gradient `grad` and, where the lse output was used, its `grad_lse`."""
     x = logits.contiguous()
     dx = torch.empty_like(x)
-    ce_rows("_ce_bwd_kernel", x, targets.contiguous(), softcap, (lse.contiguous(), grad.float().contiguous(), dx),
-            ROUND_BF16=not x.is_cuda and x.dtype == torch.bfloat16)
+    g = grad.float().contiguous()
+    gl = g if grad_lse is None else grad_lse.float().contiguous()  # not read without LSE_GRAD
+    ce_rows("_ce_bwd_kernel", x, targets.contiguous(), softcap, (lse.contiguous(), g, gl, dx),
+            ROUND_BF16=not x.is_cuda and x.dtype == torch.bfloat16, LSE_GRAD=grad_lse is not None)
     return dx
 
 
-def _softcapped_ce_backward_fake(grad, logits, targets, lse, softcap):
+def _softcapped_ce_backward_fake(grad, logits, targets, lse, softcap, grad_lse=None):
     return torch.empty_like(logits)
 
 
@@ -2129,7 +2153,12 @@ def _save_mlp(ctx, inputs, output):
 def _save_ce(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1], output[1])  # logits, targets, lse
     ctx.softcap = inputs[2]
-    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # an output nothing used has no gradient (None): the lse, unless a term reads it
+
+
+def _ce_backward(ctx, g, g_lse):
+    g = torch.zeros_like(g_lse) if g is None else g  # only the lse used
+    return torch.ops.pgolf.softcapped_ce_backward(g, *ctx.saved_tensors, ctx.softcap, g_lse), None, None
 
 
 _register_op("fused_mlp", "(Tensor x, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor)",
@@ -2140,11 +2169,9 @@ _register_op("fused_mlp_backward",
              "(Tensor g, Tensor x, Tensor w1, Tensor w2, Tensor pre, Tensor post) -> (Tensor, Tensor, Tensor)",
              _fused_mlp_backward_impl, _fused_mlp_backward_fake)
 _register_op("softcapped_ce", "(Tensor logits, Tensor targets, float softcap) -> (Tensor, Tensor)",
-             _softcapped_ce_impl, _softcapped_ce_fake).register_autograd(
-    lambda ctx, g, _g_lse: (torch.ops.pgolf.softcapped_ce_backward(g, *ctx.saved_tensors, ctx.softcap), None, None),
-    setup_context=_save_ce)
+             _softcapped_ce_impl, _softcapped_ce_fake).register_autograd(_ce_backward, setup_context=_save_ce)
 _register_op("softcapped_ce_backward",
-             "(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float softcap) -> Tensor",
+             "(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float softcap, Tensor? grad_lse=None) -> Tensor",
              _softcapped_ce_backward_impl, _softcapped_ce_backward_fake)
 
 
@@ -2176,24 +2203,39 @@ def softcap_logits(logits, softcap):
 IGNORE = -100  # a padding target: no loss (F.cross_entropy's ignore_index)
 
 
-def softcapped_ce(logits, targets, softcap):
-    """The eager training loss: mean cross-entropy of the fp32 softcapped logits over the targets not IGNORE."""
-    logits = softcap_logits(logits, softcap)
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
+class CE(NamedTuple):
+    """softcapped_ce(..., lse=True): what a term added to the loss reads (training_loss). mean: the loss; lse: each
+    row's fp32 logsumexp of the softcapped logits, with its gradient (softmax times the softcap's derivative; padding
+    rows too); targets: the flat targets."""
+    mean: Tensor
+    lse: Tensor
+    targets: Tensor
+
+    @property
+    def scored(self):
+        """1.0 where the target is not IGNORE, else 0.0: a term's mask for padding rows."""
+        return (self.targets != IGNORE).float()
 
 
-def fused_softcapped_ce(logits, targets, softcap, padded=False):
+def softcapped_ce(logits, targets, softcap, lse=False):
+    """The eager training loss: mean cross-entropy of the fp32 softcapped logits over the targets not IGNORE; lse:
+    a CE with each row's logsumexp."""
+    z = softcap_logits(logits, softcap).float().reshape(-1, logits.size(-1))
+    mean = F.cross_entropy(z, targets.reshape(-1), ignore_index=IGNORE)
+    return CE(mean, torch.logsumexp(z, -1), targets.reshape(-1)) if lse else mean
+
+
+def fused_softcapped_ce(logits, targets, softcap, padded=False, lse=False):
     """FUSED_CE (SPEC-FRONTIER 15, 18): softcapped_ce from raw logits in one Triton pass per row, without
     materialising the softcapped logits; it keeps the fp32 per-row lse for the backward kernel (an IGNORE target's
-    row: loss 0, gradient 0). padded: targets may be IGNORE (the mean is then over the others). Eager where the
-    kernels cannot run."""
+    row: loss 0, gradient 0), which adds the lse's own gradient only where a term used it. padded: targets may be
+    IGNORE (the mean is then over the others). Eager where the kernels cannot run."""
     flat = logits.reshape(-1, logits.size(-1))
     if not fused_ready(flat):
-        return softcapped_ce(logits, targets, softcap)
-    losses = torch.ops.pgolf.softcapped_ce(flat, targets.reshape(-1), float(softcap))[0]
-    if not padded:
-        return losses.mean()
-    return losses.sum() / (targets != IGNORE).sum()
+        return softcapped_ce(logits, targets, softcap, lse)
+    losses, rows_lse = torch.ops.pgolf.softcapped_ce(flat, targets.reshape(-1), float(softcap))
+    mean = losses.sum() / (targets != IGNORE).sum() if padded else losses.mean()
+    return CE(mean, rows_lse, targets.reshape(-1)) if lse else mean
 
 
 def _fused_smoke_error(name, h, device, dtype):
@@ -2742,13 +2784,17 @@ class GPT(nn.Module):
         s = torch.sigmoid(self.skip_gates[j].to(x.dtype))
         return s * x + (1 - s) * scaled
 
-    def forward(self, ids, targets, docs=None):
-        """The mean training loss over the targets that are not IGNORE (a packed row's piece is padded with them);
-        FUSED_CE's kernel while training (select_fused_kernels)."""
+    def cross_entropy(self, ids, targets, docs=None, lse=False):
+        """The mean cross-entropy over the targets that are not IGNORE (a packed row's piece is padded with them);
+        FUSED_CE's kernel while training (select_fused_kernels); lse: a CE, with each row's logsumexp."""
         if self.training and _FUSED["ce"]:
             padded = docs is not None and docs.prev is not None
-            return fused_softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap, padded)
-        return softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap)
+            return fused_softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap, padded, lse)
+        return softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap, lse)
+
+    def forward(self, ids, targets, docs=None):
+        """The scoring loss (validation, evaluation, TTT): the mean cross-entropy. Training's is training_loss."""
+        return self.cross_entropy(ids, targets, docs)
 
 
 @contextlib.contextmanager
@@ -3586,12 +3632,21 @@ class StepTimer:
         return line
 
 
+def training_loss(h, model, ids, targets, docs=None):
+    """Training's objective (SPEC 3; SPEC-FRONTIER 18, item 7), what Trainer minimises: the mean cross-entropy, as
+    the scoring loss (GPT.forward, which evaluation and TTT use), nothing added. A term is added here, its settings
+    read from h, e.g. z-loss (docs/frontier.md "Adding a technique"): ce = model.cross_entropy(ids, targets, docs,
+    lse=True), then ce.mean + coef * (ce.lse.square() * ce.scored).sum() / ce.scored.sum()."""
+    return model.cross_entropy(ids, targets, docs)
+
+
 class Trainer:
     """A step: grad_accum micro-batches, clip, overlapped Parallel Muon; data_wait_ms: time blocked on data."""
 
     def __init__(self, rt, model):
         self.rt, self.h, self.model = rt, rt.h, model
-        self.forward = compile_fn(rt, "train_forward", model, model.graph_state, len(training_graph_states(rt)))
+        self.forward = compile_fn(rt, "train_forward", lambda *batch: training_loss(rt.h, model, *batch),
+                                  model.graph_state, len(training_graph_states(rt)))
         # validation inside training (not timed): a callable of its own, compiled at its first call
         self.val_forward = compile_fn(rt, "val_forward", model, model.graph_state,
                                       3 * len(loop_states(rt.h)) * len(qat_states(rt)))
@@ -4367,6 +4422,8 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
             + f"{'; auto' if h.micro_batch_split == 0 else ''})")
     if h.replaying:  # a reproduction of another run: say how (recordlib reads this line)
         notes = ["every time-based decision reads the replayed time; train_time is the real time"] if h.clock else []
+        if h.clock and h.clock.batch:
+            notes.append(f"its tok/s lines read at {h.clock.batch[0]} tokens a step, {h.clock.batch[1]}")
         if h.virtual_ranks > 1:
             notes.append(f"virtual ranks: each rank computes the micro-batches of {h.virtual_ranks} ranks")
         rt.log(f"train_clock:{h.clock.name if h.clock else 'wall'} replay_world_size:{h.replay_world_size} "

@@ -202,6 +202,150 @@ def test_interpreted_custom_ops_under_torch_compile_fullgraph_give_the_eager_los
     assert compiled(True, x, w1, w2, targets).item() == got.item()
 
 
+# ---- the lse output's gradient and training's objective (issue 47): a term on the rows' logsumexp, e.g. z-loss
+
+
+def lse_inputs(dtype):
+    """ce_inputs with padding rows (IGNORE targets) and an upstream gradient for the lse output."""
+    logits, targets, g = ce_inputs(dtype)
+    targets[5:9] = tg.IGNORE
+    targets[-2:] = tg.IGNORE
+    return logits, targets, g, torch.randn(targets.numel(), generator=torch.Generator().manual_seed(9))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreted_fused_ce_lse_output_has_the_eager_formulas_gradient(interpret, dtype):
+    """d lse / d logits = softmax(z) times the softcap's derivative: the backward kernel adds the lse output's
+    gradient gl to the losses' g. Against fp64 autograd of the eager formula on the same input values, padding rows
+    included (loss 0, no gradient from the loss; their lse is the row's, with its gradient), and with only the lse
+    used (the losses' gradient None); to 1e-5 in fp32 and to bf16 rounding in bf16, as the losses' gradient."""
+    logits, targets, g, gl = lse_inputs(dtype)
+    xe = logits.detach().double().requires_grad_()
+    z = 30.0 * torch.tanh(xe / 30.0)
+    want_losses = F.cross_entropy(z, targets, reduction="none", ignore_index=tg.IGNORE)
+    want_lse = torch.logsumexp(z, dim=-1)
+    want_both = torch.autograd.grad((want_losses * g.double() + want_lse * gl.double()).sum(), xe, retain_graph=True)[0]
+    want_lse_only = torch.autograd.grad((want_lse * gl.double()).sum(), xe)[0]
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    x = logits.clone().requires_grad_()
+    losses, lse = torch.ops.pgolf.softcapped_ce(x, targets, 30.0)
+    torch.autograd.backward([losses, lse], [g, gl])
+    assert rel(losses, want_losses) <= 1e-5 and rel(lse, want_lse) <= 1e-5
+    assert x.grad.dtype == dtype and rel(x.grad, want_both) <= tol
+    pad = targets == tg.IGNORE
+    assert rel(x.grad[pad], want_lse_only[pad]) <= tol  # padding rows: the lse's gradient alone
+    x = logits.clone().requires_grad_()
+    (torch.ops.pgolf.softcapped_ce(x, targets, 30.0)[1] * gl).sum().backward()
+    assert rel(x.grad, want_lse_only) <= tol
+
+
+def z_loss(ce, coef=0.05):
+    """The z-loss term of docs/frontier.md "Adding a technique": coef x the mean squared lse over the scored rows."""
+    return coef * (ce.lse.square() * ce.scored).sum() / ce.scored.sum()
+
+
+def test_interpreted_a_z_loss_on_padded_rows_is_the_eager_formula_fused_and_eager(interpret):
+    """fused_softcapped_ce(..., lse=True) on a padded piece, its mean plus a z-loss: the eager formula's loss and
+    gradient (fp64 autograd of the mean CE over the scored rows plus coef x their mean lse^2), padding rows' gradient
+    exactly 0; the same through the eager fallback (fp64 logits: no kernel), and softcapped_ce(..., lse=True)."""
+    logits, targets, _, _ = lse_inputs(torch.float32)
+    xe = logits.double().requires_grad_()
+    z = 30.0 * torch.tanh(xe / 30.0)
+    keep = targets != tg.IGNORE
+    want = F.cross_entropy(z, targets, ignore_index=tg.IGNORE) + 0.05 * torch.logsumexp(z, -1)[keep].square().mean()
+    (want_grad,) = torch.autograd.grad(want, xe)
+    for fn, dtype in ((lambda x: tg.fused_softcapped_ce(x, targets, 30.0, padded=True, lse=True), torch.float32),
+                      (lambda x: tg.fused_softcapped_ce(x, targets, 30.0, padded=True, lse=True), torch.float64),
+                      (lambda x: tg.softcapped_ce(x, targets, 30.0, lse=True), torch.float32)):
+        x = logits.to(dtype).clone().requires_grad_()
+        ce = fn(x)
+        loss = ce.mean + z_loss(ce)
+        loss.backward()
+        assert rel(loss, want) <= 1e-6 and rel(x.grad, want_grad) <= 1e-5, dtype
+        assert float(x.grad[~keep].abs().max()) == 0.0
+
+
+def test_interpreted_the_lse_gradient_is_computed_only_where_a_term_reads_the_lse(interpret, monkeypatch):
+    """The default loss's backward kernel runs as before (LSE_GRAD off: no extra load or term), eager and under
+    torch.compile (fullgraph, inductor): the lse output nothing read has no gradient (None, not zeros); a term that
+    reads it switches LSE_GRAD on, in both."""
+    logits, targets, _, _ = lse_inputs(torch.float32)
+    launched = []
+    ce_rows = tg.ce_rows
+    monkeypatch.setattr(tg, "ce_rows", lambda kernel, *a, **k: launched.append(k.get("LSE_GRAD")) or ce_rows(
+        kernel, *a, **k))
+
+    def default(x):
+        return tg.fused_softcapped_ce(x, targets, 30.0, padded=True)
+
+    def with_term(x):
+        ce = tg.fused_softcapped_ce(x, targets, 30.0, padded=True, lse=True)
+        return ce.mean + z_loss(ce)
+    for fn, lse_grad in ((default, False), (with_term, True)):
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            x = logits.clone().requires_grad_()
+            launched.clear()
+            (torch.compile(fn, fullgraph=True) if compiled else fn)(x).backward()
+            assert launched == [None, lse_grad], (fn.__name__, compiled, launched)  # the forward kernel, the backward
+
+
+def training_loss_extension(monkeypatch, fused):
+    """training_loss is the Trainer's objective: by default today's loss bit for bit (GPT.forward's formula before
+    issue 47, written out here), and training_loss replaced by one with a z-loss term (docs/frontier.md "Adding a
+    technique") changes the loss and every gradient by the term's, as autograd of the eager formula gives it."""
+    h = hp(AUTOCAST_DTYPE="fp32", TRAIN_SEQ_LEN=24)
+    rt = tg.Runtime(h, CPU, False, True, None)
+    model = rt.prepare_model(tg.build_model(h))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # weights off their initial zeros, so that every one has a gradient
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen).to(p.dtype))
+    x, y = (torch.randint(0, 64, (2, 24), generator=gen) for _ in range(2))
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainer = tg.Trainer(rt, model)
+    assert model.training and tg._FUSED["ce"] == fused
+
+    def grads(loss):
+        return [loss.detach()] + [torch.zeros_like(p) if d is None else d for p, d in
+                                  zip(params, torch.autograd.grad(loss, params, allow_unused=True))]
+    default = grads(trainer.forward(x, y))
+    logits = model.raw_logits(x)
+    if fused:
+        before = torch.ops.pgolf.softcapped_ce(logits.reshape(-1, 64), y.reshape(-1), 30.0)[0].mean()
+    else:
+        capped = tg.softcap_logits(logits, 30.0)
+        before = F.cross_entropy(capped.float().reshape(-1, capped.size(-1)), y.reshape(-1), ignore_index=tg.IGNORE)
+    assert all(torch.equal(a, b) for a, b in zip(default, grads(before)))
+
+    def training_loss(h, model, ids, targets, docs=None):
+        ce = model.cross_entropy(ids, targets, docs, lse=True)
+        return ce.mean + z_loss(ce)
+    monkeypatch.setattr(tg, "training_loss", training_loss)
+    with_z = grads(trainer.forward(x, y))
+
+    def eager(with_ce):
+        z = 30.0 * torch.tanh(model.raw_logits(x).reshape(-1, 64) / 30.0)
+        term = 0.05 * torch.logsumexp(z, -1).square().mean()
+        return grads(F.cross_entropy(z, y.reshape(-1)) + term if with_ce else term)
+    want, term = eager(True), eager(False)
+    assert float(term[0]) > 0.2 * float(default[0])  # lse ~ log 64 here: a term a fifth of the loss
+    # the loss and gradients with the term: the eager formula's, to fp32 reassociation (the bf16 embedding's gradient:
+    # to its rounding); the change of each fp32 gradient: the term's gradient
+    assert rel(with_z[0], want[0]) <= 1e-6 and rel(with_z[0] - default[0], term[0]) <= 1e-5
+    for p, got, w, d, t in zip(params, with_z[1:], want[1:], default[1:], term[1:]):
+        assert float(t.abs().max()) > 0 and rel(got, w) <= (1e-5 if p.dtype == torch.float32 else 2 ** -8)
+        assert p.dtype != torch.float32 or rel(got - d, t) <= 1e-4, (rel(got - d, t), p.shape)
+
+
+def test_training_loss_is_the_trainers_objective_and_takes_a_z_loss_term_eager(monkeypatch):
+    training_loss_extension(monkeypatch, fused=False)
+
+
+def test_interpreted_training_loss_is_the_trainers_objective_and_takes_a_z_loss_term_fused(interpret, monkeypatch):
+    training_loss_extension(monkeypatch, fused=True)
+
+
 def test_fallback_lines_name_the_reason(monkeypatch):
     """Off by default; asked for where the kernels cannot run: eager, and the log line says why."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -290,8 +434,8 @@ def test_kernels_compile_for_an_h100_without_one():
     builds = [("_mlp_tile_kernel", mlp_sig, {**mlp, "FORWARD": True, "s_bk": 1}, warps, stages),  # B = W_up
               ("_mlp_tile_kernel", mlp_sig, {**mlp, "FORWARD": False, "s_bn": 1}, warps, stages),  # B = W_down^T
               ("_ce_fwd_kernel", {**ce_sig, "loss_ptr": "*fp32", "lse_ptr": "*fp32"}, ce, 4, 1),
-              ("_ce_bwd_kernel", {**ce_sig, "lse_ptr": "*fp32", "g_ptr": "*fp32", "dx_ptr": "*bf16"},
-               {**ce, "ROUND_BF16": False}, 4, 1)]
+              *(("_ce_bwd_kernel", {**ce_sig, "lse_ptr": "*fp32", "g_ptr": "*fp32", "gl_ptr": "*fp32", "dx_ptr": "*bf16"},
+                 {**ce, "ROUND_BF16": False, "LSE_GRAD": lse_grad}, 4, 1) for lse_grad in (False, True))]
     for name, sig, consts, num_warps, num_stages in builds:
         fn = kernels[name]
         signature = {arg: "constexpr" if arg in consts else sig[arg] for arg in fn.arg_names}
@@ -314,7 +458,7 @@ def test_kernels_interpreted_in_a_fresh_process():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interpreted",
                            __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "skipped" not in proc.stdout, proc.stdout[-5000:] + proc.stderr[-2000:]
-    assert "11 passed" in proc.stdout, proc.stdout[-2000:]
+    assert "16 passed" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_tiny_training_run_with_both_kernels_matches_the_eager_run(tmp_path, sample_data):

@@ -66,6 +66,74 @@ def test_a_replayed_record_schedule_takes_each_logged_decision_at_the_records_st
     assert h.clock.name == f"record({preset} {tg.RECORD_CLOCKS[preset][0]})"
 
 
+# A small-batch rehearsal of a record's schedule: a tiny batch, and what its validity needs (whole sequences of a
+# micro-batch; #2014's context phases, cut lengths that fit)
+TINY_BATCH = {"TRAIN_BATCH_TOKENS": "256", "GRAD_ACCUM_STEPS": "1", "TRAIN_SEQ_LEN": "32"}
+
+
+@pytest.mark.parametrize("preset", sorted(RECORD_EVENTS))
+def test_a_record_clock_is_the_records_whatever_batch_the_replay_trains(preset):
+    """The record's tok/s lines convert with the record's own batch (RECORD_CLOCKS' batch entry, from its log): the
+    preset's schedule on TRAIN_CLOCK=record at TRAIN_BATCH_TOKENS=256 takes every decision at the steps it takes at
+    the record's 786,432 (the loop switch, the context phases, late QAT, the stop; the same steps in each state), the
+    clock is the same at every step, and the train_clock line says whose batch converted the tok/s."""
+    tiny = {**TINY_BATCH, **({"TRAIN_SEQ_LEN_SCHEDULE": "8@0,16@0.1,32@0.7"} if preset == "record_0430" else {})}
+    full = tg.Hyperparameters({"PRESET": preset, "TRAIN_CLOCK": "record"})
+    small = tg.Hyperparameters({"PRESET": preset, "TRAIN_CLOCK": "record", **tiny})
+    assert small.train_batch_tokens == 256 and full.train_batch_tokens == 786432
+    a, b = tg.replay_schedule(full), tg.replay_schedule(small)
+    assert (a.events, a.stop, list(a.states.values())) == (b.events, b.stop, list(b.states.values()))
+    assert all(full.clock.ms(s) == small.clock.ms(s) for s in range(a.stop + 2))
+    tok_s = preset != "record_0323"  # the 03-23 record logs train_time in ms: no batch converts it
+    assert small.clock.batch == ((786432, "the record's batch") if tok_s else None)
+
+
+def write_tok_s_log(path, batch_line):
+    """A run's log in the later records' form: tok/s train lines (400,000 tok/s), the loop's switch, the stop."""
+    path.write_text("\n".join([
+        "Hyperparameters:", "  adam_eps: 1e-08", batch_line, "  train_seq_len: 2048",
+        "1/20000 train_loss: 9.0111 train_time: 0.0m tok/s: 400000",
+        "2/20000 train_loss: 8.5 train_time: 0.0m tok/s: 400000",
+        "10/20000 train_loss: 7.5 train_time: 0.0m tok/s: 400000",
+        "layer_loop:enabled step:12 frac:0.350 encoder:[0, 1] decoder:[2]",
+        "stopping_early: wallclock_cap train_time: 1043ms step: 30/20000",
+    ]) + "\n")
+    return path
+
+
+def test_a_clock_from_a_log_converts_its_tok_s_with_the_batch_the_log_states(tmp_path):
+    """log:PATH converts tok/s with the batch its log states (the later records' hyperparameter line), whatever this
+    run's TRAIN_BATCH_TOKENS; a log that states none converts with this run's; the train_clock line's note says which
+    and whose. The batch lines of the 03-23 record and of this script's settings dump read as the records' do."""
+    cap = {"MAX_WALLCLOCK_SECONDS": "1", "NUM_LOOPS": "1", "ENABLE_LOOPING_AT": "0.35", **TINY_BATCH}
+    stated = write_tok_s_log(tmp_path / "stated.txt", "  train_batch_tokens: 4000")
+    clocks = {}
+    for batch in ("256", "8192", "786432"):
+        h = tg.Hyperparameters({**cap, "TRAIN_CLOCK": f"log:{stated}", "TRAIN_BATCH_TOKENS": batch})
+        assert h.clock.batch == (4000, "the log's batch")
+        clocks[batch] = [h.clock.ms(s) for s in range(40)]
+        sched = tg.replay_schedule(h)
+        assert sched.events["layer_loop"] == [12] and sched.stop == 30
+    assert clocks["256"] == clocks["8192"] == clocks["786432"]
+    assert clocks["256"][1:3] == [10.0, 20.0] and clocks["256"][10] == 100.0  # 1000 x step x 4000 / 400000
+    silent = write_tok_s_log(tmp_path / "silent.txt", "  train_seq_len: 2048")
+    h = tg.Hyperparameters({**cap, "TRAIN_CLOCK": f"log:{silent}", "TRAIN_BATCH_TOKENS": "8192"})
+    assert h.clock.batch == (8192, "this run's TRAIN_BATCH_TOKENS: the log states none") and h.clock.ms(1) == 1000.0 * 8192 / 400000
+    lines = ("train_batch_tokens:1024 train_seq_len:2048 iterations:9000 warmup_steps:20 max_wallclock_seconds:600.000",
+             "  train_batch_tokens: 1024", "train_batch_tokens: 1024", "setting TRAIN_BATCH_TOKENS=1024 [env]",
+             "setting TRAIN_BATCH_TOKENS=1024 [preset]")
+    assert [tg.clock_entries([line]) for line in lines] == [[("batch", 0, 1024.0)]] * len(lines)
+    assert tg.clock_entries(['    train_batch_tokens = int(os.environ.get("TRAIN_BATCH_TOKENS", 786432))',
+                             "setting TRAIN_BATCH_TOKENS=- [default]"]) == []
+    # this script's own log: its settings dump states the batch; its train lines are ms, which no batch converts
+    ours = tmp_path / "ours.txt"
+    ours.write_text("setting TRAIN_BATCH_TOKENS=4000 [env]\n"
+                    "step:10/100 train_loss:6.5 train_time:900ms step_avg:90.00ms data_wait_ms:0.01\n")
+    h = tg.Hyperparameters({"MAX_WALLCLOCK_SECONDS": "1", "TRAIN_CLOCK": f"log:{ours}", **TINY_BATCH})
+    assert h.clock.batch is None and h.clock.ms(10) == 900.0
+    assert tg.clock_entries(ours.read_text().splitlines())[0] == ("batch", 0, 4000.0)
+
+
 def test_a_clock_from_a_log_is_exact_at_its_points_and_at_its_logged_decisions(tmp_path):
     """log:PATH on this script's own (wall-clock) log lines: train lines are points, linear between them from 0 at
     step 0 and extended at the last interval's rate; a logged decision is the least time that takes it (the loop's
