@@ -5532,8 +5532,8 @@ class EvalBudget:
                     f"scoring_alone:{total:.1f}s ({parts}; the warmup's timed calls) projected_end:{end:.1f}s")
         if end + self.margin > self.budget:
             self.rt.log(f"eval_budget: warning: scoring alone is projected to end at {end:.1f}s, past the "
-                        f"{self.budget:g}s budget: TTT will not adapt and the evaluation goes on "
-                        "(EVAL_BUDGET_SECONDS=0 lifts the budget; a faster machine or fewer diagnostics fit it)")
+                        f"{self.budget:g}s budget: TTT will not adapt; the evaluation goes on (EVAL_BUDGET_SECONDS=0: "
+                        "no budget)")
 
     @property
     def guarded(self):
@@ -5576,7 +5576,7 @@ class TTTMeter:
     def __init__(self, rt, budget, score_units, adapt_rate=None, score_rate=None):
         self.rt, self.budget, self.units = rt, budget, score_units
         self.on = budget is not None and budget.guarded
-        self.left = [sum(score_units[i:]) for i in range(len(score_units) + 1)] if self.on else []
+        self.left = [*itertools.accumulate(reversed(score_units), initial=0)][::-1]  # units from item i on
         self.scored, self.adapted = [0.0, 0], [0.0, 0]  # [seconds, units]
         self.adapt_rate, self.score_rate = adapt_rate, score_rate
 
