@@ -512,9 +512,7 @@ class Hyperparameters:
         self.eval_batch_seqs = self._env("EVAL_BATCH_SEQS", 32)
         self.eval_only = self._env("EVAL_ONLY", "", str)
         # ---- the evaluation's budget (issue 46; docs/evaluation.md "The evaluation's budget")
-        self.eval_budget_seconds = self._env("EVAL_BUDGET_SECONDS", None, float)  # auto: MAX_WALLCLOCK_SECONDS; 0: none
-        if self.eval_budget_seconds is None:
-            self.eval_budget_seconds = self._resolved("EVAL_BUDGET_SECONDS", self.max_wallclock_seconds)
+        self.eval_budget_seconds = self._env("EVAL_BUDGET_SECONDS", None, float)  # auto (below); 0: none
         self.eval_ttt_stop_at = self._env("EVAL_TTT_STOP_AT", -1)  # TTT adapts in its first N steps only; -1: all
         self.diagnostic_post_ema = self._env("DIAGNOSTIC_POST_EMA", True, bool)  # the post-EMA score, before quantising
         self.diagnostic_roundtrip = self._env("DIAGNOSTIC_ROUNDTRIP", True, bool)  # the artifact's plain score
@@ -565,6 +563,9 @@ class Hyperparameters:
         self.replay_world_size = self._env("REPLAY_WORLD_SIZE", 0)
         if self.replay_world_size == 0:
             self.replay_world_size = self._resolved("REPLAY_WORLD_SIZE", self.world_size)
+        if self.eval_budget_seconds is None:  # auto: the training cap; none for a replay, whose score is what counts
+            replay = self.train_clock != "wall" or self.replay_world_size != self.world_size
+            self.eval_budget_seconds = self._resolved("EVAL_BUDGET_SECONDS", 0.0 if replay else self.max_wallclock_seconds)
         self._validate()
         self.real = None  # PREFLIGHT=1: the real run's settings that the rehearsal changes
         if self.preflight:

@@ -25,7 +25,8 @@ from test_documents import caseops_sample, write_tokens  # noqa: F401 (fixture: 
 
 EXACT = r"^(final_int6_\w+|legal_ttt)_exact (.*)$"
 QUIET = {"MAX_WALLCLOCK_SECONDS": "0", "VAL_LOSS_EVERY": "0", "TRAIN_LOG_EVERY": "1", "TTT_ENABLED": "0",
-         "EVAL_STRIDE": "0", "OMP_NUM_THREADS": "1", "GRAD_ACCUM_STEPS": "1"}
+         "EVAL_STRIDE": "0", "OMP_NUM_THREADS": "1", "GRAD_ACCUM_STEPS": "1",
+         "DIAGNOSTIC_ROUNDTRIP": "1"}  # the one score (the LoRA presets skip it unless asked)
 # The default model, tiny: its stream loader with prefetch on (the default), one warmup step, 4 steps.
 DEFAULT = {**QUIET, "NUM_LAYERS": "2", "MODEL_DIM": "32", "NUM_HEADS": "2", "NUM_KV_HEADS": "1",
            "VE_LAYERS": "0,1", "XSA_LAST_N": "1", "BIGRAM_VOCAB_SIZE": "64", "TRAIN_SEQ_LEN": "64",

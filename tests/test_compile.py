@@ -40,7 +40,7 @@ PRESET_ENV = {
     # real run is this run (tests/test_preflight.py)
     "record_0409": {**COMPILE_SCALE, "ENABLE_LOOPING_AT": "0.5", "VOCAB_SIZE": "8192", "ITERATIONS": "2",
                     "WARMDOWN_ITERS": "0", "MAX_WALLCLOCK_SECONDS": "0.0", "GPTQ_CALIBRATION_BATCHES": "1",
-                    "CHECKPOINT_EVERY": "0", "VAL_LOSS_EVERY": "0"},
+                    "CHECKPOINT_EVERY": "0", "VAL_LOSS_EVERY": "0", "EVAL_BUDGET_SECONDS": "0.0"},
     "record_0427": {**COMPILE_SCALE},
     "record_0430": {**COMPILE_SCALE, **RUN_0430, "TRAIN_SEQ_LEN_SCHEDULE": "64@0,128@0.5"},  # two phases: a switch
     # VAL_PREFETCH=0: eval_val's batches made in the evaluating thread, inside inference mode (on CUDA the copy

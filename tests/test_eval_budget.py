@@ -36,6 +36,10 @@ def test_the_budget_defaults_to_the_training_cap_and_the_lora_presets_skip_the_d
     assert tg.Hyperparameters({}).eval_budget_seconds == 600.0
     assert tg.Hyperparameters({"MAX_WALLCLOCK_SECONDS": "0"}).eval_budget_seconds == 0.0
     assert tg.Hyperparameters({"MAX_WALLCLOCK_SECONDS": "300", "EVAL_BUDGET_SECONDS": "0"}).eval_budget_seconds == 0.0
+    # a replay's evaluation (fewer GPUs than the record's) is not held to the record's 600 s unless asked
+    assert tg.Hyperparameters({"PRESET": "record_0427", "TRAIN_CLOCK": "record"}).eval_budget_seconds == 0.0
+    assert tg.Hyperparameters({"REPLAY_WORLD_SIZE": "8"}).eval_budget_seconds == 0.0
+    assert tg.Hyperparameters({"REPLAY_WORLD_SIZE": "8", "EVAL_BUDGET_SECONDS": "900"}).eval_budget_seconds == 900.0
     for preset, on in (("record_0323", True), ("record_0409", True), ("record_0427", False), ("record_0430", False),
                        ("record_0501", False)):
         h = tg.Hyperparameters({"PRESET": preset})
@@ -119,13 +123,8 @@ def budget_rank_main(out):
     """One rank of the 2-process test (a fresh process; its settings in os.environ): the toy model and stream of
     tests/test_ttt_lora.py through LoRA TTT under a 30 s budget on StepClock, rank r's clock at 1 + r times the
     rate; saves (steps taken, where it stopped) and the summed totals."""
-    from test_model_0427 import _randomise
-    h = tg.Hyperparameters()
-    rt = tg.setup_runtime(h)
-    model = tg.GPT(h)
-    _randomise(model, seed=5)
-    model.looping = True
-    tokens = stream()
+    from test_ttt_lora import rank_setup
+    h, rt, model, tokens = rank_setup()
     budget = StepClock(rt, 0.0)
     budget.rate = 1.0 + h.rank
     sums = tg.lora_ttt_sums(rt, model, tokens, luts_for(tokens, True), budget=budget)

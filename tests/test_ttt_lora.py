@@ -388,17 +388,22 @@ def test_segments_end_at_the_batch_reaching_each_boundary_and_batches_are_dealt_
     assert tg.lora_ttt_assignment(1, 3) == [[0], [], []]
 
 
-def rank_main(out, fault):
-    """One rank of the 2-process tests (run in a fresh process, its settings in os.environ): the toy model and
-    stream of this module, lora_ttt_sums through setup_runtime's gloo group, the summed totals saved to `out`.
-    fault "exit" / "stall": after its first batch rank 1 writes the time to `out`.fault, then exits / sleeps."""
-    import time
+def rank_setup():
+    """A rank's settings (os.environ), runtime (setup_runtime's gloo group), the toy model and the stream."""
     h = tg.Hyperparameters()
     rt = tg.setup_runtime(h)
     model = tg.GPT(h)
     _randomise(model, seed=5)
     model.looping = True
-    tokens = stream()
+    return h, rt, model, stream()
+
+
+def rank_main(out, fault):
+    """One rank of the 2-process tests (run in a fresh process, its settings in os.environ): the toy model and
+    stream of this module, lora_ttt_sums through setup_runtime's gloo group, the summed totals saved to `out`.
+    fault "exit" / "stall": after its first batch rank 1 writes the time to `out`.fault, then exits / sleeps."""
+    import time
+    h, rt, model, tokens = rank_setup()
     if fault and h.rank == 1:
         inner = tg.lora_ttt_batch
 
