@@ -6441,7 +6441,8 @@ class Preflight:
         diagnostic scale with the targets (the tilt's build, already the whole stream's, does not); the artifact's
         loading does not scale. Against the real run's EVAL_BUDGET_SECONDS (issue 46): whether its guard would cut
         TTT (the unguarded projection past the budget less its margin) and whether scoring alone fits (the warmup's
-        timed calls at the real shapes, scoring_projection, plus the other stages' projections); without a budget,
+        timed calls at the real shapes, scoring_projection, plus the other stages' projections; at most the unguarded
+        projection); without a budget,
         against MAX_WALLCLOCK_SECONDS (600 if none)."""
         sliced, full = self.targets
         scale = full / max(sliced, 1)
@@ -6469,8 +6470,8 @@ class Preflight:
             scored = {r["stage"][len("evaluation ("):-1]: r["projected_s"] for r in rows}
             other = sum(v for k, v in scored.items() if k not in alone) + sum(
                 r["projected_s"] for r in rows if not r["stage"].startswith("evaluation (")) + sum(self.tilt_build_s.values())
-            out.update(guard_cuts_ttt=total + margin > budget, margin_s=round(margin, 1),
-                       scoring_alone_s=round(other + sum(alone.values()), 1))
+            out.update(guard_cuts_ttt=total + margin > budget, margin_s=round(margin, 1),  # (adapting only adds)
+                       scoring_alone_s=round(min(other + sum(alone.values()), total), 1))
         return out
 
     def peak_memory_mib(self, collective):
@@ -6557,8 +6558,7 @@ class Preflight:
             if ev["guarded"]:
                 out.append(f"preflight: eval_budget budget:{ev['budget_s']:g}s margin:{ev['margin_s']:g}s unguarded:"
                            f"{ev['projected_s']:.1f}s scoring_alone:{ev['scoring_alone_s']:.1f}s guard:" + (
-                            "would cut TTT (it stops adapting where the rest no longer fits)" if ev["guard_cuts_ttt"]
-                            else "would not cut TTT"))
+                            "would cut TTT" if ev["guard_cuts_ttt"] else "would not cut TTT"))
         art = rep.get("artifact")
         if art:
             out.append(f"preflight: artifact model:{art['model_bytes']} code:{art['code_bytes']} "
@@ -6852,8 +6852,7 @@ def run(rt):
     rt.log(f"eval_stride:{h.eval_stride}")
     rt.log(f"ttt_enabled:{int(h.ttt_enabled)}")
     rt.log(f"diagnostics: post_ema:{int(h.diagnostic_post_ema)} roundtrip:{int(h.diagnostic_roundtrip)}")
-    rt.log(f"eval_budget_seconds:{h.eval_budget_seconds:g}" + (" (none: TTT adapts to the end)" if h.eval_budget_seconds <= 0
-           else " (the whole evaluation, from reading the artifact; TTT adapts while the rest fits)")
+    rt.log(f"eval_budget_seconds:{h.eval_budget_seconds:g}"
            + (f" eval_ttt_stop_at:{h.eval_ttt_stop_at}" if h.eval_ttt_stop_at >= 0 else ""))
     rt.log(f"artifact: quant:{h.quant} matrix_clip_sigmas:{h.matrix_clip_sigmas:g} embed_bits:{h.embed_bits} "
            f"embed_clip_sigmas:{h.embed_clip_sigmas:g} compressor:{h.compressor} target_bytes:{h.target_bytes}")

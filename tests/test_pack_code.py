@@ -577,7 +577,10 @@ def test_the_utf8_floor_is_the_growth_rate_of_valid_literals():
 
 def test_packed_train_gpt_size_guard(packed_train_gpt):
     """Issue 22 asked for <= 32,000 packed bytes; no UTF-8 file can hold today's compressed payload in fewer
-    than ~35,600 (docs/submitting.md, "Packed code"). The guard holds today's 51,288 (2026-11-27, after issue 47's
+    than ~35,600 (docs/submitting.md, "Packed code"). The guard holds today's 54,059 (2026-11-27, after issue 46's
+    evaluation budget: the guard of TTT, the evaluation's graphs warmed before the clocks and timed, the plan line,
+    the preflight's projection, the diagnostics switches, 2,592 bytes over issue 47's 51,467; raised by those from
+    51,603 to 54,300), 51,288 (2026-11-27, after issue 47's
     record batch in the replay clocks, 191 bytes, and training_loss with the fused CE's lse gradient, 212; raised by
     their 403 from 51,200) and 50,885 (2026-11-26, after issue 40's replay clocks with the records' clock data, virtual ranks, the preflight's replay projection and
     MICRO_BATCH_SPLIT; 47,148 after TRAIN_CLOCK=ms:X; 46,923 after the wrapper registered its source for Triton, 95 bytes, and kept the kernels' tl.constexpr annotations, 16: 46,812
@@ -587,7 +590,7 @@ def test_packed_train_gpt_size_guard(packed_train_gpt):
     to base 116, ZPAQ level 5, brotli, LZMA2 or Base85 fails it, and the literal must stay within 2.1% of the UTF-8
     floor. Raise it only with the code's own growth, measured with scripts/pack_code.py."""
     _, minified, packed = packed_train_gpt
-    assert len(packed.encode("utf-8")) <= 51_603
+    assert len(packed.encode("utf-8")) <= 54_300
     compressed = len(pc.compress(minified.encode("utf-8")))
     wrapper = len(pc.WRAPPER_HEAD) + len(pc.WRAPPER_TAIL)
     assert len(packed.encode("utf-8")) <= 1.021 * pc.utf8_floor(compressed) + wrapper
