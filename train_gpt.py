@@ -2309,7 +2309,7 @@ class CastedLinear(nn.Linear):
 
     def forward(self, x):
         w = self.weight.to(x.dtype)
-        if self.qat and self.training:
+        if self.training and self.qat:  # (in eval mode the flag is not read: one eval graph serves either)
             with torch.no_grad():
                 w32 = self.weight.float()
                 scale = (w32.abs().amax(dim=1) / 31.0).clamp_min(1.0 / 31.0)
@@ -2719,8 +2719,9 @@ class GPT(nn.Module):
 
     def graph_state(self):
         """What a compiled graph of this model depends on besides its inputs (CompiledFunction's key): train/eval
-        mode, the layer order, late QAT, and which weights train (LoRA and SGD TTT freeze some)."""
-        return self.training, self.looping, self.qat_on(), tuple(p.requires_grad for p in self.parameters())
+        mode, the layer order, late QAT (in training mode only: CastedLinear reads it only there), and which weights
+        train (LoRA and SGD TTT freeze some)."""
+        return self.training, self.looping, self.training and self.qat_on(), tuple(p.requires_grad for p in self.parameters())
 
     def forward_logits(self, ids, docs=None, lora=None):
         return softcap_logits(self.raw_logits(ids, docs, lora), self.logit_softcap)
@@ -3649,9 +3650,9 @@ class Trainer:
         self.forward = compile_fn(rt, "train_forward", lambda *batch: training_loss(rt.h, model, *batch),
                                   model.graph_state, len(training_graph_states(rt)))
         # validation inside training (not timed): a callable of its own, compiled at its first call
-        self.val_forward = compile_fn(rt, "val_forward", model, model.graph_state,
-                                      3 * len(loop_states(rt.h)) * len(qat_states(rt)))
-        # (eval_val's row shapes: full batches, the last batch and the tail row, in each layer order and QAT flag)
+        self.val_forward = compile_fn(rt, "val_forward", model, model.graph_state, 3 * len(loop_states(rt.h)))
+        # (eval_val's row shapes: full batches, the last batch and the tail row, in each layer order; eval mode reads no
+        # QAT flag)
         self.muon, self.adams = build_optimizers(self.h, model, rt.autocast_dtype or torch.float32)
         self.optimizers = [*self.adams, self.muon]
         bank_ids = {id(p) for p in self.muon.param_groups[0]["params"]}
@@ -6582,8 +6583,8 @@ class Evaluation(NamedTuple):
 
 
 def eval_qat_states(rt):
-    """The QAT flags the evaluation's graphs are warmed with: those training can end with (QAT_ENABLED's, and on with
-    LATE_QAT_THRESHOLD), both with EVAL_ONLY (the artifact's flag is read inside the evaluation's clock). Eager
+    """The QAT flags SGD TTT's training graphs are warmed with: those training can end with (QAT_ENABLED's, and on
+    with LATE_QAT_THRESHOLD), both with EVAL_ONLY (the artifact's flag is read inside the evaluation's clock). Eager
     runs compile nothing: one."""
     h = rt.h
     if not compile_enabled(rt):
@@ -6608,26 +6609,25 @@ def prepare_evaluation(rt, val_tokens):
         for v in streams[1:]:
             shapes = merge_shapes(shapes, evaluation_shapes(h, v.numel() - 1))
         sizes = [len(b) for v in streams for _, b in lora_ttt_queue(lora_ttt_documents(v), h.ttt_batch_size)] if lora else []
-        qats = eval_qat_states(rt)
-        forward = compile_fn(rt, "eval_forward", model, model.graph_state, len(qats) * (len(shapes.val) + len(shapes.train)))
-        logits_fn = compile_fn(rt, "eval_logits", model.forward_logits, model.graph_state, len(qats) * len(shapes.score))
-        lora_fn, how = lora_forward(rt, model, len(qats) * len(lora_warm_shapes(h, sizes))) if lora else (None, None)
+        qats = eval_qat_states(rt)  # (only SGD TTT's training graphs depend on the flag: eval mode never reads it)
+        forward = compile_fn(rt, "eval_forward", model, model.graph_state, len(shapes.val) + len(qats) * len(shapes.train))
+        logits_fn = compile_fn(rt, "eval_logits", model.forward_logits, model.graph_state, len(shapes.score))
+        lora_fn, how = lora_forward(rt, model, len(lora_warm_shapes(h, sizes))) if lora else (None, None)
         budgeted = h.eval_budget_seconds > 0 or (pf is not None and h.real["EVAL_BUDGET_SECONDS"] > 0)
         costs = {} if budgeted else None  # PREFLIGHT=1: timed for the real run's budget (its report)
         if compile_enabled(rt) or costs is not None:
             stage("warming the evaluation graphs")
             t0 = time.perf_counter()
-            for qat in qats:
+            for i, qat in enumerate(qats):
                 model.set_qat(qat)
-                warm_evaluation(rt, model, forward, logits_fn, shapes, costs)
+                warm_evaluation(rt, model, forward, logits_fn, shapes if i == 0 else EvalShapes([], [], shapes.train),
+                                costs)
             rt.log(f"eval_warmup: time:{time.perf_counter() - t0:.1f}s qat:{','.join(str(int(q)) for q in qats)} "
                    "(every scored evaluation's graphs, random tokens, before the clocks)")
         if lora:
             stage("warming the LoRA TTT step")
             t0 = time.perf_counter()
-            for qat in qats:
-                model.set_qat(qat)
-                warmed = warm_lora_ttt(rt, model, lora_fn, sizes, costs)
+            warmed = warm_lora_ttt(rt, model, lora_fn, sizes, costs)  # frozen weights, eval mode: any QAT flag
             rt.log(f"ttt_lora_warmup: forward:{how} shapes:{' '.join(f'{n}x{w}' for n, w in warmed)} "
                    f"time:{time.perf_counter() - t0:.1f}s (random tokens, before the clocks)")
     return Evaluation(model, forward, logits_fn, lora_fn, costs or {})
