@@ -5513,8 +5513,13 @@ class EvalBudget:
         h = rt.h
         self.rt, self.t0, self.costs = rt, t0, costs or {}
         self.budget, self.stop_at = h.eval_budget_seconds, h.eval_ttt_stop_at
-        self.margin = max(self.MARGIN[0] * self.budget, self.MARGIN[1]) if self.budget > 0 else 0.0
+        self.margin = self.margin_for(self.budget)
         self.steps, self.stopped, self.cause = 0, None, None  # steps taken; where adaptation stopped, and why
+
+    @classmethod
+    def margin_for(cls, budget):
+        """The margin kept free under a budget of `budget` seconds (0: none)."""
+        return max(cls.MARGIN[0] * budget, cls.MARGIN[1]) if budget > 0 else 0.0
 
     def score_note(self):
         """The legal_ttt line's words when TTT stopped adapting: budget_limited:1 (the budget stopped it) or
@@ -6019,9 +6024,9 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, til
     with frozen_weights(model):
         for phase, (lo, hi) in enumerate(segments):
             mine = lora_ttt_assignment(hi - lo, W)[h.rank]
-            for r in range(-(-(hi - lo) // W)):
-                i = r * W + h.rank
-                ran = i < hi - lo
+            for r in range(-(-(hi - lo) // W)):  # rounds: every rank decides at each, with a batch or not
+                ran = r < len(mine)
+                i = mine[r] if ran else 0
                 first, last = lo + r * W + 1, min(lo + r * W + W, hi)
                 adapt = meter.adapt(f"document batch{f'es {first}-' if last > first else ' '}{last}/{len(queue_)}",
                                     units[lo + i] if ran else 0, done + ran)
@@ -6466,7 +6471,7 @@ class Preflight:
         out = {"slice_targets": sliced, "val_targets": full, "stages": rows, "tilt_build_s": self.tilt_build_s,
                "projected_s": round(total, 1), "budget_s": budget, "guarded": guarded}
         if guarded:
-            margin = max(EvalBudget.MARGIN[0] * budget, EvalBudget.MARGIN[1])
+            margin = EvalBudget.margin_for(budget)
             alone = dict(self.scoring_alone or {})
             scored = {r["stage"][len("evaluation ("):-1]: r["projected_s"] for r in rows}
             other = sum(v for k, v in scored.items() if k not in alone) + sum(
