@@ -143,6 +143,7 @@ def test_run_id_longer_than_a_file_name_is_refused(tmp_path):
     ok = "r" * (limit - len(".txt"))
     assert tg.Hyperparameters({"RUN_ID": ok}).run_id == ok
     assert "_profile_rank0.json" in config_error({"RUN_ID": ok, "PROFILE": "1"})
+    assert "'.preflight.txt'" in config_error({"RUN_ID": ok, "PREFLIGHT": "1"})  # PREFLIGHT=1's log, refused at start
     proc = run_training({**TINY_ENV, "RUN_ID": ok + "r", "DATA_PATH": str(tmp_path / "no_data")}, tmp_path,
                         timeout=60)
     assert_one_line_error(proc, 2, "error: RUN_ID=", "too long", f"{limit}-byte limit")

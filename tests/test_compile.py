@@ -19,7 +19,8 @@ from conftest import (TINY_ENV, computed_once, read_log, run_file, run_training,
                       short_val_data)
 from test_documents import caseops_sample, packed_runtime  # noqa: F401 (fixture: the vocab-8192 CaseOps sample)
 from test_trust import assert_one_line_error
-from test_presets import EXACT, RUN_0430, RUN_0501, RUN_SCALE, caseops_run_data  # noqa: F401 (fixture)
+from test_presets import EXACT, RECORD_LOGS, RUN_0430, RUN_0501, RUN_SCALE, caseops_run_data  # noqa: F401 (fixture)
+from test_presets import record_scored
 
 CPU = torch.device("cpu")
 # Compilation reorders float work: with the eager backend the traced graph computes packed attention in blocks
@@ -34,8 +35,9 @@ REL_TOL = {"final_int6_roundtrip": 1e-5, "final_int6_sliding_window": 1e-5, "leg
 COMPILE_SCALE = {**RUN_SCALE, "NUM_LAYERS": "3", "LOOP_START": "1", "LOOP_END": "1", "PARALLEL_RESIDUAL_START": "2",
                  "XSA_LAST_N": "3"}
 PRESET_ENV = {
+    # TTT_FREEZE_BLOCKS=1: SGD TTT scores with its first block frozen, a graph of its own (record_0409 has none frozen)
     "record_0323": {**TINY_ENV, "LATE_QAT_THRESHOLD": "0.9", "TTT_CHUNK_TOKENS": "1024", "EVAL_STRIDE": "64",
-                    "VAL_BATCH_SIZE": "4096"},
+                    "VAL_BATCH_SIZE": "4096", "TTT_FREEZE_BLOCKS": "1"},
     # the settings PREFLIGHT=1 rehearses this run with (one step in each loop state), so that the preflight pair's
     # real run is this run (tests/test_preflight.py)
     "record_0409": {**COMPILE_SCALE, "ENABLE_LOOPING_AT": "0.5", "VOCAB_SIZE": "8192", "ITERATIONS": "2",
@@ -47,7 +49,6 @@ PRESET_ENV = {
     # stream's are too); its warmup's tokens must match them, or a graph compiles inside the timer (issue 35)
     "record_0501": {**COMPILE_SCALE, **RUN_0501, "VAL_PREFETCH": "0"},
 }
-REGIONS = ["training", "final_int6_roundtrip", "final_int6_sliding_window", "legal_ttt"]
 # The runs whose artifact is evaluated again with EVAL_ONLY (eager), which must give the run's scores exactly:
 # record_0430 (its own code: progressive context, AWQ-lite, the tail, chunks by length) and record_0501 (record_0427's
 # recipe with other values and the tilt: the same code and more); on 2 processes tests/test_artifact_eval.py evaluates
@@ -71,14 +72,13 @@ def check_preset_run(preset, nproc, data, tmp_path, tmp_path_factory, eager=True
     compiled = run({**env, "RUN_ID": f"{preset}_{nproc}_c", "COMPILE": "1", "COMPILE_BACKEND": "eager"},
                    tmp_path / "compiled", nproc)
     assert_preset_lines(preset, env, compiled)
-    assert_compiled_as_planned(compiled, REGIONS)
+    assert_compiled_as_planned(compiled, ["training", *scored_in_log(compiled)])
     assert "compile:1" in compiled
     if preset == "record_0323":
         assert "late_qat:enabled" in compiled and "qat:1" in compiled  # the QAT graph warmed before the timer
     if preset in ("record_0427", "record_0430", "record_0501"):
         assert re.search(r"^compile: ttt_lora graphs:\d+ planned:\d+ .* dynamic:1$", compiled, re.M)
     if not eager:
-        assert [k for k, _ in re.findall(EXACT, compiled, re.M)] == list(REL_TOL)
         return
     folder, eager = eager_run(tmp_path_factory, preset, data, nproc)
     assert_preset_lines(preset, env, eager)
@@ -91,8 +91,21 @@ def check_preset_run(preset, nproc, data, tmp_path, tmp_path_factory, eager=True
         assert re.findall(EXACT, again, re.M) == re.findall(EXACT, eager, re.M)
 
 
+def scored_in_log(log):
+    """The scored evaluations a run's log shows, in order: the post-EMA diagnostic's line and the *_exact lines."""
+    return [m.group(1) or m.group(2) for m in re.finditer(r"^DIAGNOSTIC (post_ema) |^(\w+)_exact ", log, re.M)]
+
+
 def assert_preset_lines(preset, env, log):
-    """What each preset's run must say it did (its settings and its own features)."""
+    """What each preset's run must say it did (its settings and its own features), and the scored evaluations of its
+    plan (scored_evaluations), which are its record's, read from the record's log (tests/test_presets.py: the tiny
+    runs keep both diagnostics, as the records ran them)."""
+    plan = tg.scored_evaluations(tg.Hyperparameters({k: v for k, v in env.items() if k != "EVAL_ONLY"}))
+    assert scored_in_log(log) == list(plan), (scored_in_log(log), plan)
+    if RECORD_LOGS[preset].exists():
+        assert list(plan) == list(record_scored(preset)), preset
+    for label, settings in plan.items():
+        assert f"{label} {settings}".strip() in log.split("\nscored_evaluations: ", 1)[1].split("\n", 1)[0]
     if preset == "record_0409":
         assert "layer_loop:enabled step:" in log
     if preset in ("record_0427", "record_0430", "record_0501"):
@@ -116,7 +129,7 @@ def assert_preset_lines(preset, env, log):
 
 def assert_scores_close(eager, compiled):
     want, got = re.findall(EXACT, eager, re.M), re.findall(EXACT, compiled, re.M)
-    assert [k for k, _ in want] == [k for k, _ in got] == list(REL_TOL)
+    assert want and [k for k, _ in want] == [k for k, _ in got]
     for (label, a), (_, b) in zip(want, got):
         for x, y in zip(re.findall(r"[\d.]+", a), re.findall(r"[\d.]+", b)):
             assert abs(float(x) - float(y)) <= REL_TOL[label] * abs(float(x)), (label, a, b)
@@ -124,10 +137,12 @@ def assert_scores_close(eager, compiled):
 
 def assert_compiled_as_planned(log, regions):
     """Every timed region compiled nothing and ran nothing eager; every compiled function within its plan."""
-    found = {r: (int(g), int(e)) for r, g, e in
-             re.findall(r"^compile_region: (\S+) graphs_compiled:(\d+) eager_calls:(\d+)", log, re.M)}
+    found = {r: (int(g), int(e)) for r, g, e, _ in re.findall(
+        r"^compile_region: (\S+) graphs_compiled:(\d+) eager_calls:(\d+) compiled_calls:(\d+)$", log, re.M)}
     assert sorted(found) == sorted(regions), found
     assert all(v == (0, 0) for v in found.values()), found
+    # and each region ran compiled graphs (the post-EMA diagnostic included: the evaluation's, issue 51)
+    assert all(int(n) > 0 for n in re.findall(r"^compile_region: \S+ .* compiled_calls:(\d+)$", log, re.M)), log
     lines = re.findall(r"^compile: (\S+) graphs:(\d+) planned:(\d+) recompiles:\d+ compile_s:[\d.]+ eager_calls:(\d+)",
                        log, re.M)
     assert lines and all(int(g) <= int(p) and e == "0" for _, g, p, e in lines), lines
@@ -225,7 +240,7 @@ def test_a_shape_outside_the_plan_in_a_timed_region_runs_eager_once_with_a_log_l
     assert trainer.forward.region_graphs == {} and trainer.forward.region_eager == {"training": 2}
     assert lines == ["compile: train_forward ran eager in training: a shape not warmed before the timer"]
     tg.log_compile_region(rt, "training")
-    assert lines[-1] == "compile_region: training graphs_compiled:0 eager_calls:2"
+    assert lines[-1] == "compile_region: training graphs_compiled:0 eager_calls:2 compiled_calls:0"
 
 
 def test_past_dynamos_recompile_limit_the_call_runs_eager_and_the_run_goes_on(tiny_env, monkeypatch):

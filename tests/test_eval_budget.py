@@ -5,7 +5,9 @@ TTT at learning rate 0; two gloo ranks whose clocks disagree stop at one step. T
 tests/test_artifact_eval.py; nothing compiled after the training clock starts: tests/test_compile.py."""
 from __future__ import annotations
 
+import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,6 +119,15 @@ def test_lora_ttt_stopped_anywhere_scores_every_target_once_and_the_guard_stops_
     sums, _, budget = lora_sums(hb, model, state, tokens, luts, StepClock)
     assert budget.steps == 3 and budget.cause == "budget" and budget.stopped == "document batch 3/4"
     assert torch.equal(sums, stopped[3])
+    # EVAL_TTT_STOP_AT makes no clock decision (issue 51): under that 30 s budget on a clock 3 times as slow (the
+    # guard alone would stop before step 1), it takes exactly its 4 steps and gives their score
+    hs = tg.Hyperparameters({**ENV, "EVAL_BUDGET_SECONDS": "30", "EVAL_TTT_STOP_AT": "4"})
+    StepClock.rate = 3.0
+    try:
+        sums, _, budget = lora_sums(hs, model, state, tokens, luts, StepClock)
+    finally:
+        StepClock.rate = 1.0
+    assert budget.steps == 4 and budget.cause == "EVAL_TTT_STOP_AT" and torch.equal(sums, stopped[4])
 
 
 def budget_rank_main(out):
@@ -155,3 +166,96 @@ def test_two_ranks_whose_clocks_disagree_stop_adapting_at_one_step(tmp_path):
     a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert a["steps"] == b["steps"] == 2 and a["stopped"] == b["stopped"] is not None, (a, b)
     assert torch.equal(a["sums"], b["sums"])
+
+
+# ---------------------------------------------------------------------------------------------- issue 51's defects
+
+def test_eval_only_on_another_world_size_is_unbudgeted_by_default_and_says_so(tmp_path):
+    """EVAL_ONLY's auto budget: the track's (MAX_WALLCLOCK_SECONDS) only on the track's 8 ranks; on any other number
+    none, so that a record's artifact scored on one GPU gets its whole TTT; EVAL_BUDGET_SECONDS still wins."""
+    artifact = tmp_path / "final_model.int6.ptz"
+    artifact.write_bytes(b"x")
+    one = tg.Hyperparameters({"EVAL_ONLY": str(artifact)})
+    assert one.eval_budget_seconds == 0.0 and "EVAL_ONLY on WORLD_SIZE=1, not the track's 8" in one.eval_budget_note
+    eight = tg.Hyperparameters({"EVAL_ONLY": str(artifact), "WORLD_SIZE": "8", "RANK": "0"})
+    assert eight.eval_budget_seconds == 600.0 and eight.eval_budget_note == ""
+    assert tg.Hyperparameters({"EVAL_ONLY": str(artifact), "EVAL_BUDGET_SECONDS": "90"}).eval_budget_seconds == 90.0
+    assert tg.Hyperparameters({}).eval_budget_note == ""  # a training run's auto is its cap, as before
+
+
+class Logged(SimpleNamespace):
+    """A runtime stand-in that keeps its log lines (one process, CPU)."""
+
+    def __init__(self, **h):
+        super().__init__(h=SimpleNamespace(**{"eval_ttt_stop_at": -1, "world_size": 1, **h}), lines=[],
+                         device=torch.device("cpu"))
+
+    def log(self, line, console=True):
+        self.lines.append(line)
+
+    def all_reduce(self, t, op=None):
+        return t
+
+
+def test_the_over_time_warning_and_the_plan_warning_read_the_budget():
+    """A 400 s evaluation under EVAL_BUDGET_SECONDS=60 is flagged against the budget (it was compared with
+    MAX_WALLCLOCK_SECONDS only); without a budget the training cap is the limit; the plan's warning states the end it
+    compared, the margin included."""
+    rt = Logged(eval_budget_seconds=60.0, max_wallclock_seconds=0.0)
+    tg.log_evaluation_time(rt, 10.0, 400.0)
+    assert rt.lines == ["evaluation_time: ttt_loop:10.0s total:400.0s",
+                        "warning: the whole evaluation took 400.0s, over the evaluation's 60s limit "
+                        "(EVAL_BUDGET_SECONDS)"]
+    rt = Logged(eval_budget_seconds=0.0, max_wallclock_seconds=600.0)
+    tg.log_evaluation_time(rt, None, 400.0)
+    tg.log_evaluation_time(rt, 650.0, 700.0)
+    assert rt.lines[1:] == ["evaluation_time: ttt_loop:650.0s total:700.0s",
+                            "warning: the TTT loop took 650.0s, over the evaluation's 600s limit (MAX_WALLCLOCK_SECONDS)",
+                            "warning: the whole evaluation took 700.0s, over the evaluation's 600s limit "
+                            "(MAX_WALLCLOCK_SECONDS)"]
+    rt = Logged(eval_budget_seconds=1.0)
+    budget = StepClock(rt, 0.0)
+    budget.plan({"legal_ttt": 0.5})  # ends at 0.5 s, 1.5 s with the 1 s margin: past the 1 s budget
+    assert rt.lines[-1].startswith("eval_budget: warning: scoring alone is projected to end at 0.5s, 1.5s with the "
+                                   "1.0s margin, past the 1s budget: TTT will not adapt")
+    rt = Logged(eval_budget_seconds=1.0, eval_ttt_stop_at=2)  # the setting decides: no warning about adapting
+    StepClock(rt, 0.0).plan({"legal_ttt": 0.5})
+    assert len(rt.lines) == 1 and not any("warning" in line for line in rt.lines)
+
+
+def test_preflight_counts_each_stage_of_scoring_alone_once():
+    """A constructed rehearsal (1,000 of 100,000 val targets: x100): the post-EMA diagnostic 0.1 s -> 10 s and the
+    artifact's load 3 s (not scaled) once each, the round trip and TTT by the warmup's projection at the real shapes
+    (19 s and 300 s) plus the tilt's 2 s build: 334 s by hand (it said 347 s, the first two counted twice). Under a
+    340 s budget scoring alone fits, so no 'no TTT could fit'."""
+    pf = tg.Preflight.__new__(tg.Preflight)
+    pf.rt = SimpleNamespace(h=SimpleNamespace(real={"EVAL_BUDGET_SECONDS": 340.0, "MAX_WALLCLOCK_SECONDS": 600.0}))
+    pf.targets, pf.scored, pf.tilt_build_s = (1000, 100000), {"final_int6_roundtrip", "legal_ttt"}, {"legal_ttt": 2.0}
+    pf.stages = [{"stage": "evaluating the final weights", "seconds": 0.1}, {"stage": "loading the artifact", "seconds": 3.0},
+                 {"stage": "evaluation (final_int6_roundtrip)", "seconds": 0.2},
+                 {"stage": "evaluation (legal_ttt)", "seconds": 6.0}]
+    pf.scoring_alone = {"final_int6_roundtrip": 19.0, "legal_ttt": 300.0}
+    ev = pf.evaluation()
+    assert ev["projected_s"] == 10.0 + 3.0 + 20.0 + 2.0 + 4.0 * 100  # the unguarded projection: 435 s
+    assert ev["scoring_alone_s"] == 10.0 + 3.0 + 19.0 + 300.0 + 2.0 and ev["guard_cuts_ttt"]
+    assert tg.Preflight.problems({"compile_regions": {}, "evaluation": ev}, None) == []
+    pf.scoring_alone = {"final_int6_roundtrip": 19.0, "legal_ttt": 320.0}  # 354 s: over, and said so
+    assert "scoring alone is projected to take 354s" in tg.Preflight.problems(
+        {"compile_regions": {}, "evaluation": pf.evaluation()}, None)[0]
+
+
+def test_overwrite_run_removes_the_finished_runs_rehearsal_report_but_not_a_newer_one(tmp_path, monkeypatch):
+    """OVERWRITE_RUN=1 removes the finished run's raw model, artifact and its preflight.json (no newer than its
+    artifact); a preflight.json written since (a rehearsal for this run) stays."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "runs" / "r1"
+    folder.mkdir(parents=True)
+    report, raw, art = folder / "preflight.json", folder / "final_model.pt", folder / "final_model.int6.ptz"
+    for f, t in ((report, 100), (raw, 200), (art, 200)):
+        f.write_text("x")
+        os.utime(f, (t, t))
+    h = tg.Hyperparameters({"RUN_ID": "r1", "OVERWRITE_RUN": "1"})
+    assert sorted(tg.stale_outputs(h)) == sorted(os.path.join("runs", "r1", n) for n in
+                                                 ("final_model.pt", "final_model.int6.ptz", "preflight.json"))
+    os.utime(report, (300, 300))
+    assert "runs/r1/preflight.json" not in tg.stale_outputs(h)

@@ -84,8 +84,7 @@ def test_each_presets_rehearsal_is_ready_and_agrees_with_a_real_run_of_its_setti
     if compiled:
         assert {c["name"] for c in rep["compile"]} >= {"train_forward", "eval_forward", "ttt_lora"}
         assert all(c["graphs"] <= c["planned"] and c["eager_calls"] == 0 for c in rep["compile"])
-        assert set(rep["compile_regions"]) == {"training", "final_int6_roundtrip", "final_int6_sliding_window",
-                                               "legal_ttt"}
+        assert set(rep["compile_regions"]) == {"training", "post_ema", "final_int6_roundtrip", "legal_ttt"}
     if preset == "record_0501":
         assert rep["evaluation"]["tilt_build_s"].keys() == {"legal_ttt"}  # built on the whole val stream
         assert re.search(rf"^ngram_tilt: .* gated:\d+/{ev['val_targets']} ", log, re.M)
@@ -150,7 +149,7 @@ def test_a_ttt_rate_that_fails_only_at_evaluation_is_not_ready(preset_data, tmp_
     proc, rep, log = preflight(env, tmp_path)
     assert_not_ready(proc, rep, log, tmp_path, "legal_ttt: val_loss is nan", "(lower TTT_LORA_LR)")
     assert rep["stages"][-1] == {**rep["stages"][-1], "stage": "evaluation (legal_ttt)", "status": "failed"}
-    assert "evaluation (final_int6_sliding_window)" in [s["stage"] for s in rep["stages"]]
+    assert "evaluation (final_int6_roundtrip)" in [s["stage"] for s in rep["stages"]]  # the evaluations before ran
 
 
 def test_an_artifact_over_the_cap_is_not_ready(preset_data, tmp_path):  # noqa: F811

@@ -491,6 +491,12 @@ def test_bad_micro_batch_splits_are_refused_in_one_line():
     assert config_error({"MICRO_BATCH_SPLIT": "0", "WARMUP_STEPS": "0"}).startswith(
         "MICRO_BATCH_SPLIT=0 (auto) is found in the warmup")
     assert tg.Hyperparameters({"PRESET": "record_0427", "MICRO_BATCH_SPLIT": "48"}).split_limit == 48
+    # a packed micro-batch shorter than the longest context: what to change, not a bound no value meets (issue 51)
+    assert config_error({"PRESET": "record_0430", "TRAIN_BATCH_TOKENS": "512", "TRAIN_SEQ_LEN": "128",
+                         "GRAD_ACCUM_STEPS": "1"}) == (
+        "TRAIN_BATCH_TOKENS=512 gives each packed micro-batch 512 tokens (world_size 1 x grad_accum 1), fewer than the "
+        "longest training context, 3072 (TRAIN_SEQ_LEN_SCHEDULE, else TRAIN_SEQ_LEN): raise TRAIN_BATCH_TOKENS to 3072 "
+        "or shorten the context")
 
 
 def test_packed_pieces_cut_a_row_only_between_segments():
@@ -553,4 +559,4 @@ def test_split_packed_pieces_compile_one_graph_a_training_state(tmp_path, sample
     log = read_log(tmp_path, "split")
     assert "\nmicro_batch_split:4 (a packed row of 2048 tokens in pieces of 512)\n" in log
     assert re.search(r"^compile: train_forward graphs:2 planned:2 recompiles:1 compile_s:\S+ eager_calls:0 ", log, re.M)
-    assert "\ncompile_region: training graphs_compiled:0 eager_calls:0\n" in log
+    assert re.search(r"^compile_region: training graphs_compiled:0 eager_calls:0 compiled_calls:[1-9]\d*$", log, re.M)
