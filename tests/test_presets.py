@@ -331,6 +331,28 @@ def test_each_presets_scored_evaluations_are_its_records(preset):
     assert "post_ema" not in ours(EVAL_ONLY=__file__)  # an artifact alone has no training weights to score
 
 
+# #2135's n-gram hints: its log's precompute seconds inside its TTT timer, and ours (measured on one H200; docs/evaluation.md)
+OUR_HINTS_S = 0.04
+
+
+def test_the_projected_evaluation_table_is_the_records_logs_for_our_plan():
+    """docs/evaluation.md's projected whole evaluation of each preset: the sum of the record's eval_time lines for the
+    evaluations our plan keeps (record_0501: its hints' precompute replaced by ours), to the table's 0.1 s."""
+    docs = (REPO / "docs" / "evaluation.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `(record_\d{4})` \| .* \| ([\d.]+) s \+ [^|]*\|$", docs, re.M))
+    assert sorted(rows) == sorted(RECORD_LOGS), rows
+    for preset, projected in rows.items():
+        if not RECORD_LOGS[preset].exists():
+            continue
+        text = RECORD_LOGS[preset].read_text(encoding="utf-8")
+        plan = tg.scored_evaluations(tg.Hyperparameters({"PRESET": preset, "WORLD_SIZE": "8"}))
+        ms = sum(float(t) for label, t in re.findall(r"^(\S.*?) val_loss:\S+ val_bpb:\S+ (?:stride:\d+ )?eval_time:(\d+)ms$",
+                                                     text, re.M) if RECORD_LABELS[label] in plan)
+        hints = re.search(r"^ngram_tilt:precompute_done elapsed=([\d.]+)s", text, re.M)
+        seconds = ms / 1000 - (float(hints.group(1)) - OUR_HINTS_S if hints else 0.0)
+        assert f"{seconds:.1f}" == projected, (preset, seconds, projected)
+
+
 def test_the_mapping_can_fail():
     """A preset value changed by the environment no longer matches its logged value; an unknown name is refused."""
     _needs_frontier()
