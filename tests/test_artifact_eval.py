@@ -859,7 +859,8 @@ def test_a_budget_below_the_whole_evaluation_stops_ttt_adapting_and_scores_every
     assert (loss1, bpb1) != (loss0, bpb0)  # adaptation stopped before the last trained chunk
     for label in ("final_int6_roundtrip", "final_int6_sliding_window"):  # what comes before TTT is untouched
         assert _exact_line(guarded, label) == _exact_line(base, label)
-    assert re.search(rf"^eval_budget_seconds:{budget / 10:g} eval_ttt_stop_at:{step} \(no clock decision", stop, re.M)
+    assert re.search(rf"^eval_budget_seconds:{budget / 10:g} eval_ttt_stop_at:{step} \(no clock decision", logs["stop"],
+                     re.M)
     # DIAGNOSTIC_ROUNDTRIP=0: no round-trip lines, and the record tools do not ask for them; EVAL_ONLY: no post-EMA
     assert "\ndiagnostics: post_ema:0 roundtrip:0\n" in logs["stop"] and "final_int6_roundtrip" not in stop
     assert "\nscored_evaluations: final_int6_sliding_window stride:64, legal_ttt mode:sgd epochs:8\n" in logs["stop"]

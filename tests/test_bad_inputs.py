@@ -243,7 +243,7 @@ def test_eval_only_artifact_with_wrong_types_stops_the_script(tmp_path, sample_d
     proc = run_training({**TINY_ENV, **sample_data, "TTT_ENABLED": "0", "EVAL_ONLY": path, "RUN_ID": "types"},
                         tmp_path, timeout=120)
     line = assert_one_line_error(proc, 2, f"error: {path}: artifact entry 'late_qat' has type str, not bool")
-    assert "final_int6_roundtrip" not in proc.stdout
+    assert "final_int6_roundtrip val_loss" not in proc.stdout  # (the start line names it: scored_evaluations)
     assert read_log(tmp_path, "types").rstrip("\n").endswith(line)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.ptz", "logs"]
 
