@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import config_error
+from conftest import REPO, config_error
 from test_eval_budget import ENV, lora_sums
 from test_ttt_lora import CPU, luts_for, setup, stream  # noqa: F401 (setup: a fixture)
 
@@ -171,3 +171,36 @@ def test_two_ranks_whose_clocks_disagree_choose_one_prefix(tmp_path):
     a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert a["alone"] > b["alone"], (a, b)
     assert a["chosen"] == b["chosen"] == b["alone"], (a, b)
+
+
+def test_the_projected_auto_table_is_the_records_logs():
+    """docs/evaluation.md's table of what auto would choose on 8xH100, recomputed from each record's seed-42 log: its
+    phases' seconds (ttpp/ttpr lines), the rest of our plan's evaluation (tests/test_presets.py's projected whole
+    evaluation, less those phases), the seconds per trained doc, the largest prefix whose phases fit 600 s less the
+    12 s margin, and what the record's 2500 leaves."""
+    import re
+    from test_presets import FRONTIER, OUR_HINTS_S
+    docs = (REPO / "docs" / "evaluation.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(record_0\d{3})` \| ([\d.+ ]+) \| ([\d.]+) s \| ([\d.]+) \| (\d+) docs \| ([\d.]+) s \|$",
+                      docs, re.M)
+    assert [r[0] for r in rows] == ["record_0427", "record_0430", "record_0501"]
+    whole = dict(re.findall(r"^\| `(record_\d{4})` \| .* \| ([\d.]+) s \+ [^|]*\|$", docs, re.M))
+    for preset, phases, rest, rate, choice, left in rows:
+        log = FRONTIER / preset / "train_seed42.log"
+        if not log.exists():
+            continue
+        text = log.read_text(encoding="utf-8")
+        begin = [float(x) for x in re.findall(r"^ttpp: phase:\d+/\d+ pd:\d+ gd:\d+ t:([\d.]+)s", text, re.M)]
+        end = [float(x) for x in re.findall(r"^ttpr: phase:\d+/\d+ t:([\d.]+)s", text, re.M)]
+        bounds = [int(x) for x in re.findall(r"^ttpp: phase:\d+/\d+ pd:\d+ gd:(\d+)", text, re.M)]
+        secs = [b - a for a, b in zip(begin, end)]
+        assert phases == " + ".join(f"{x:.1f}" for x in secs), (preset, phases, secs)
+        ttt_s = float(re.search(r"^quantized_ttt_phased val_loss:\S+ val_bpb:\S+ eval_time:(\d+)ms$", text, re.M)[1]) / 1000
+        hints = re.search(r"^ngram_tilt:precompute_done elapsed=([\d.]+)s", text, re.M)
+        ours = ttt_s - (float(hints[1]) - OUR_HINTS_S if hints else 0.0)  # our plan's whole evaluation: TTT alone
+        assert f"{ours:.1f}" == whole[preset], preset
+        per_doc, base = sum(secs) / sum(bounds), ours - sum(secs)
+        assert (f"{base:.1f}", f"{per_doc:.5f}") == (rest, rate), preset
+        n = len(bounds)  # phase k trains on P (k + 1) / n docs: P (n + 1) / 2 in all
+        assert int((600 - tg.EvalBudget.margin_for(600) - base) / (per_doc * (n + 1) / 2)) == int(choice), preset
+        assert f"{600 - ours:.1f}" == left, preset
