@@ -540,7 +540,13 @@ class Hyperparameters:
         self.ttt_chunk_size = self._env("TTT_CHUNK_SIZE", 48)
         self.ttt_batch_size = self._env("TTT_BATCH_SIZE", 64)
         self.ttt_eval_seq_len = self._env("TTT_EVAL_SEQ_LEN", 0)  # 0: EVAL_SEQ_LEN
-        self.phased_ttt_prefix_docs = self._env("PHASED_TTT_PREFIX_DOCS", 0)  # 0: no global SGD phases
+        # 0: no global SGD phases; auto (issue 52): the largest prefix, up to PHASED_TTT_PREFIX_DOCS_MAX (0: every val
+        # document), whose projected evaluation fits the budget (plan_prefix_docs)
+        prefix = self._env("PHASED_TTT_PREFIX_DOCS", "0", str)
+        self.phased_ttt_prefix_docs_max = self._env("PHASED_TTT_PREFIX_DOCS_MAX", 0)
+        self.phased_ttt_prefix_auto = prefix == "auto"
+        self.phased_ttt_prefix_docs = (self.phased_ttt_prefix_docs_max or 2 ** 62 if self.phased_ttt_prefix_auto else
+                                       self._parse("PHASED_TTT_PREFIX_DOCS", prefix, int))
         self.phased_ttt_num_phases = self._env("PHASED_TTT_NUM_PHASES", 1)
         # ---- document LoRA TTT, the 04-30 record's additions (issue 20; SPEC-FRONTIER 19, #2014)
         self.ttt_local_lr_mult = self._env("TTT_LOCAL_LR_MULT", 1.0, float)
@@ -889,7 +895,17 @@ class Hyperparameters:
         need(self.eval_stride <= self.eval_seq_len,
              f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
         need(self.ttt_mode in ("sgd", "lora"), f"TTT_MODE={self.ttt_mode!r} must be sgd or lora")
-        need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0")
+        need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0 "
+             "or auto")
+        need(self.phased_ttt_prefix_docs_max >= 0, f"PHASED_TTT_PREFIX_DOCS_MAX={self.phased_ttt_prefix_docs_max} must "
+             "be >= 0 (0: every val document)")
+        if self.phased_ttt_prefix_auto:
+            need(self.ttt_mode == "lora", f"PHASED_TTT_PREFIX_DOCS=auto plans the global SGD phases of TTT_MODE=lora, "
+                 f"not TTT_MODE={self.ttt_mode}")
+            need(self.eval_budget_seconds > 0, "PHASED_TTT_PREFIX_DOCS=auto fits the prefix to the evaluation's budget: "
+                 "it needs EVAL_BUDGET_SECONDS > 0 (auto gives 0 here: set it, or give the prefix as a number)")
+            need(self.eval_ttt_stop_at < 0, "PHASED_TTT_PREFIX_DOCS=auto reads the clock; with EVAL_TTT_STOP_AT, which "
+                 "reads none, give the prefix as a number (a stop line names the prefix its run chose)")
         for name in ("TTT_LORA_RANK", "TTT_CHUNK_SIZE", "TTT_BATCH_SIZE", "TTT_LORA_LR", "PHASED_TTT_NUM_PHASES"):
             need(getattr(self, name.lower()) > 0, f"{name}={getattr(self, name.lower())} must be > 0")
         need(self.ttt_eval_seq_len >= 0, f"TTT_EVAL_SEQ_LEN={self.ttt_eval_seq_len} must be >= 0 (0: EVAL_SEQ_LEN)")
@@ -5533,6 +5549,7 @@ class EvalBudget:
         self.budget, self.stop_at = h.eval_budget_seconds, h.eval_ttt_stop_at
         self.margin = self.margin_for(self.budget)
         self.steps, self.stopped, self.cause = 0, None, None  # steps taken; where adaptation stopped, and why
+        self.settings = ""  # what a plan chose that the stop line's reproduction needs too (PHASED_TTT_PREFIX_DOCS)
 
     @classmethod
     def margin_for(cls, budget):
@@ -5587,7 +5604,7 @@ class EvalBudget:
         why = (f"EVAL_TTT_STOP_AT={self.stop_at}" if end is None else
                f"projected_end:{end:.1f}s with it, budget:{self.budget:g}s margin:{self.margin:.1f}s")
         self.rt.log(f"eval_budget: TTT stops adapting before step {self.steps} ({where}) elapsed:{self.elapsed():.1f}s "
-                    f"{why}; everything left is scored with the weights it has (EVAL_TTT_STOP_AT={self.steps} on "
+                    f"{why}; everything left is scored with the weights it has (EVAL_TTT_STOP_AT={self.steps}{self.settings} on "
                     f"{self.rt.h.world_size} ranks gives this score again, under any budget)")
         return False
 
@@ -6016,9 +6033,19 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, til
     adapt; once stopped, every batch left is scored without a step and no phase runs."""
     h, dev = rt.h, rt.device
     queue_ = lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)
-    P, N, W = min(h.phased_ttt_prefix_docs, sum(len(b) for _, b in queue_)), h.phased_ttt_num_phases, h.world_size
-    boundaries = [P * (k + 1) // N for k in range(N)] if P > 0 else []
-    segments = lora_ttt_segments([len(b) for _, b in queue_], boundaries)
+    costs = budget.costs if budget is not None else {}
+    prefix = h.phased_ttt_prefix_docs
+    if h.phased_ttt_prefix_auto and (budget is None or budget.budget <= 0):  # PREFLIGHT's unbudgeted slice:
+        prefix = min(prefix, sum(len(b) for _, b in queue_) // 2)  # half its docs, so that every phase runs
+    elif h.phased_ttt_prefix_auto:
+        before = float(rt.all_reduce(torch.tensor([budget.elapsed()], dtype=torch.float64, device=dev),
+                                     op=dist.ReduceOp.MAX))
+        prefix, parts = plan_prefix_docs(h, queue_, costs, before, budget.budget)
+        prefix = int(rt.all_reduce(torch.tensor([prefix], dtype=torch.int64, device=dev), op=dist.ReduceOp.MIN))
+        log_prefix_plan(rt, prefix, parts)
+        budget.settings = f" PHASED_TTT_PREFIX_DOCS={prefix}"
+    N, W = h.phased_ttt_num_phases, h.world_size
+    boundaries, segments, prefixes = lora_ttt_phases(h, queue_, prefix)
 
     def fresh(bsz, key):
         lora = LoRAAdapters(bsz, model, h, lora_a_generator(h.seed, key)).to(dev)
@@ -6031,7 +6058,6 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, til
            f"chunk_by_doc_len:{h.ttt_chunk_size_by_doc_len or '-'}")
     reusable = fresh(h.ttt_batch_size, 0)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
-    costs = budget.costs if budget is not None else {}
     units, forward_s = zip(*(lora_batch_seconds(h, b, costs.get("lora_fit")) for _, b in queue_)) if queue_ else ((), ())
     mine_all = [lo + i for lo, hi in segments for i in lora_ttt_assignment(hi - lo, W)[h.rank]]
     # units: predicted seconds, so each measured rate is its prediction's correction (1.0 before any; without the
@@ -6071,12 +6097,11 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, til
                            f"{batch[-1][1]} elapsed:{time.perf_counter() - t0:.1f}s")
             if phase < len(segments) - 1:
                 scored = sum(len(b) for _, b in queue_[:hi])
-                prefix = lora_ttt_prefix(queue_[:hi], boundaries[phase])
-                tokens = torch.cat([val_tokens[a:a + n] for a, n in prefix])
-                rows = h.ttt_epochs * -(-(tokens.numel() - 1) // (h.eval_seq_len * W))
+                tokens = torch.cat([val_tokens[:0]] + [val_tokens[a:a + n] for a, n in prefixes[phase]])  # (B_k = 0: none)
+                rows = phase_rows(h, tokens.numel())
                 step_s = rows * (phase_s[0] / phase_s[1] if phase_s[1] else costs.get("phase_row_s", 0.0))
                 if meter.adapt(f"phase {phase + 1}/{N}", 0, done, step_s):
-                    rt.log(f"ttt_lora_phase:{phase + 1}/{N} scored_docs:{scored} trained_docs:{len(prefix)} "
+                    rt.log(f"ttt_lora_phase:{phase + 1}/{N} scored_docs:{scored} trained_docs:{len(prefixes[phase])} "
                            f"elapsed:{time.perf_counter() - t0:.1f}s")
                     with meter.timed(phase_s, rows):
                         global_sgd_phase(rt, model, tokens)
@@ -6128,6 +6153,91 @@ def lora_ttt_prefix(scored_batches, count):
     """The first `count` scored docs by (batch index in ascending-length order, position in the batch): what phase k
     trains on, cumulative (SPEC-FRONTIER 18)."""
     return [doc for _, batch in sorted(scored_batches, key=lambda ib: ib[0]) for doc in batch][:count]
+
+
+def lora_ttt_phases(h, queue_, prefix):
+    """The phases of a PHASED_TTT_PREFIX_DOCS prefix: the boundaries B_k = P*k/N (P at most the queue's docs), the
+    queue's segments between them (lora_ttt_segments) and the docs each phase trains on (lora_ttt_prefix)."""
+    P, N = min(prefix, sum(len(b) for _, b in queue_)), h.phased_ttt_num_phases
+    boundaries = [P * (k + 1) // N for k in range(N)] if P > 0 else []
+    segments = lora_ttt_segments([len(b) for _, b in queue_], boundaries)
+    return boundaries, segments, [lora_ttt_prefix(queue_[:hi], bound) for (_, hi), bound in zip(segments[:-1], boundaries)]
+
+
+def phase_rows(h, tokens):
+    """The EVAL_SEQ_LEN rows a rank trains in a phase on `tokens` tokens (ttt_train_chunk's batches, TTT_EPOCHS)."""
+    return h.ttt_epochs * -(-(tokens - 1) // (h.eval_seq_len * h.world_size))
+
+
+def prefix_phase_rows(h, queue_, prefixes):
+    """The phase rows (phase_rows, summed over the phases) of every prefix in `prefixes` (an int array) at once:
+    lora_ttt_phases' segments and training docs for each, as arrays. Phase k's docs are the first B_k of the queue's
+    first hi_k batches in batch-index order; their tokens come from each batch's running doc lengths."""
+    N, nb = h.phased_ttt_num_phases, len(queue_)
+    sizes = np.array([len(b) for _, b in queue_], dtype=np.int64)
+    cum = np.cumsum(sizes)  # docs in the queue's first i + 1 batches
+    index = np.array([i for i, _ in queue_])
+    order = np.argsort(index, kind="stable")  # queue positions in batch-index order
+    lens = [np.cumsum([0] + [n for _, n in queue_[q][1]]) for q in order]  # tokens of each batch's first j docs
+    P = np.minimum(prefixes, cum[-1] if nb else 0)
+    lo, alive, segs = np.zeros_like(P), P > 0, np.zeros_like(P)
+    bounds, ends = [], []
+    for k in range(N if nb else 0):  # lora_ttt_segments, for every prefix
+        bound = P * (k + 1) // N
+        first = np.minimum(np.searchsorted(cum, bound, side="left") + 1, nb)
+        hi = np.where(lo < nb, np.minimum(np.maximum(lo + 1, first), nb), nb)
+        alive &= cum[hi - 1] >= bound
+        bounds.append(bound)
+        ends.append(np.where(alive, hi, -1))
+        segs += alive
+        lo = np.where(alive, hi, lo)
+    segs += (lo < nb) | (segs == 0)
+    rows = np.zeros(P.shape, dtype=np.int64)
+    for k, (bound, hi) in enumerate(zip(bounds, ends)):
+        runs = (k < segs - 1) & (hi > 0)
+        for width in np.unique(hi[runs]):  # the scored batches' docs in batch-index order: counts, then tokens
+            pick = runs & (hi == width)
+            scored = np.isin(order, np.arange(width))
+            count = np.cumsum(np.where(scored, sizes[order], 0))
+            tokens = np.cumsum(np.where(scored, [c[-1] for c in lens], 0))
+            b = bound[pick]
+            j = np.searchsorted(count, b, side="left")  # the batch (in index order) holding doc b
+            before = np.where(j > 0, count[np.maximum(j - 1, 0)], 0)
+            t = np.where(j > 0, tokens[np.maximum(j - 1, 0)], 0) + np.array(
+                [lens[jj][bb - cc] for jj, bb, cc in zip(j, b, before)])
+            rows[pick] += h.ttt_epochs * -(-(t - 1) // (h.eval_seq_len * h.world_size))
+    return rows
+
+
+def plan_prefix_docs(h, queue_, costs, before_s, budget_s):
+    """PHASED_TTT_PREFIX_DOCS=auto (issue 52): the largest prefix up to PHASED_TTT_PREFIX_DOCS_MAX (0: every val
+    document) whose projected evaluation ends inside the budget less its margin (EvalBudget.margin_for): before_s
+    (the evaluation before TTT) + LoRA TTT's steps (every batch's, lora_batch_seconds from the warmup's fit, shared
+    by the ranks) + the phases' rows (prefix_phase_rows, every prefix at once: a longer prefix can train on fewer
+    tokens, as its phases come after shorter batches) at the warmup's phase_row_s. Returns (prefix, {the
+    projection's parts}); 0 when even no prefix fits."""
+    docs = sum(len(b) for _, b in queue_)
+    cap = min(h.phased_ttt_prefix_docs_max or docs, docs)
+    steps = sum(lora_batch_seconds(h, b, costs.get("lora_fit"))[0] for _, b in queue_) / h.world_size
+    row_s, margin = costs.get("phase_row_s", 0.0), EvalBudget.margin_for(budget_s)
+    rows = prefix_phase_rows(h, queue_, np.arange(cap + 1))
+    ends = before_s + steps + rows * row_s
+    fitting = np.flatnonzero(ends + margin <= budget_s)
+    prefix = int(fitting[-1]) if fitting.size else 0
+    return prefix, {"cap": cap, "docs": docs, "before_s": before_s, "steps_s": steps, "phase_rows": int(rows[prefix]),
+                    "row_s": row_s, "end_s": float(ends[prefix]), "margin_s": margin, "budget_s": budget_s,
+                    "fits": bool(fitting.size)}
+
+
+def log_prefix_plan(rt, prefix, parts):
+    """The plan's line: the choice and its arithmetic; a warning when even no prefix fits (the guard then cuts)."""
+    rt.log(f"ttt_plan: PHASED_TTT_PREFIX_DOCS=auto -> {prefix} (max {parts['cap']} of {parts['docs']} docs, "
+           f"{rt.h.phased_ttt_num_phases} phases) before_ttt:{parts['before_s']:.1f}s ttt_steps:{parts['steps_s']:.1f}s "
+           f"phases:{parts['phase_rows'] * parts['row_s']:.1f}s ({parts['phase_rows']} rows x {parts['row_s']:.4f}s) "
+           f"projected_end:{parts['end_s']:.1f}s budget:{parts['budget_s']:g}s margin:{parts['margin_s']:.1f}s")
+    if not parts["fits"]:
+        rt.log(f"ttt_plan: warning: even without phases TTT is projected to end at {parts['end_s']:.1f}s, past the "
+               f"{parts['budget_s']:g}s budget with its margin: the guard will stop TTT adapting")
 
 
 def global_sgd_phase(rt, model, tokens):
@@ -6438,6 +6548,7 @@ class Preflight:
         self.steps, self.last_ms = {}, 0.0  # training state -> [ms of each timed step]
         self.scored, self.tilt_build_s, self.regions, self.artifact = set(), {}, {}, None  # scored: evaluation labels
         self.scoring_alone = None  # {label: seconds} of the real run's evaluations without adapting (under a budget)
+        self.costs = {}  # the warmup's timed calls at the real shapes (under the real run's budget)
         self.begin("start-up")
 
     def slice(self):
@@ -6505,6 +6616,14 @@ class Preflight:
             margin = EvalBudget.margin_for(budget)
             out.update(guard_cuts_ttt=total + margin > budget, margin_s=round(margin, 1),  # (adapting only adds)
                        scoring_alone_s=round(min(self.scoring_alone_s(rows), total), 1))
+            h = self.rt.h
+            if h.phased_ttt_prefix_auto and self.costs:  # what the real run's plan would choose on this machine
+                before = sum(r["projected_s"] for r in rows if r["stage"] != "evaluation (legal_ttt)")
+                queue_ = lora_ttt_queue(lora_ttt_documents(self.full_val), h.ttt_batch_size)
+                prefix, parts = plan_prefix_docs(h, queue_, self.costs, before + self.tilt_build_s.get("legal_ttt", 0.0),
+                                                 budget)
+                out["ttt_plan"] = {"prefix_docs": prefix, **{k: round(v, 4) if isinstance(v, float) else v
+                                                             for k, v in parts.items()}}
         return out
 
     def scoring_alone_s(self, rows):
@@ -6602,6 +6721,13 @@ class Preflight:
                 out.append(f"preflight: eval_budget budget:{ev['budget_s']:g}s margin:{ev['margin_s']:g}s unguarded:"
                            f"{ev['projected_s']:.1f}s scoring_alone:{ev['scoring_alone_s']:.1f}s guard:" + (
                             "would cut TTT" if ev["guard_cuts_ttt"] else "would not cut TTT"))
+            plan = ev.get("ttt_plan")
+            if plan:
+                out.append(f"preflight: ttt_plan PHASED_TTT_PREFIX_DOCS=auto would choose {plan['prefix_docs']} (max "
+                           f"{plan['cap']} of {plan['docs']} docs) before_ttt:{plan['before_s']:.1f}s ttt_steps:"
+                           f"{plan['steps_s']:.1f}s phases:{plan['phase_rows'] * plan['row_s']:.1f}s projected_end:"
+                           f"{plan['end_s']:.1f}s on this machine's rates" + ("" if plan["fits"] else
+                                                                              " (even no prefix does not fit)"))
         art = rep.get("artifact")
         if art:
             out.append(f"preflight: artifact model:{art['model_bytes']} code:{art['code_bytes']} "
@@ -6623,8 +6749,9 @@ def scored_evaluations(h):
     leave out of the budget (issue 51)."""
     lora = h.ttt_mode == "lora"
     plan = {"post_ema": "", "final_int6_roundtrip": "", "final_int6_sliding_window": f"stride:{h.eval_stride}",
-            "legal_ttt": f"mode:{h.ttt_mode} " + (f"phases:{h.phased_ttt_num_phases} prefix_docs:"
-                                                  f"{h.phased_ttt_prefix_docs}" if lora else f"epochs:{h.ttt_epochs}")}
+            "legal_ttt": f"mode:{h.ttt_mode} " + (f"phases:{h.phased_ttt_num_phases} prefix_docs:" + (
+                f"auto(max {h.phased_ttt_prefix_docs_max or 'all'})" if h.phased_ttt_prefix_auto else
+                str(h.phased_ttt_prefix_docs)) if lora else f"epochs:{h.ttt_epochs}")}
     on = {"post_ema": h.diagnostic_post_ema and not h.eval_only, "final_int6_roundtrip": h.diagnostic_roundtrip,
           "final_int6_sliding_window": h.eval_stride > 0, "legal_ttt": h.ttt_enabled}
     return {label: settings for label, settings in plan.items() if on[label]}
@@ -6763,6 +6890,7 @@ def evaluate_artifact(rt, ev, val_tokens, luts, t_eval):
         budget.plan(scoring_projection(h, ev, val_tokens))
     if pf is not None and ev.costs:  # the real run's scoring without adapting, for the report
         pf.scoring_alone = scoring_projection(h, ev, pf.full_val)
+        pf.costs = ev.costs
     if "final_int6_roundtrip" in plan:
         timed("final_int6_roundtrip", lambda: eval_val(rt, forward, val_tokens, luts))
     # NGRAM_TILT=1 tilts the final score only: legal TTT's, else the sliding window's (SPEC-FRONTIER 20(c))

@@ -58,7 +58,9 @@ def test_each_presets_rehearsal_is_ready_and_agrees_with_a_real_run_of_its_setti
     env = {**preset_data[preset], **PRESET_ENV[preset], "PRESET": preset}
     if preset in ("record_0427", "record_0430"):  # lzma: ZPAQ's seconds twice over; the per-group path is record_0501's
         env["COMPRESSOR"] = "lzma"
-    compiled = {"COMPILE": "1", "COMPILE_BACKEND": "eager"} if preset == "record_0501" else {}
+    # record_0501's real run is planned (issue 52): PHASED_TTT_PREFIX_DOCS=auto under a 600 s budget, reported
+    compiled = {"COMPILE": "1", "COMPILE_BACKEND": "eager", "PHASED_TTT_PREFIX_DOCS": "auto",
+                "EVAL_BUDGET_SECONDS": "600"} if preset == "record_0501" else {}
     nproc = 2 if preset == "record_0323" else 0
     proc, rep, log = preflight({**env, **compiled}, tmp_path / "pf", nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -87,6 +89,10 @@ def test_each_presets_rehearsal_is_ready_and_agrees_with_a_real_run_of_its_setti
         assert set(rep["compile_regions"]) == {"training", "post_ema", "final_int6_roundtrip", "legal_ttt"}
     if preset == "record_0501":
         assert rep["evaluation"]["tilt_build_s"].keys() == {"legal_ttt"}  # built on the whole val stream
+        plan = rep["evaluation"]["ttt_plan"]  # what auto would choose for the whole val set on this machine
+        assert 0 <= plan["prefix_docs"] <= plan["cap"] == plan["docs"] and plan["budget_s"] == 600.0
+        assert re.search(rf"^preflight: ttt_plan PHASED_TTT_PREFIX_DOCS=auto would choose {plan['prefix_docs']} \(max "
+                         rf"{plan['cap']} of {plan['docs']} docs\) ", log, re.M)
         assert re.search(rf"^ngram_tilt: .* gated:\d+/{ev['val_targets']} ", log, re.M)
     assert_nothing_complete_looking(tmp_path / "pf")
     if compiled:
