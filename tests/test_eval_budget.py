@@ -229,7 +229,8 @@ def test_preflight_counts_each_stage_of_scoring_alone_once():
     (19 s and 300 s) plus the tilt's 2 s build: 334 s by hand (it said 347 s, the first two counted twice). Under a
     340 s budget scoring alone fits, so no 'no TTT could fit'."""
     pf = tg.Preflight.__new__(tg.Preflight)
-    pf.rt = SimpleNamespace(h=SimpleNamespace(real={"EVAL_BUDGET_SECONDS": 340.0, "MAX_WALLCLOCK_SECONDS": 600.0}))
+    pf.rt = SimpleNamespace(h=SimpleNamespace(real={"EVAL_BUDGET_SECONDS": 340.0, "MAX_WALLCLOCK_SECONDS": 600.0},
+                                              phased_ttt_prefix_auto=False))
     pf.targets, pf.scored, pf.tilt_build_s = (1000, 100000), {"final_int6_roundtrip", "legal_ttt"}, {"legal_ttt": 2.0}
     pf.stages = [{"stage": "evaluating the final weights", "seconds": 0.1}, {"stage": "loading the artifact", "seconds": 3.0},
                  {"stage": "evaluation (final_int6_roundtrip)", "seconds": 0.2},
