@@ -3082,11 +3082,13 @@ def optimizer_lines(h, model):
 def build_optimizers(h, model, ns_dtype=torch.bfloat16):
     """Muon for the "matrix" group, an AdamW for each other group that has parameters (param_groups, group_settings).
     Returns (muon, adams)."""
-    groups, fused = param_groups(model), next(model.parameters()).is_cuda
-    params = {g: [p for n, p in model.named_parameters() if groups[n] == g] for g in group_settings(h)}
-    adams = [torch.optim.AdamW([dict(params=params[g], lr=lr, base_lr=lr)], betas=(h.beta1, h.beta2), eps=h.adam_eps,
-                               weight_decay=wd, fused=fused)
-             for g, (opt, lr, wd) in group_settings(h).items() if opt == "adamw" and params[g]]
+    groups, fused, settings = param_groups(model), next(model.parameters()).is_cuda, group_settings(h)
+    params = {name: [] for name in settings}
+    for name, p in model.named_parameters():
+        params[groups[name]].append(p)
+    adams = [torch.optim.AdamW([dict(params=params[k], lr=lr, base_lr=lr)], betas=(h.beta1, h.beta2), eps=h.adam_eps,
+                               weight_decay=wd, fused=fused) for k, (opt, lr, wd) in settings.items()
+             if opt == "adamw" and params[k]]
     muon = Muon(params["matrix"], lr=h.matrix_lr, momentum=h.muon_momentum, backend_steps=h.muon_backend_steps,
                 weight_decay=h.muon_wd, ns_dtype=ns_dtype, ns_coeffs=h.muon_ns_coeffs,
                 row_normalize=h.muon_row_normalize, momentum_fp32=h.muon_momentum_fp32, ns_ca_first=h.muon_ns_ca_first)
