@@ -2210,9 +2210,8 @@ IGNORE = -100  # a padding target: no loss (F.cross_entropy's ignore_index)
 
 
 class Outputs(NamedTuple):
-    """What GPT.outputs computed, for training's objective: hidden, the final hidden state after the last RMSNorm
-    (B, T, d), the output head's input; logits, the head's raw logits (before the softcap). GPT.cross_entropy(logits,
-    targets, padded, lse=True) gives the CE; GPT.head(x) the logits of another hidden state through the same head."""
+    """GPT.outputs, for training's objective: hidden, the final hidden state (after the last RMSNorm, the head's input);
+    logits, the head's raw logits (before the softcap), for GPT.cross_entropy (the CE with its lse and scored mask)."""
     hidden: Tensor
     logits: Tensor
 
@@ -2859,9 +2858,8 @@ def marked(model, attr):
 
 
 def artifact_state_dict(model):
-    """model.state_dict() less the tensors of training-only pieces (`training_only = True`: read by training's
-    objective alone): what the artifact (and final_model.pt) stores, GPTQ calibrates and model_params counts.
-    Checkpoints keep them (an exact resume needs them)."""
+    """model.state_dict() less the training-only pieces' tensors (`training_only = True`: read by training's objective
+    alone): what the artifact and final_model.pt store, GPTQ calibrates and model_params counts; checkpoints keep them."""
     state, skip = model.state_dict(), marked(model, "training_only")
     for name in [k for k in state if skip.get(k)]:
         del state[name]  # state_dict()'s own dict, its _metadata kept: final_model.pt's bytes as before
@@ -3044,9 +3042,8 @@ class Muon(torch.optim.Optimizer):
 # the first pattern (fnmatch: "*" spans dots) below that its name matches, else "scalar" for a tensor of < 2 dims; a
 # matrix named nowhere is refused. The records' small matrices (projections, gates, mixes) are AdamW's scalars.
 OPTIMIZER_GROUPS = (("*_bank", "matrix"), *((name, "embed") for name in EMBEDDING_NAMES), ("lm_head.weight", "head"),
-                    ("bigram.proj.weight", "scalar"), ("ve_shared.proj.weight", "scalar"), ("skip_*", "scalar"),
-                    ("blocks.*.resid_mix", "scalar"), ("blocks.*.attn_gate.weight", "scalar"),
-                    ("smear_bos.gate", "scalar"), ("lanes.*", "scalar"))
+                    *((name, "scalar") for name in ("bigram.proj.weight", "ve_shared.proj.weight", "skip_*",
+                      "blocks.*.resid_mix", "blocks.*.attn_gate.weight", "smear_bos.gate", "lanes.*")))
 
 
 def group_settings(h):
@@ -3080,8 +3077,7 @@ def optimizer_lines(h, model):
 
 
 def build_optimizers(h, model, ns_dtype=torch.bfloat16):
-    """Muon for the "matrix" group, an AdamW for each other group that has parameters (param_groups, group_settings).
-    Returns (muon, adams)."""
+    """Muon for the "matrix" group, an AdamW for each other group with parameters (param_groups). Returns (muon, adams)."""
     groups, fused, settings = param_groups(model), next(model.parameters()).is_cuda, group_settings(h)
     params = {name: [] for name in settings}
     for name, p in model.named_parameters():
