@@ -2830,6 +2830,7 @@ def one_torch_thread():
         torch.set_num_threads(threads)
 
 
+BANK_NAMES = ("qo_bank", "kv_bank", "mlp_up_bank", "mlp_down_bank")
 EMBEDDING_NAMES = ("tok_emb.weight", "bigram.embed.weight", "ve_shared.embed.weight")
 
 
@@ -3041,9 +3042,10 @@ class Muon(torch.optim.Optimizer):
 # Optimizer groups: a parameter's is the one its piece declares (an `optimizer_group` attribute of the module), else
 # the first pattern (fnmatch: "*" spans dots) below that its name matches, else "scalar" for a tensor of < 2 dims; a
 # matrix named nowhere is refused. The records' small matrices (projections, gates, mixes) are AdamW's scalars.
-OPTIMIZER_GROUPS = (("*_bank", "matrix"), *((name, "embed") for name in EMBEDDING_NAMES), ("lm_head.weight", "head"),
-                    *((name, "scalar") for name in ("bigram.proj.weight", "ve_shared.proj.weight", "skip_*",
-                      "blocks.*.resid_mix", "blocks.*.attn_gate.weight", "smear_bos.gate", "lanes.*")))
+OPTIMIZER_GROUPS = (*((name, "matrix") for name in BANK_NAMES), *((name, "embed") for name in EMBEDDING_NAMES),
+                    ("lm_head.weight", "head"), *((name, "scalar") for name in (
+                        "bigram.proj.weight", "ve_shared.proj.weight", "skip_*", "blocks.*.resid_mix",
+                        "blocks.*.attn_gate.weight", "smear_bos.gate", "lanes.*")))
 
 
 def group_settings(h):
