@@ -12,6 +12,7 @@ import contextlib
 import concurrent.futures
 import copy
 import datetime
+import fnmatch
 import glob
 import importlib.util
 import inspect
@@ -844,6 +845,9 @@ class Hyperparameters:
         if self.num_loops > 0:
             need(self.loop_start <= self.loop_end < self.num_layers, f"LOOP_START={self.loop_start} and "
                  f"LOOP_END={self.loop_end} must satisfy LOOP_START <= LOOP_END < NUM_LAYERS={self.num_layers}")
+        runs = self.num_layers + self.num_loops * (self.loop_end - self.loop_start + 1) * (self.num_loops > 0)
+        need(runs <= 1024, f"NUM_LAYERS={self.num_layers} and NUM_LOOPS={self.num_loops} run {runs:,} layers, over "
+             "1,024 (the model is built on the meta device to count its parameters before anything is allocated)")
         need(-1 <= self.parallel_residual_start < self.num_layers, f"PARALLEL_RESIDUAL_START="
              f"{self.parallel_residual_start} must be a layer index < NUM_LAYERS={self.num_layers}, or -1 (off)")
         need(self.parallel_mode != "lanes" or self.parallel_residual_start >= 0,
@@ -2236,6 +2240,13 @@ def softcap_logits(logits, softcap):
 IGNORE = -100  # a padding target: no loss (F.cross_entropy's ignore_index)
 
 
+class Outputs(NamedTuple):
+    """GPT.outputs, for training's objective: hidden, the final hidden state (after the last RMSNorm, the head's input);
+    logits, the head's raw logits (before the softcap), for GPT.cross_entropy (the CE with its lse and scored mask)."""
+    hidden: Tensor
+    logits: Tensor
+
+
 class CE(NamedTuple):
     """softcapped_ce(..., lse=True): what a term added to the loss reads (training_loss). mean: the loss; lse: each
     row's fp32 logsumexp of the softcapped logits, with its gradient (softmax times the softcap's derivative; padding
@@ -2532,7 +2543,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(h, use_xsa=layer_idx >= h.num_layers - h.xsa_last_n)
         self.attn_scale = nn.Parameter(torch.ones(d, dtype=torch.float32))
         self.mlp_scale = nn.Parameter(torch.ones(d, dtype=torch.float32))
-        self.resid_mix = nn.Parameter(torch.stack((torch.ones(d), torch.zeros(d))).float())
+        self.resid_mix = nn.Parameter(torch.ones(2, d))  # the weights of x (1) and x0 (0)
+        self.resid_mix.data[1] = 0.0
         self.ln_scale = 1.0 / math.sqrt(layer_idx + 1) if h.ln_scale else 1.0
 
     def mix_in(self, x, x0):
@@ -2756,12 +2768,22 @@ class GPT(nn.Module):
         return self.training, self.looping, self.training and self.qat_on(), tuple(p.requires_grad for p in self.parameters())
 
     def forward_logits(self, ids, docs=None, lora=None):
-        return softcap_logits(self.raw_logits(ids, docs, lora), self.logit_softcap)
+        return softcap_logits(self.head(self.hidden(ids, docs, lora), lora), self.logit_softcap)
 
-    def raw_logits(self, ids, docs=None, lora=None):
-        """The logits of (B, T) ids before the softcap; docs (DocBounds): packed rows whose documents do not attend
-        to each other (RoPE positions stay the index within the row, as in the records); lora (LoRAAdapters,
-        TTT_MODE=lora): its slot k adapts the k-th virtual layer run, its head the logits."""
+    def outputs(self, ids, docs=None):
+        """What the model computes on (B, T) ids, for training's objective (training_loss): Outputs(hidden, logits)."""
+        x = self.hidden(ids, docs)
+        return Outputs(x, self.head(x))
+
+    def head(self, x, lora=None):
+        """The output head's raw logits (before the softcap) of hidden states x: the tied embedding or lm_head."""
+        logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.tok_emb.weight)
+        return logits if lora is None else lora.add("head", 0, logits, x)
+
+    def hidden(self, ids, docs=None, lora=None):
+        """The final hidden state of (B, T) ids, after the last RMSNorm; docs (DocBounds): packed rows whose documents
+        do not attend to each other (RoPE positions stay the index within the row, as in the records); lora
+        (LoRAAdapters, TTT_MODE=lora): its slot k adapts the k-th virtual layer run, its head the logits."""
         slots = itertools.count()
 
         def at():  # this virtual layer's adapters
@@ -2799,9 +2821,7 @@ class GPT(nn.Module):
                                at())
         if lanes is not None:
             x = 0.5 * (lanes[0] + lanes[1])
-        x = rms_norm(x)
-        logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.tok_emb.weight)
-        return logits if lora is None else lora.add("head", 0, logits, x)
+        return rms_norm(x)
 
     def _value_embed(self, i, ve):
         return ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype) if i in self.ve_layers else None
@@ -2818,17 +2838,17 @@ class GPT(nn.Module):
         s = torch.sigmoid(self.skip_gates[j].to(x.dtype))
         return s * x + (1 - s) * scaled
 
-    def cross_entropy(self, ids, targets, docs=None, lse=False):
-        """The mean cross-entropy over the targets that are not IGNORE (a packed row's piece is padded with them);
-        FUSED_CE's kernel while training (select_fused_kernels); lse: a CE, with each row's logsumexp."""
+    def cross_entropy(self, logits, targets, padded=False, lse=False):
+        """The mean cross-entropy of raw logits (softcapped) over the targets that are not IGNORE; FUSED_CE's kernel
+        while training (select_fused_kernels); padded: targets may be IGNORE (said by the caller, never guessed);
+        lse: a CE, with each row's logsumexp."""
         if self.training and _FUSED["ce"]:
-            padded = docs is not None and docs.prev is not None
-            return fused_softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap, padded, lse)
-        return softcapped_ce(self.raw_logits(ids, docs), targets, self.logit_softcap, lse)
+            return fused_softcapped_ce(logits, targets, self.logit_softcap, padded, lse)
+        return softcapped_ce(logits, targets, self.logit_softcap, lse)
 
     def forward(self, ids, targets, docs=None):
         """The scoring loss (validation, evaluation, TTT): the mean cross-entropy. Training's is training_loss."""
-        return self.cross_entropy(ids, targets, docs)
+        return self.cross_entropy(self.outputs(ids, docs).logits, targets)
 
 
 @contextlib.contextmanager
@@ -2859,23 +2879,48 @@ def build_model(h):
     return model
 
 
+def marked(model, attr):
+    """{state_dict name: value} of a piece's declaration `attr` (a module attribute: `training_only`,
+    `optimizer_group`) for every tensor of that piece; an inner piece's declaration wins."""
+    out = {}
+    for prefix, m in model.named_modules():
+        if hasattr(m, attr):
+            out.update(dict.fromkeys(m.state_dict(prefix=prefix + "." if prefix else ""), getattr(m, attr)))
+    return out
+
+
+def artifact_state_dict(model):
+    """model.state_dict() less the training-only pieces' tensors (`training_only = True`: read by training's objective
+    alone): what the artifact and final_model.pt store, GPTQ calibrates and model_params counts; checkpoints keep them."""
+    state, skip = model.state_dict(), marked(model, "training_only")
+    for name in [k for k in state if skip.get(k)]:
+        del state[name]  # state_dict()'s own dict, its _metadata kept: final_model.pt's bytes as before
+    return state
+
+
+def model_params(h):
+    """(name, shape, bytes per element, optimizer group, training-only) of each of GPT(h)'s parameters, read from the
+    model built on the meta device (no memory, no numbers: absurd sizes are refused before any allocation)."""
+    # its draws skipped: normal_ on meta tensors takes a second the first time (torch loads its reference decompositions)
+    normal_, nn.init.normal_ = nn.init.normal_, lambda t, *a, **k: t
+    try:
+        with torch.device("meta"):
+            model = GPT(h)
+    finally:
+        nn.init.normal_ = normal_
+    groups, skip = param_groups(model), marked(model, "training_only")
+    return [(n, p.shape, 2 if n in EMBEDDING_NAMES else 4, groups[n], bool(skip.get(n)))
+            for n, p in model.named_parameters()]
+
+
 def model_param_counts(h):
-    """GPT(h)'s parameter count from the settings alone, without building it (so absurd sizes can be refused
-    before any allocation): {"banks": fp32 matrices Muon trains, "embeddings": bf16 tables, "other": fp32 rest}."""
-    n, d, heads, v = h.num_layers, h.model_dim, h.num_heads, h.vocab_size
-    kv, hidden = h.num_kv_heads * h.head_dim, h.mlp_hidden
-    ve_layers = h.ve_layers if h.ve_enabled else []
-    embeddings = v * d + h.bigram_vocab_size * h.bigram_dim + (v * h.ve_dim if ve_layers else 0)
-    gate = 0 if h.attn_gate == "none" else heads * (d if h.attn_gate == "dense" else h.gate_window)
-    skips = (n + h.num_loops * (h.loop_end - h.loop_start + 1)) // 2  # the shorter half of virtual_layers
-    other = (n * (heads + gate + 4 * d)  # per block: q_gain, attention gate, attn/mlp scales, resid_mix
-             + skips * d * (2 if h.skip_gates else 1)
-             + (h.bigram_dim * d + 1 if h.bigram_vocab_size > 0 else 0)
-             + {0: 0, 1: d, 2: h.gate_window + 1}[h.smear_gate]
-             + (6 * n if h.parallel_mode == "lanes" and h.parallel_residual_start >= 0 else 0)
-             + (h.ve_dim * kv + 1 + len(ve_layers) if ve_layers else 0)
-             + (0 if h.tie_embeddings else d * v))
-    return {"banks": 2 * n * d * (d + kv + hidden), "embeddings": embeddings, "other": other}
+    """GPT(h)'s parameter counts (model_params): "banks" (Muon's), "embeddings" (bf16 tables), "other" (fp32 rest),
+    and apart from them "training_only" (the training-only pieces', not in the artifact)."""
+    counts = dict.fromkeys(("banks", "embeddings", "other", "training_only"), 0)
+    for name, shape, size, group, only in model_params(h):
+        kind = "training_only" if only else "banks" if group == "matrix" else "embeddings" if size == 2 else "other"
+        counts[kind] += shape.numel()
+    return counts
 
 
 # ==================================================
@@ -3029,28 +3074,55 @@ class Muon(torch.optim.Optimizer):
         self._apply(m, m["gathered"][:m["rows"]])
 
 
-def build_optimizers(h, model, ns_dtype=torch.bfloat16):
-    """Muon for the banks; AdamW for embeddings, scalars and (untied) head. Returns (muon, adams)."""
-    banks, embed, scalar, head = [], [], [], []
+# Optimizer groups: a parameter's is the one its piece declares (an `optimizer_group` attribute of the module), else
+# the first pattern (fnmatch: "*" spans dots) below that its name matches, else "scalar" for a tensor of < 2 dims; a
+# matrix named nowhere is refused. The records' small matrices (projections, gates, mixes) are AdamW's scalars.
+OPTIMIZER_GROUPS = (*((name, "matrix") for name in BANK_NAMES), *((name, "embed") for name in EMBEDDING_NAMES),
+                    ("lm_head.weight", "head"), *((name, "scalar") for name in (
+                        "bigram.proj.weight", "ve_shared.proj.weight", "skip_*", "blocks.*.resid_mix",
+                        "blocks.*.attn_gate.weight", "smear_bos.gate", "lanes.*")))
+
+
+def group_settings(h):
+    """Each optimizer group's (optimizer, learning rate, weight decay), in the order of build_optimizers."""
+    return {"matrix": ("muon", h.matrix_lr, h.muon_wd), "embed": ("adamw", h.tied_embed_lr if h.tie_embeddings
+                                                                  else h.embed_lr, h.embed_wd),
+            "scalar": ("adamw", h.scalar_lr, h.adam_wd), "head": ("adamw", h.head_lr, h.adam_wd)}
+
+
+def param_groups(model):
+    """{parameter name: its optimizer group} (OPTIMIZER_GROUPS); a ConfigError names a matrix no rule names."""
+    declared, groups = marked(model, "optimizer_group"), {}
     for name, p in model.named_parameters():
-        if name in BANK_NAMES:
-            banks.append(p)
-        elif name in EMBEDDING_NAMES:
-            embed.append(p)
-        elif name == "lm_head.weight":
-            head.append(p)
-        else:  # control tensors, ndim<2 params, bigram.proj, ve_shared.proj
-            scalar.append(p)
-    fused = next(model.parameters()).is_cuda
+        groups[name] = declared.get(name) or next((g for pat, g in OPTIMIZER_GROUPS if fnmatch.fnmatchcase(name, pat)),
+                                                  "scalar" if p.ndim < 2 else None)
+        if groups[name] is None:
+            raise ConfigError(f"{name} {tuple(p.shape)}: a matrix that neither OPTIMIZER_GROUPS nor its piece's "
+                              "optimizer_group names would be trained as a scalar; name its group")
+    return groups
 
-    def adam(params, lr, wd=h.adam_wd):
-        return torch.optim.AdamW([dict(params=params, lr=lr, base_lr=lr)], betas=(h.beta1, h.beta2),
-                                 eps=h.adam_eps, weight_decay=wd, fused=fused)
 
-    adams = [adam(embed, h.tied_embed_lr if h.tie_embeddings else h.embed_lr, h.embed_wd), adam(scalar, h.scalar_lr)]
-    if head:
-        adams.append(adam(head, h.head_lr))
-    muon = Muon(banks, lr=h.matrix_lr, momentum=h.muon_momentum, backend_steps=h.muon_backend_steps,
+def optimizer_lines(h, model):
+    """The log's start lines: each group's optimizer, LR, weight decay and parameters (blocks.*: every layer's)."""
+    groups, lines = param_groups(model), []
+    for group, (opt, lr, wd) in group_settings(h).items():
+        names = [n for n, g in groups.items() if g == group]
+        short = dict.fromkeys(re.sub(r"^blocks\.\d+\.", "blocks.*.", n) for n in names)
+        if names:
+            lines.append(f"optimizer_group:{group} {opt} lr:{lr:g} wd:{wd:g} tensors:{len(names)} names:{','.join(short)}")
+    return lines
+
+
+def build_optimizers(h, model, ns_dtype=torch.bfloat16):
+    """Muon for the "matrix" group, an AdamW for each other group with parameters (param_groups). Returns (muon, adams)."""
+    groups, fused, settings = param_groups(model), next(model.parameters()).is_cuda, group_settings(h)
+    params = {name: [] for name in settings}
+    for name, p in model.named_parameters():
+        params[groups[name]].append(p)
+    adams = [torch.optim.AdamW([dict(params=params[k], lr=lr, base_lr=lr)], betas=(h.beta1, h.beta2), eps=h.adam_eps,
+                               weight_decay=wd, fused=fused) for k, (opt, lr, wd) in settings.items()
+             if opt == "adamw" and params[k]]
+    muon = Muon(params["matrix"], lr=h.matrix_lr, momentum=h.muon_momentum, backend_steps=h.muon_backend_steps,
                 weight_decay=h.muon_wd, ns_dtype=ns_dtype, ns_coeffs=h.muon_ns_coeffs,
                 row_normalize=h.muon_row_normalize, momentum_fp32=h.muon_momentum_fp32, ns_ca_first=h.muon_ns_ca_first)
     for g in muon.param_groups:
@@ -3194,15 +3266,14 @@ SIZE_SETTINGS = ("NUM_LAYERS", "MODEL_DIM", "MLP_MULT", "NUM_KV_HEADS", "NUM_LOO
 
 
 def model_memory_bytes(h):
-    """A lower bound on one process's memory for the model (model_param_counts): weights at their dtype; when
-    training also their gradients, Muon's momentum (its 1/WORLD_SIZE shard), AdamW's two moments, the fp32 EMA
-    and SWA copies. Activations, data and compiled graphs come on top."""
-    c = model_param_counts(h)
-    if h.eval_only:
-        return 4 * c["banks"] + 2 * c["embeddings"] + 4 * c["other"]
+    """A lower bound on one process's memory for the model (model_params): weights at their dtype; when training also
+    their gradients, Muon's momentum (its 1/WORLD_SIZE shard), AdamW's two moments, the fp32 EMA and SWA copies.
+    Activations, data and compiled graphs come on top."""
     copies = 4 * (h.ema_enabled + h.swa_enabled)
     momentum = (4 if h.muon_momentum_fp32 else 2) / h.world_size
-    return int(c["banks"] * (8 + momentum + copies) + c["embeddings"] * (8 + copies) + c["other"] * (16 + copies))
+    return int(sum(shape.numel() * (size if h.eval_only else 2 * size + copies + (momentum if group == "matrix"
+                                                                                  else 2 * size))
+                   for _, shape, size, group, _ in model_params(h)))
 
 
 def available_memory(device):
@@ -3668,12 +3739,14 @@ class StepTimer:
         return line
 
 
-def training_loss(h, model, ids, targets, docs=None):
+def training_loss(h, model, ids, targets, docs=None, padded=False):
     """Training's objective (SPEC 3; SPEC-FRONTIER 18, item 7), what Trainer minimises: the mean cross-entropy, as
-    the scoring loss (GPT.forward, which evaluation and TTT use), nothing added. A term is added here, its settings
-    read from h, e.g. z-loss (docs/frontier.md "Adding a technique"): ce = model.cross_entropy(ids, targets, docs,
-    lse=True), then ce.mean + coef * (ce.lse.square() * ce.scored).sum() / ce.scored.sum()."""
-    return model.cross_entropy(ids, targets, docs)
+    the scoring loss (GPT.forward, which evaluation and TTT use), nothing added. padded: targets may be IGNORE (a
+    packed row's piece). A term is added here, its settings read from h, reading model.outputs (docs/frontier.md
+    "Adding a technique"), e.g. z-loss: ce = model.cross_entropy(out.logits, targets, padded, lse=True), then
+    ce.mean + coef * (ce.lse.square() * ce.scored).sum() / ce.scored.sum()."""
+    out = model.outputs(ids, docs)
+    return model.cross_entropy(out.logits, targets, padded)
 
 
 class Trainer:
@@ -3681,7 +3754,7 @@ class Trainer:
 
     def __init__(self, rt, model):
         self.rt, self.h, self.model = rt, rt.h, model
-        self.forward = compile_fn(rt, "train_forward", lambda *batch: training_loss(rt.h, model, *batch),
+        self.forward = compile_fn(rt, "train_forward", lambda *a, **k: training_loss(rt.h, model, *a, **k),
                                   model.graph_state, len(training_graph_states(rt)))
         # validation inside training (not timed): a callable of its own, compiled at its first call
         self.val_forward = compile_fn(rt, "val_forward", model, model.graph_state, 3 * len(loop_states(rt.h)))
@@ -3736,7 +3809,7 @@ class Trainer:
             xp = F.pad(x[0, a:b], (0, width - (b - a)))[None]
             yp = F.pad(y[0, a:b], (0, width - (b - a)), value=IGNORE)[None]
             with phase("forward"), self.rt.autocast():
-                loss = self.forward(xp, yp, piece)
+                loss = self.forward(xp, yp, piece, padded=True)
             with phase("backward"):
                 (loss * (scale * (b - a) / n)).backward()
             total = total + loss.detach() * ((b - a) / n)
@@ -4016,19 +4089,17 @@ class ResumePoint:
 
 
 def checkpoint_payload_bytes(h):
-    """A checkpoint's tensor bytes from the settings (model_param_counts): (replicated, Muon's per rank). Replicated:
-    the weights (fp32 banks and rest, bf16 embeddings), the fp32 EMA, AdamW's two moments at each parameter's
-    dtype, and SWA's fp32 sums once collected (SWA_ENABLED, LR scale < 0.2: not counted here). Per rank: Muon's
-    momentum (bf16, fp32 with MUON_MOMENTUM_FP32) for its 1/WORLD_SIZE of each bank's rows, zero-padded. Not
+    """A checkpoint's tensor bytes from the settings (model_params; training-only ones too): (replicated, Muon's per
+    rank). Replicated: the weights (fp32 banks and rest, bf16 embeddings), the fp32 EMA, AdamW's two moments at each
+    parameter's dtype, and SWA's fp32 sums once collected (SWA_ENABLED, LR scale < 0.2: not counted here). Per rank:
+    Muon's momentum (bf16, fp32 with MUON_MOMENTUM_FP32) for its 1/WORLD_SIZE of each matrix's rows, zero-padded. Not
     counted: RNG and loader state, AdamW's step counters, torch.save's framing (a few KB)."""
-    c = model_param_counts(h)
-    weights = 4 * c["banks"] + 2 * c["embeddings"] + 4 * c["other"]
-    ema = 4 * (c["banks"] + c["embeddings"] + c["other"]) if h.ema_enabled else 0
-    adam = 2 * (2 * c["embeddings"] + 4 * c["other"])
-    n, d, kv, hidden, ws = h.num_layers, h.model_dim, h.num_kv_heads * h.head_dim, h.mlp_hidden, h.world_size
-    banks = ((2 * n, d * d), (2 * n, kv * d), (n, hidden * d), (n, d * hidden))  # (rows, elements per row)
-    muon = (4 if h.muon_momentum_fp32 else 2) * sum(-(-rows // ws) * per_row for rows, per_row in banks)
-    return weights + ema + adam, muon
+    shared = muon = 0
+    for _, shape, size, group, _ in model_params(h):
+        shared += shape.numel() * (size + 4 * h.ema_enabled + (0 if group == "matrix" else 2 * size))
+        if group == "matrix":
+            muon += (4 if h.muon_momentum_fp32 else 2) * -(-shape[0] // h.world_size) * shape[1:].numel()
+    return shared, muon
 
 
 def checkpoint_name(step):
@@ -4646,7 +4717,7 @@ class HessianRecorder:
     the parameters' storage, so a weight's data pointer names it."""
 
     def __init__(self, model):
-        flat = unbank_state_dict(model.state_dict(), model.num_layers)
+        flat = unbank_state_dict(artifact_state_dict(model), model.num_layers)
         self.names = {t.data_ptr(): name for name, t in flat.items() if t.ndim == 2}
         self.sums, self.rows, self.last = {}, {}, (None, None)
 
@@ -5266,7 +5337,7 @@ def save_artifact(path, model, late_qat, h=None, hessians=None, code_bytes=0, lo
     """Quantise, compress (with TARGET_BYTES, prune to fit), write; returns the size."""
     h = h or Hyperparameters({})
     t0 = time.perf_counter()
-    w, meta = quantize_state_dict(unbank_state_dict(model.state_dict(), model.num_layers), h, hessians)
+    w, meta = quantize_state_dict(unbank_state_dict(artifact_state_dict(model), model.num_layers), h, hessians)
     if hessians:
         log(f"gptq: {sum(not isinstance(meta[k], str) for k in hessians)} of {len(hessians)} tensors with a Hessian "
             f"quantised by GPTQ (the rest are small: fp16) "
@@ -5357,8 +5428,9 @@ def load_artifact(path, h, model=None):
         raise ConfigError(f"{path}: not an int6 artifact (expected a dict with 'w' and 'm')")
     check_artifact_types(obj, path)
     model = model if model is not None else build_model(h)
-    flat = dequantize_state_dict(obj["w"], obj["m"], unbank_state_dict(model.state_dict(), model.num_layers), path)
-    model.load_state_dict(rebank_state_dict(flat, model.num_layers), strict=True)
+    flat = dequantize_state_dict(obj["w"], obj["m"], unbank_state_dict(artifact_state_dict(model), model.num_layers),
+                                 path)  # every tensor but the training-only ones, which keep the model's own values
+    model.load_state_dict({**model.state_dict(), **rebank_state_dict(flat, model.num_layers)}, strict=True)
     # The record's artifacts have no flag; its runs always end with late QAT on.
     model.set_qat(bool(obj.get("late_qat", True)))
     model.looping = h.num_loops > 0  # a looped model is evaluated looped (SPEC-FRONTIER 4)
@@ -7028,7 +7100,7 @@ def write_outputs(rt, model, late_qat, hessians):
         return
     raw, artifact = artifact_files(rt.h)
     buf = io.BytesIO()
-    torch.save(model.state_dict(), buf)
+    torch.save(artifact_state_dict(model), buf)
     write_atomically(raw, buf.getvalue())
     rt.log(f"Serialized model: {os.path.getsize(raw)} bytes")
     code = code_bytes()
@@ -7115,7 +7187,11 @@ def run(rt):
         read_shard_header(f)
     stage("building the model")
     model = rt.prepare_model(build_model(h))
-    rt.log(f"model_params:{sum(p.numel() for p in model.parameters())}")
+    skip = marked(model, "training_only")
+    only = sum(p.numel() for n, p in model.named_parameters() if skip.get(n))
+    rt.log(f"model_params:{sum(p.numel() for p in model.parameters()) - only}" + (f" training_only:{only}" * (only > 0)))
+    for line in optimizer_lines(h, model):
+        rt.log(line)
     if h.num_loops > 0:
         (enc, dec), (loop_enc, loop_dec) = model.orders[False], model.orders[True]
         rt.log(f"layer_loop: encoder:{enc} decoder:{dec}, looped from ENABLE_LOOPING_AT={h.enable_looping_at:g}: "

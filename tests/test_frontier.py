@@ -74,6 +74,8 @@ def test_auto_settings_are_dumped_resolved():
     ({"PRESET": "record_0410"}, "PRESET='record_0410' must be record_0323 or record_0409"),
     ({"NUM_LOOPS": "2", "LOOP_START": "5", "LOOP_END": "3"}, "LOOP_START=5 and LOOP_END=3"),
     ({"NUM_LOOPS": "1", "LOOP_END": "11"}, "LOOP_END=11 must satisfy"),
+    ({"NUM_LOOPS": "1000000000"}, "NUM_LAYERS=11 and NUM_LOOPS=1000000000 run 3,000,000,011 layers, over 1,024"),
+    ({"NUM_LAYERS": "1025", "XSA_LAST_N": "0"}, "NUM_LAYERS=1025 and NUM_LOOPS=0 run 1,025 layers, over 1,024"),
     ({"ENABLE_LOOPING_AT": "1.0"}, "ENABLE_LOOPING_AT=1.0 must be in [0, 1)"),
     ({"PARALLEL_RESIDUAL_START": "11"}, "PARALLEL_RESIDUAL_START=11 must be a layer index"),
     ({"MUON_NS_COEFFS": "cubic"}, "MUON_NS_COEFFS='cubic' must be fixed or polar_express"),

@@ -310,7 +310,7 @@ def training_loss_extension(monkeypatch, fused):
         return [loss.detach()] + [torch.zeros_like(p) if d is None else d for p, d in
                                   zip(params, torch.autograd.grad(loss, params, allow_unused=True))]
     default = grads(trainer.forward(x, y))
-    logits = model.raw_logits(x)
+    logits = model.outputs(x).logits
     if fused:
         before = torch.ops.pgolf.softcapped_ce(logits.reshape(-1, 64), y.reshape(-1), 30.0)[0].mean()
     else:
@@ -318,14 +318,15 @@ def training_loss_extension(monkeypatch, fused):
         before = F.cross_entropy(capped.float().reshape(-1, capped.size(-1)), y.reshape(-1), ignore_index=tg.IGNORE)
     assert all(torch.equal(a, b) for a, b in zip(default, grads(before)))
 
-    def training_loss(h, model, ids, targets, docs=None):
-        ce = model.cross_entropy(ids, targets, docs, lse=True)
+    def training_loss(h, model, ids, targets, docs=None, padded=False):
+        out = model.outputs(ids, docs)
+        ce = model.cross_entropy(out.logits, targets, padded, lse=True)
         return ce.mean + z_loss(ce)
     monkeypatch.setattr(tg, "training_loss", training_loss)
     with_z = grads(trainer.forward(x, y))
 
     def eager(with_ce):
-        z = 30.0 * torch.tanh(model.raw_logits(x).reshape(-1, 64) / 30.0)
+        z = 30.0 * torch.tanh(model.outputs(x).logits.reshape(-1, 64) / 30.0)
         term = 0.05 * torch.logsumexp(z, -1).square().mean()
         return grads(F.cross_entropy(z, y.reshape(-1)) + term if with_ce else term)
     want, term = eager(True), eager(False)

@@ -575,10 +575,32 @@ def test_the_utf8_floor_is_the_growth_rate_of_valid_literals():
     assert pc.utf8_floor(7140) == 8000 and pc.utf8_floor(7141) == 8001
 
 
+def test_update_packed_size_rewrites_each_quote_and_nothing_else():
+    """scripts/update_packed_size.py: each quote of the packed size is in today's files exactly once; rewritten with
+    other numbers, every quote holds them (read back by its own pattern), the guard is packed + 200 rounded up to a
+    multiple of 100, and rewriting with the numbers read from the files gives the files unchanged."""
+    import update_packed_size as ups
+    numbers = ups.values(400_000, 60_123, "2030-01-02")
+    assert (numbers["guard"], numbers["guard_literal"], numbers["percent"], numbers["with_record"]) == \
+        ("60,400", "60_400", "15.0", "16,300,548")
+    for path, quotes in ups.QUOTES.items():
+        text = (REPO / path).read_text(encoding="utf-8")
+        new = ups.rewrite(path, text, numbers)
+        read = {}
+        for pattern, names in quotes:
+            (m,) = re.finditer(pattern, new)
+            assert [m[i] for i, _ in enumerate(names, 1)] == [numbers[n] for n in names]
+            read.update((n, re.search(pattern, text)[i]) for i, n in enumerate(names, 1))
+        assert ups.rewrite(path, new, read) == text
+    with pytest.raises(ValueError, match="0 times, not once"):
+        ups.rewrite("docs/log_format.md", "no quote here", numbers)
+
+
 def test_packed_train_gpt_size_guard(packed_train_gpt):
     """Issue 22 asked for <= 32,000 packed bytes; no UTF-8 file can hold today's compressed payload in fewer
-    than ~35,600 (docs/submitting.md, "Packed code"). The guard holds today's 54,084 (2026-11-27, after issue 46's
-    evaluation budget: the guard of TTT, the evaluation's graphs warmed before the clocks and timed, the plan line,
+    than ~35,600 (docs/submitting.md, "Packed code"). The guard holds today's 54,599 (2026-11-27, after issue 54's
+    shared mechanisms for a piece with weights, 515 bytes over 54,084; scripts/update_packed_size.py re-measured it and
+    set the guard to 54,800), 54,084 (2026-11-27, after issue 46's evaluation budget: the guard of TTT, the evaluation's graphs warmed before the clocks and timed, the plan line,
     the preflight's projection, the diagnostics switches, 2,617 bytes over issue 47's 51,467; raised by those from
     51,603 to 54,300), 51,288 (2026-11-27, after issue 47's
     record batch in the replay clocks, 191 bytes, and training_loss with the fused CE's lse gradient, 212; raised by
@@ -590,7 +612,7 @@ def test_packed_train_gpt_size_guard(packed_train_gpt):
     to base 116, ZPAQ level 5, brotli, LZMA2 or Base85 fails it, and the literal must stay within 2.1% of the UTF-8
     floor. Raise it only with the code's own growth, measured with scripts/pack_code.py."""
     _, minified, packed = packed_train_gpt
-    assert len(packed.encode("utf-8")) <= 54_300
+    assert len(packed.encode("utf-8")) <= 54_800
     compressed = len(pc.compress(minified.encode("utf-8")))
     wrapper = len(pc.WRAPPER_HEAD) + len(pc.WRAPPER_TAIL)
     assert len(packed.encode("utf-8")) <= 1.021 * pc.utf8_floor(compressed) + wrapper

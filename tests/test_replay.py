@@ -528,20 +528,22 @@ def test_a_split_packed_row_trains_as_the_whole_row(sample_data, bos_fix):
     gradients are the whole row's up to float reassociation."""
     env = {**TINY_ENV, **sample_data, "TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "2",
            "SMEAR_GATE_BOS_FIX": bos_fix, "GRAD_ACCUM_STEPS": "2"}
-    pieces = []
+    pieces, flags = [], []
 
     def recording(forward):
-        def f(x, y, *docs):
+        def f(x, y, *docs, **kw):
             d = docs[0]
             pieces.append((tuple(x.shape), None if d.pos0 is None else int(d.pos0), int((y == tg.IGNORE).sum()),
                            None if d.prev_keep is None else float(d.prev_keep)))
-            return forward(x, y, *docs)
+            flags.append(kw)  # the Trainer says the pieces' targets may be padding (training_loss's padded)
+            return forward(x, y, *docs, **kw)
         return f
     _, whole_loss, whole = one_step(tg.Hyperparameters(env))
     trainer, split_loss, split = one_step(tg.Hyperparameters({**env, "MICRO_BATCH_SPLIT": "4"}), recording)
     assert all(shape == (1, 512) for shape, *_ in pieces) and len(pieces) >= 8
     assert [p for p in pieces if p[1] == 0] and all(keep == (pos > 0) for _, pos, _, keep in pieces)
     assert any(pad > 0 for _, _, pad, _ in pieces)  # pieces of whole segments leave padding
+    assert flags == [{"padded": True}] * len(pieces)
     assert split_loss == pytest.approx(whole_loss, rel=1e-6)
     assert_same_gradients(split, whole)
 
