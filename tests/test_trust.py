@@ -325,9 +325,11 @@ def test_non_finite_loss_stops_the_run_without_artifact(tmp_path, sample_data):
 def test_unexpected_error_is_one_line_naming_the_stage(tmp_path, sample_data):
     """A disk that fills while the artifact is written (a file-size limit stands in for it): one line that
     names the stage, no partial artifact; DEBUG_TRACEBACK=1 shows the traceback."""
+    limit = SCRIPT.stat().st_size + 200_000  # the log (it starts with the script) fits; the 1.4 MB raw model does not
+
     def limit_file_size():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     env = {**clean_environ(), **TINY_ENV, **sample_data, "TTT_ENABLED": "0", "EVAL_STRIDE": "0",
            "OMP_NUM_THREADS": "1", "RUN_ID": "full"}
