@@ -5983,13 +5983,14 @@ def lora_forward(rt, model, planned):
 
 
 @contextlib.contextmanager
-def frozen_weights(model):
-    """The model in eval mode with every weight's requires_grad off inside the block (LoRA TTT trains only its
-    adapters); each weight's flag is restored on leaving."""
+def weights_trainable(model, flag=None, drop_grads=False):
+    """Inside the block every weight's requires_grad is `flag` (None: as it is; False: frozen, LoRA TTT trains only its
+            if drop_grads:
+                p.grad = None
+    adapters); on leaving each weight's flag is restored and, with drop_grads, its gradient dropped."""
     saved = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in saved:
-        p.requires_grad_(False)
-    model.eval()
+    for p, _ in saved if flag is not None else ():
+        p.requires_grad_(flag)
     try:
         yield
     finally:
@@ -6035,7 +6036,8 @@ def warm_lora_ttt(rt, model, forward, batch_sizes, costs=None):
     shapes = lora_warm_shapes(h, batch_sizes)
     g = torch.Generator().manual_seed(h.seed)
     timed, rows_ = {}, h.ttt_batch_size  # width -> (step, forward) seconds
-    with frozen_weights(model):
+    model.eval()
+    with weights_trainable(model, False):
         for rows, width in shapes:
             lora = LoRAAdapters(rows, model, h, g).to(rt.device)
             opt = lora_optimizer(h, lora, rt.device)
@@ -6069,7 +6071,6 @@ def global_sgd_row_seconds(rt, model, g):
     """The seconds of one EVAL_SEQ_LEN row of a global SGD phase (forward and backward of every weight, eager as the
     phases run), timed after one untimed row; gradients dropped, requires_grad and the mode restored."""
     h = rt.h
-    saved = [(p, p.requires_grad) for p in model.parameters()]
     x, y = (torch.randint(0, h.vocab_size, (1, h.eval_seq_len), generator=g).to(rt.device) for _ in range(2))
 
     def row():
@@ -6077,13 +6078,9 @@ def global_sgd_row_seconds(rt, model, g):
             model(x, y).backward()
 
     model.train()
-    for p, _ in saved:
-        p.requires_grad_(True)
-    row()
-    took = seconds(rt, row)
-    for p, requires in saved:
-        p.grad = None
-        p.requires_grad_(requires)
+    with weights_trainable(model, True, drop_grads=True):
+        row()
+        took = seconds(rt, row)
     model.eval()
     return took
 
@@ -6139,7 +6136,8 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, til
     laps = Laps(rt) if meter.on else None
     phase_s = [0.0, 0]  # the phases' seconds and rows (this rank's), for the next phase's projection
     t0, done = time.perf_counter(), 0
-    with frozen_weights(model):
+    model.eval()
+    with weights_trainable(model, False):
         for phase, (lo, hi) in enumerate(segments):
             mine = lora_ttt_assignment(hi - lo, W)[h.rank]
             for r in range(-(-(hi - lo) // W)):  # rounds: every rank decides at each, with a batch or not
@@ -6316,16 +6314,14 @@ def global_sgd_phase(rt, model, tokens):
     """A phase's global SGD on all base weights (SPEC-FRONTIER 14, 18), with the chunked SGD TTT's pieces and
     settings: `tokens` (the scored docs, concatenated) in TTT_CHUNK_TOKENS chunks, all but the last trained with
     ttt_train_chunk (TTT_LR cosine over the chunks, TTT_MOMENTUM, TTT_EPOCHS, TTT_GRAD_CLIP, gradients averaged over
-    ranks, rows split at BOS with EVAL_SPLIT_AT_BOS); a new optimizer each phase. Weights frozen again after."""
+    ranks, rows split at BOS with EVAL_SPLIT_AT_BOS); a new optimizer each phase. requires_grad restored after (LoRA
+    TTT's: frozen)."""
     params = list(model.named_parameters())
-    for _, p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.SGD([p for _, p in params], lr=rt.h.ttt_lr, momentum=rt.h.ttt_momentum)
-    num_chunks = -(-(tokens.numel() - 1) // rt.h.ttt_chunk_tokens)
-    for ci in range(num_chunks - 1):
-        ttt_train_chunk(rt, model, model, opt, params, {}, tokens, ci, num_chunks)
-    for _, p in params:
-        p.requires_grad_(False)
+    with weights_trainable(model, True):
+        opt = torch.optim.SGD([p for _, p in params], lr=rt.h.ttt_lr, momentum=rt.h.ttt_momentum)
+        num_chunks = -(-(tokens.numel() - 1) // rt.h.ttt_chunk_tokens)
+        for ci in range(num_chunks - 1):
+            ttt_train_chunk(rt, model, model, opt, params, {}, tokens, ci, num_chunks)
     model.eval()
 
 
@@ -7060,16 +7056,13 @@ def warm_evaluation(rt, model, forward, logits_fn, shapes, costs=None):
     for rows in shapes.score:
         call(("score", rows), lambda: score_call(rows))
     if shapes.ttt_score or shapes.train:
-        saved = [(p, p.requires_grad) for p in model.parameters()]
-        ttt_params(model, h)  # SGD TTT scores and trains with its frozen blocks' weights not trainable
-        for rows in shapes.ttt_score:
-            call(("score", rows), lambda: score_call(rows))
-        model.train()
-        for rows in shapes.train:
-            call(("train", rows), lambda: train_call(rows))
-        for p, requires in saved:
-            p.grad = None
-            p.requires_grad_(requires)
+        with weights_trainable(model, drop_grads=True):
+            ttt_params(model, h)  # SGD TTT scores and trains with its frozen blocks' weights not trainable
+            for rows in shapes.ttt_score:
+                call(("score", rows), lambda: score_call(rows))
+            model.train()
+            for rows in shapes.train:
+                call(("train", rows), lambda: train_call(rows))
     model.train(was_training)
     rt.sync()
 
