@@ -3526,15 +3526,14 @@ def replay_schedule(h):
 def schedule_states(h, n):
     """The training state (layer loop on, cut length, QAT on) of each of n steps without a wallclock cap, decided as
     _train_loop decides: the loop from the step whose fraction reaches ENABLE_LOOPING_AT (from the start at 0), the
-    TRAIN_SEQ_LEN_SCHEDULE phase due, late QAT from the first step with LR scale below its threshold."""
+    TRAIN_SEQ_LEN_SCHEDULE phase due, late QAT from the first step with LR scale below its threshold (its Schedule)."""
     g = copy.copy(h)
     g.iterations, g.warmdown_iters, g.max_wallclock_seconds = n, rehearsal_warmdown(h, n), 0.0
-    looping, qat, states = g.num_loops > 0 and g.enable_looping_at == 0, g.qat_enabled, []
+    sched, states = Schedule(g), []
     for step in range(n):
-        looping = looping or (g.num_loops > 0 and step > 0 and training_fraction(g, step, 0.0) >= g.enable_looping_at)
-        cut = g.seq_len_phases[seq_len_phase(g, step, 0.0)][0] if g.seq_len_phases else g.train_seq_len
-        qat = qat or (g.late_qat_threshold > 0 and lr_multiplier(g, step, 0.0) < g.late_qat_threshold)
-        states.append((looping, cut, qat))
+        sched.before_step(step)
+        states.append((sched.looping, sched.seq_len, sched.qat_on))
+        sched.after_step(step + 1, 0.0)
     return states
 
 
