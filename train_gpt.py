@@ -766,14 +766,14 @@ class Hyperparameters:
                  "TIED_EMBED_LR MATRIX_LR SCALAR_LR MUON_WD ADAM_WD GRAD_CLIP_NORM TTT_LR TTT_GRAD_CLIP ADAM_EPS "
                  "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD GPTQ_RESERVE_SECONDS MATRIX_CLIP_SIGMAS EMBED_CLIP_SIGMAS "
                  "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD ATTN_GATE_INIT_STD MLP_CLIP_SIGMAS ATTN_CLIP_SIGMAS "
-                 "LQER_RANK GPTQ_CALIBRATION_SEQS CHECKPOINT_EVERY REPLAY_WORLD_SIZE MICRO_BATCH_SPLIT EVAL_BUDGET_SECONDS",
-                 lambda v: v >= 0,
-                 ">= 0"),
+                 "LQER_RANK GPTQ_CALIBRATION_SEQS CHECKPOINT_EVERY REPLAY_WORLD_SIZE MICRO_BATCH_SPLIT "
+                 "EVAL_BUDGET_SECONDS SEQ_LEN_REWARMUP_STEPS NGRAM_TILT_BOOST", lambda v: v >= 0, ">= 0"),
                 ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
                  "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
                  "TTT_CHUNK_TOKENS TTT_BATCH_SEQS WORLD_SIZE LOCAL_WORLD_SIZE DIST_TIMEOUT_SECONDS MLP_MULT "
                  "LOGIT_SOFTCAP QK_GAIN_INIT TRAIN_PREFETCH_QUEUE TRAINING_TIMING_EVERY GPTQ_CALIBRATION_BATCHES "
-                 "ROPE_TRAIN_SEQ_LEN GATE_WINDOW LQER_TOP_K LQER_GROUP AWQ_LITE_GROUP AWQ_LITE_TOP_K CHECKPOINT_KEEP",
+                 "ROPE_TRAIN_SEQ_LEN GATE_WINDOW LQER_TOP_K LQER_GROUP AWQ_LITE_GROUP AWQ_LITE_TOP_K CHECKPOINT_KEEP "
+                 "TTT_LORA_RANK TTT_CHUNK_SIZE TTT_BATCH_SIZE TTT_LORA_LR PHASED_TTT_NUM_PHASES TTT_LOCAL_LR_MULT",
                  lambda v: v > 0, "> 0"),
                 ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM ENABLE_LOOPING_AT "
                  "WARMDOWN_FRAC MIN_LR", lambda v: 0 <= v < 1, "in [0, 1)")):
@@ -796,7 +796,6 @@ class Hyperparameters:
             need(phases[0][1] == 0 and all(a[1] < b[1] for a, b in zip(phases, phases[1:]))
                  and phases[-1][1] < 1, f"{name}: fractions must start at 0 and increase, below 1")
             need(all(length > 0 for length, _ in phases), f"{name}: lengths must be > 0")
-        need(self.seq_len_rewarmup_steps >= 0, f"SEQ_LEN_REWARMUP_STEPS={self.seq_len_rewarmup_steps} must be >= 0")
         need(self.train_loader != "packed" or (self.bigram_vocab_size == 0 and self.smear_gate != 1),
              "TRAIN_LOADER=packed needs BIGRAM_VOCAB_SIZE=0 and SMEAR_GATE=0 or 2 (the bigram hash and SmearGate "
              "v1 mix each token with the previous one across document boundaries; v2 is masked at BOS)")
@@ -910,11 +909,8 @@ class Hyperparameters:
                  "it needs EVAL_BUDGET_SECONDS > 0 (auto gives 0 here: set it, or give the prefix as a number)")
             need(self.eval_ttt_stop_at < 0, "PHASED_TTT_PREFIX_DOCS=auto reads the clock; with EVAL_TTT_STOP_AT, which "
                  "reads none, give the prefix as a number (a stop line names the prefix its run chose)")
-        for name in ("TTT_LORA_RANK", "TTT_CHUNK_SIZE", "TTT_BATCH_SIZE", "TTT_LORA_LR", "PHASED_TTT_NUM_PHASES"):
-            need(getattr(self, name.lower()) > 0, f"{name}={getattr(self, name.lower())} must be > 0")
         need(self.ttt_eval_seq_len >= 0, f"TTT_EVAL_SEQ_LEN={self.ttt_eval_seq_len} must be >= 0 (0: EVAL_SEQ_LEN)")
         need(0 <= self.ttt_beta1 < 1 and 0 <= self.ttt_beta2 < 1, "TTT_BETA1 and TTT_BETA2 must be in [0, 1)")
-        need(self.ttt_local_lr_mult > 0, f"TTT_LOCAL_LR_MULT={self.ttt_local_lr_mult} must be > 0")
         need(self.ttt_lora_alpha > 0, f"TTT_LORA_ALPHA={self.ttt_lora_alpha:g} must be > 0 (the LoRA output scale is "
              "alpha / rank)")
         need(self.ttt_weight_decay >= 0, f"TTT_WEIGHT_DECAY={self.ttt_weight_decay:g} must be >= 0")
@@ -929,7 +925,6 @@ class Hyperparameters:
              "coefficient each)")
         need(0 < self.ngram_tilt_threshold <= 1,
              f"NGRAM_TILT_THRESHOLD={self.ngram_tilt_threshold} must be in (0, 1] (the gate: hint probability >= it)")
-        need(self.ngram_tilt_boost >= 0, f"NGRAM_TILT_BOOST={self.ngram_tilt_boost} must be >= 0")
         need(not self.ngram_tilt or self.ttt_enabled or self.eval_stride > 0,
              "NGRAM_TILT=1 tilts the final score, which is the legal TTT score (TTT_ENABLED=1) or the sliding "
              "window (EVAL_STRIDE > 0); with neither it would tilt nothing")
