@@ -3117,11 +3117,10 @@ def build_optimizers(h, model, ns_dtype=torch.bfloat16):
     adams = [torch.optim.AdamW([dict(params=params[k], lr=lr, base_lr=lr)], betas=(h.beta1, h.beta2), eps=h.adam_eps,
                                weight_decay=wd, fused=fused) for k, (opt, lr, wd) in settings.items()
              if opt == "adamw" and params[k]]
-    muon = Muon(params["matrix"], lr=h.matrix_lr, momentum=h.muon_momentum, backend_steps=h.muon_backend_steps,
-                weight_decay=h.muon_wd, ns_dtype=ns_dtype, ns_coeffs=h.muon_ns_coeffs,
-                row_normalize=h.muon_row_normalize, momentum_fp32=h.muon_momentum_fp32, ns_ca_first=h.muon_ns_ca_first)
-    for g in muon.param_groups:
-        g["base_lr"] = h.matrix_lr
+    muon = Muon([dict(params=params["matrix"], base_lr=h.matrix_lr)], lr=h.matrix_lr, momentum=h.muon_momentum,
+                backend_steps=h.muon_backend_steps, weight_decay=h.muon_wd, ns_dtype=ns_dtype,
+                ns_coeffs=h.muon_ns_coeffs, row_normalize=h.muon_row_normalize, momentum_fp32=h.muon_momentum_fp32,
+                ns_ca_first=h.muon_ns_ca_first)
     return muon, adams
 
 
@@ -3756,9 +3755,8 @@ class Trainer:
         # QAT flag)
         self.muon, self.adams = build_optimizers(self.h, model, rt.autocast_dtype or torch.float32)
         self.optimizers = [*self.adams, self.muon]
-        bank_ids = {id(p) for p in self.muon.param_groups[0]["params"]}
-        # Non-bank parameters are replicated and all-reduced (no DDP wrapper).
-        self.replicated = [p for p in model.parameters() if id(p) not in bank_ids]
+        groups = param_groups(model)  # all but Muon's "matrix" group: replicated and all-reduced (no DDP wrapper)
+        self.replicated = [p for name, p in model.named_parameters() if groups[name] != "matrix"]
         self.data_wait_ms = 0.0
         # MICRO_BATCH_SPLIT: each drawn micro-batch computed in this many pieces (0, auto: from 1, doubled on
         # out-of-memory during the warmup: grow_split)
@@ -5979,8 +5977,6 @@ def lora_forward(rt, model, planned):
 @contextlib.contextmanager
 def weights_trainable(model, flag=None, drop_grads=False):
     """Inside the block every weight's requires_grad is `flag` (None: as it is; False: frozen, LoRA TTT trains only its
-            if drop_grads:
-                p.grad = None
     adapters); on leaving each weight's flag is restored and, with drop_grads, its gradient dropped."""
     saved = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in saved if flag is not None else ():
@@ -5989,6 +5985,8 @@ def weights_trainable(model, flag=None, drop_grads=False):
         yield
     finally:
         for p, requires in saved:
+            if drop_grads:
+                p.grad = None
             p.requires_grad_(requires)
 
 
