@@ -1400,12 +1400,8 @@ class PrefetchingPackedLoader:
     """The prefetcher (thread, pinned ring, copy stream) around a DocumentPackingLoader: cu_seqlens travel as
     the batch's aux; next_batch() gives (x, y, DocBounds)."""
 
-    def __init__(self, base, rt, h):
-        self.base = base
-        self.inner = PrefetchingDistributedTokenLoader(base.next_host, base.local_tokens, rt.device,
-                                                       h.train_prefetch_queue, threaded=rt.train_prefetch,
-                                                       copy_stream=rt.train_copy_stream, name="train",
-                                                       produce_position=base.position)
+    def __init__(self, base, inner):
+        self.base, self.inner = base, inner  # inner: the prefetcher of base.next_host's (tokens, starts)
 
     def next_batch(self):
         x, y, starts = self.inner.next()
@@ -3935,12 +3931,13 @@ def make_train_loader(rt, position=None):
         base.restore(position)
     if not (rt.train_prefetch or rt.train_copy_stream):
         return base
-    if h.train_loader == "packed":
-        return PrefetchingPackedLoader(base, rt, h)
-    return PrefetchingDistributedTokenLoader(lambda: (base.next_host(), None), h.train_seq_len, rt.device,
-                                             h.train_prefetch_queue, threaded=rt.train_prefetch,
-                                             copy_stream=rt.train_copy_stream, name="train",
-                                             produce_position=base.position)
+    packed = h.train_loader == "packed"  # its host batches carry their document starts; a row is local_tokens long
+    inner = PrefetchingDistributedTokenLoader(base.next_host if packed else lambda: (base.next_host(), None),
+                                              base.local_tokens if packed else h.train_seq_len, rt.device,
+                                              h.train_prefetch_queue, threaded=rt.train_prefetch,
+                                              copy_stream=rt.train_copy_stream, name="train",
+                                              produce_position=base.position)
+    return PrefetchingPackedLoader(base, inner) if packed else inner
 
 
 def make_calibration_loader(rt):
