@@ -1073,11 +1073,11 @@ def list_shards(pattern):
     return files
 
 
-def switch_shard(loader, file_idx):
-    """Point a shard-walking loader (its .files, .vocab_size, .reader, .file_idx) at shard `file_idx`: the new
-    shard is opened (and checked), then the one it had open, if any, is closed."""
+def switch_shard(loader, file_idx, pos=0):
+    """Point a shard-walking loader (its .files, .vocab_size, .reader, .file_idx, .pos) at token `pos` of shard
+    `file_idx`: the new shard is opened (and checked), then the one it had open, if any, is closed."""
     old, loader.reader = loader.reader, ShardReader(loader.files[file_idx], loader.vocab_size)
-    loader.file_idx = file_idx
+    loader.file_idx, loader.pos = file_idx, pos
     if old is not None:
         old.close()
 
@@ -1097,7 +1097,6 @@ class TokenStream:
             avail = self.reader.num_tokens - self.pos
             if avail <= 0:  # open (and re-check) the next shard only when reached
                 switch_shard(self, (self.file_idx + 1) % len(self.files))
-                self.pos = 0
                 continue
             k = min(n, avail)
             if keep:
@@ -1329,8 +1328,7 @@ class DocumentPackingLoader(_HostLoader):
         nxt = (self.file_idx + 1) % len(self.files)
         while self.first_bos[nxt] is None:
             nxt = (nxt + 1) % len(self.files)
-        switch_shard(self, nxt)
-        self.pos = self.first_bos[nxt]
+        switch_shard(self, nxt, self.first_bos[nxt])
 
     def next_host(self):
         """(this rank's local_tokens + 1 tokens, where its documents start)."""
