@@ -5066,10 +5066,8 @@ def dequantize_state_dict(w, meta, template, source):
                           f"(e.g. {extra[:2]}), {len(missing)} missing (e.g. {missing[:2]}); it has "
                           f"{count_blocks(meta)} blocks, NUM_LAYERS={count_blocks(template)}")
     out = {}
-    for name, ref in template.items():
-        info = meta.get(name)
-        if info is None:
-            raise ConfigError(f"{source}: artifact has no entry for {name} (other model settings?)")
+    for name, ref in template.items():  # every name has its entry (missing ones are refused above)
+        info = meta[name]
         t = w[name] if isinstance(info, str) else dequantize_entry(w, name, info)
         if tuple(t.shape) != tuple(ref.shape):
             raise ConfigError(f"{source}: {name} has shape {tuple(t.shape)}, the model expects {tuple(ref.shape)}")
