@@ -7165,8 +7165,7 @@ def run(rt):
         read_shard_header(f)
     stage("building the model")
     model = rt.prepare_model(build_model(h))
-    skip = marked(model, "training_only")
-    only = sum(p.numel() for n, p in model.named_parameters() if skip.get(n))
+    only = model_param_counts(h)["training_only"]
     rt.log(f"model_params:{sum(p.numel() for p in model.parameters()) - only}" + (f" training_only:{only}" * (only > 0)))
     for line in optimizer_lines(h, model):
         rt.log(line)
