@@ -6558,10 +6558,8 @@ def project_training(h, ms):
     cap that binds is the training time, else ITERATIONS steps at the shares' ms."""
     if h.clock is not None:
         return project_replay(h, ms)
-    counts = {}
-    for key in (state_key(*st) for st in schedule_states(h, 1000)):
-        counts[key] = counts.get(key, 0) + 1
-    shares, mean = {k: c / 1000.0 for k, c in counts.items()}, sum(ms.values()) / len(ms)
+    keys = [state_key(*st) for st in schedule_states(h, 1000)]
+    shares, mean = {k: keys.count(k) / 1000.0 for k in dict.fromkeys(keys)}, sum(ms.values()) / len(ms)
     cap, iterations = h.real["max_wallclock_ms"], h.real["ITERATIONS"]
     steps = iterations
     if cap:
