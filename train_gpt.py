@@ -5434,19 +5434,21 @@ def finish_loss_bpb(rt, sums):
 
 
 def eval_val_split(h, num_targets):
-    """(first, last) sequence of this rank, rows per batch, whole EVAL_SEQ_LEN sequences of eval_val."""
+    """This rank's batches of eval_val as (first sequence, rows; the last may have fewer), and the whole EVAL_SEQ_LEN
+    sequences of all ranks."""
     L = h.eval_seq_len
     batch_seqs = h.val_batch_size // (h.world_size * h.micro_steps) // L
     total = num_targets // L
-    return total * h.rank // h.world_size, total * (h.rank + 1) // h.world_size, batch_seqs, total
+    first, last = total * h.rank // h.world_size, total * (h.rank + 1) // h.world_size
+    return [(s, min(batch_seqs, last - s)) for s in range(first, last, batch_seqs)], total
 
 
 def eval_val_shapes(h, num_targets):
     """The (rows, length) of this rank's eval_val forwards: its batches (the last may be shorter) and, with
     EVAL_INCLUDE_TAIL on the last rank, the tail row."""
     L = h.eval_seq_len
-    first, last, batch_seqs, total = eval_val_split(h, num_targets)
-    shapes = {(min(batch_seqs, last - s), L) for s in range(first, last, batch_seqs)}
+    batches, total = eval_val_split(h, num_targets)
+    shapes = {(rows, L) for _, rows in batches}
     if h.eval_include_tail and h.rank == h.world_size - 1 and total * L < num_targets:
         shapes.add((1, num_targets - total * L))
     return sorted(shapes)
@@ -5455,17 +5457,16 @@ def eval_val_shapes(h, num_targets):
 def eval_val(rt, forward, val_tokens, luts):
     """SPEC 7 standard eval: contiguous EVAL_SEQ_LEN sequences split across ranks, through the prefetcher."""
     h, dev, L = rt.h, rt.device, rt.h.eval_seq_len
-    first, last, batch_seqs, total = eval_val_split(h, val_tokens.numel() - 1)
-    starts = iter(range(first, last, batch_seqs))
-    num_batches = len(range(first, last, batch_seqs))
+    batches, total = eval_val_split(h, val_tokens.numel() - 1)
+    starts, num_batches = iter(batches), len(batches)
     host_bytes = h.val_bytecount_device == "cpu" or luts.sidecar is not None
     tokens = val_tokens.numpy()
 
     def produce():
-        s = next(starts, None)
+        s, rows = next(starts, (None, 0))
         if s is None:
             return None
-        span = tokens[s * L:min(s + batch_seqs, last) * L + 1]
+        span = tokens[s * L:(s + rows) * L + 1]
         t = torch.from_numpy(span)
         pos = torch.arange(s * L + 1, s * L + span.size)
         nbytes = float(luts.target_bytes(t[:-1], t[1:], pos).sum()) if host_bytes else None
@@ -6890,9 +6891,8 @@ def scoring_projection(h, ev, val_tokens):
     c, L, out, num_targets = ev.costs, h.eval_seq_len, {}, val_tokens.numel() - 1
     plan = scored_evaluations(h)
     if "final_int6_roundtrip" in plan:
-        first, last, batch_seqs, total = eval_val_split(h, num_targets)
-        out["final_int6_roundtrip"] = sum(c.get(("val", (min(batch_seqs, last - s), L)), 0.0)
-                                          for s in range(first, last, batch_seqs))
+        batches = eval_val_split(h, num_targets)[0]
+        out["final_int6_roundtrip"] = sum(c.get(("val", (rows, L)), 0.0) for _, rows in batches)
     if "final_int6_sliding_window" in plan:
         mine = len(rank_slice(sliding_windows(num_targets, L, h.eval_stride), h))
         rows = eval_batch_rows(h, [mine])
