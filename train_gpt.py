@@ -6819,13 +6819,10 @@ class Evaluation(NamedTuple):
 
 
 def eval_qat_states(rt):
-    """The QAT flags SGD TTT's training graphs are warmed with: those training can end with (QAT_ENABLED's, and on
-    with LATE_QAT_THRESHOLD), both with EVAL_ONLY (the artifact's flag is read inside the evaluation's clock). Eager
-    runs compile nothing: one."""
-    h = rt.h
-    if not compile_enabled(rt):
-        return [h.qat_enabled]
-    return [False, True] if h.eval_only else sorted({h.qat_enabled, h.qat_enabled or h.late_qat_threshold > 0})
+    """The QAT flags SGD TTT's training graphs are warmed with: those training can end with (qat_states: QAT_ENABLED's,
+    and on with LATE_QAT_THRESHOLD; eager runs compile nothing: one), both with EVAL_ONLY (the artifact's flag is read
+    inside the evaluation's clock)."""
+    return [False, True] if rt.h.eval_only and compile_enabled(rt) else qat_states(rt)
 
 
 def import_lazy_modules():
