@@ -1367,8 +1367,8 @@ class VirtualRankLoader(_HostLoader):
 
     def __init__(self, loaders, block):
         self.loaders, self.block, self.taken = loaders, block, 0
-        # what PrefetchingPackedLoader reads of its base (packed loaders); batches go to the device as the first's do
-        self.local_tokens, self.rope_len = getattr(loaders[0], "local_tokens", 0), getattr(loaders[0], "rope_len", 0)
+        # what make_train_loader's prefetcher reads of a packed base; batches go to the device as the first's do
+        self.local_tokens = getattr(loaders[0], "local_tokens", 0)
 
     def next_host(self):
         source = self.loaders[(self.taken // self.block) % len(self.loaders)]
@@ -1410,10 +1410,6 @@ class PrefetchingPackedLoader:
 
     def position(self):
         return self.inner.position()
-
-    @property
-    def rope_len(self):
-        return self.base.rope_len
 
     def shutdown(self):
         self.inner.shutdown()
