@@ -766,14 +766,14 @@ class Hyperparameters:
                  "TIED_EMBED_LR MATRIX_LR SCALAR_LR MUON_WD ADAM_WD GRAD_CLIP_NORM TTT_LR TTT_GRAD_CLIP ADAM_EPS "
                  "TIED_EMBED_INIT_STD LATE_QAT_THRESHOLD GPTQ_RESERVE_SECONDS MATRIX_CLIP_SIGMAS EMBED_CLIP_SIGMAS "
                  "TARGET_BYTES NUM_LOOPS LOOP_START LOOP_END EMBED_WD ATTN_GATE_INIT_STD MLP_CLIP_SIGMAS ATTN_CLIP_SIGMAS "
-                 "LQER_RANK GPTQ_CALIBRATION_SEQS CHECKPOINT_EVERY REPLAY_WORLD_SIZE MICRO_BATCH_SPLIT EVAL_BUDGET_SECONDS",
-                 lambda v: v >= 0,
-                 ">= 0"),
+                 "LQER_RANK GPTQ_CALIBRATION_SEQS CHECKPOINT_EVERY REPLAY_WORLD_SIZE MICRO_BATCH_SPLIT "
+                 "EVAL_BUDGET_SECONDS SEQ_LEN_REWARMUP_STEPS NGRAM_TILT_BOOST", lambda v: v >= 0, ">= 0"),
                 ("TRAIN_BATCH_TOKENS TRAIN_SEQ_LEN EVAL_SEQ_LEN VAL_BATCH_SIZE VOCAB_SIZE NUM_LAYERS MODEL_DIM "
                  "NUM_HEADS NUM_KV_HEADS MUON_BACKEND_STEPS BIGRAM_DIM VE_DIM SWA_EVERY EVAL_BATCH_SEQS "
                  "TTT_CHUNK_TOKENS TTT_BATCH_SEQS WORLD_SIZE LOCAL_WORLD_SIZE DIST_TIMEOUT_SECONDS MLP_MULT "
                  "LOGIT_SOFTCAP QK_GAIN_INIT TRAIN_PREFETCH_QUEUE TRAINING_TIMING_EVERY GPTQ_CALIBRATION_BATCHES "
-                 "ROPE_TRAIN_SEQ_LEN GATE_WINDOW LQER_TOP_K LQER_GROUP AWQ_LITE_GROUP AWQ_LITE_TOP_K CHECKPOINT_KEEP",
+                 "ROPE_TRAIN_SEQ_LEN GATE_WINDOW LQER_TOP_K LQER_GROUP AWQ_LITE_GROUP AWQ_LITE_TOP_K CHECKPOINT_KEEP "
+                 "TTT_LORA_RANK TTT_CHUNK_SIZE TTT_BATCH_SIZE TTT_LORA_LR PHASED_TTT_NUM_PHASES TTT_LOCAL_LR_MULT",
                  lambda v: v > 0, "> 0"),
                 ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM ENABLE_LOOPING_AT "
                  "WARMDOWN_FRAC MIN_LR", lambda v: 0 <= v < 1, "in [0, 1)")):
@@ -796,7 +796,6 @@ class Hyperparameters:
             need(phases[0][1] == 0 and all(a[1] < b[1] for a, b in zip(phases, phases[1:]))
                  and phases[-1][1] < 1, f"{name}: fractions must start at 0 and increase, below 1")
             need(all(length > 0 for length, _ in phases), f"{name}: lengths must be > 0")
-        need(self.seq_len_rewarmup_steps >= 0, f"SEQ_LEN_REWARMUP_STEPS={self.seq_len_rewarmup_steps} must be >= 0")
         need(self.train_loader != "packed" or (self.bigram_vocab_size == 0 and self.smear_gate != 1),
              "TRAIN_LOADER=packed needs BIGRAM_VOCAB_SIZE=0 and SMEAR_GATE=0 or 2 (the bigram hash and SmearGate "
              "v1 mix each token with the previous one across document boundaries; v2 is masked at BOS)")
@@ -910,11 +909,8 @@ class Hyperparameters:
                  "it needs EVAL_BUDGET_SECONDS > 0 (auto gives 0 here: set it, or give the prefix as a number)")
             need(self.eval_ttt_stop_at < 0, "PHASED_TTT_PREFIX_DOCS=auto reads the clock; with EVAL_TTT_STOP_AT, which "
                  "reads none, give the prefix as a number (a stop line names the prefix its run chose)")
-        for name in ("TTT_LORA_RANK", "TTT_CHUNK_SIZE", "TTT_BATCH_SIZE", "TTT_LORA_LR", "PHASED_TTT_NUM_PHASES"):
-            need(getattr(self, name.lower()) > 0, f"{name}={getattr(self, name.lower())} must be > 0")
         need(self.ttt_eval_seq_len >= 0, f"TTT_EVAL_SEQ_LEN={self.ttt_eval_seq_len} must be >= 0 (0: EVAL_SEQ_LEN)")
         need(0 <= self.ttt_beta1 < 1 and 0 <= self.ttt_beta2 < 1, "TTT_BETA1 and TTT_BETA2 must be in [0, 1)")
-        need(self.ttt_local_lr_mult > 0, f"TTT_LOCAL_LR_MULT={self.ttt_local_lr_mult} must be > 0")
         need(self.ttt_lora_alpha > 0, f"TTT_LORA_ALPHA={self.ttt_lora_alpha:g} must be > 0 (the LoRA output scale is "
              "alpha / rank)")
         need(self.ttt_weight_decay >= 0, f"TTT_WEIGHT_DECAY={self.ttt_weight_decay:g} must be >= 0")
@@ -929,7 +925,6 @@ class Hyperparameters:
              "coefficient each)")
         need(0 < self.ngram_tilt_threshold <= 1,
              f"NGRAM_TILT_THRESHOLD={self.ngram_tilt_threshold} must be in (0, 1] (the gate: hint probability >= it)")
-        need(self.ngram_tilt_boost >= 0, f"NGRAM_TILT_BOOST={self.ngram_tilt_boost} must be >= 0")
         need(not self.ngram_tilt or self.ttt_enabled or self.eval_stride > 0,
              "NGRAM_TILT=1 tilts the final score, which is the legal TTT score (TTT_ENABLED=1) or the sliding "
              "window (EVAL_STRIDE > 0); with neither it would tilt nothing")
@@ -1078,11 +1073,11 @@ def list_shards(pattern):
     return files
 
 
-def switch_shard(loader, file_idx):
-    """Point a shard-walking loader (its .files, .vocab_size, .reader, .file_idx) at shard `file_idx`: the new
-    shard is opened (and checked), then the one it had open, if any, is closed."""
+def switch_shard(loader, file_idx, pos=0):
+    """Point a shard-walking loader (its .files, .vocab_size, .reader, .file_idx, .pos) at token `pos` of shard
+    `file_idx`: the new shard is opened (and checked), then the one it had open, if any, is closed."""
     old, loader.reader = loader.reader, ShardReader(loader.files[file_idx], loader.vocab_size)
-    loader.file_idx = file_idx
+    loader.file_idx, loader.pos = file_idx, pos
     if old is not None:
         old.close()
 
@@ -1102,7 +1097,6 @@ class TokenStream:
             avail = self.reader.num_tokens - self.pos
             if avail <= 0:  # open (and re-check) the next shard only when reached
                 switch_shard(self, (self.file_idx + 1) % len(self.files))
-                self.pos = 0
                 continue
             k = min(n, avail)
             if keep:
@@ -1334,8 +1328,7 @@ class DocumentPackingLoader(_HostLoader):
         nxt = (self.file_idx + 1) % len(self.files)
         while self.first_bos[nxt] is None:
             nxt = (nxt + 1) % len(self.files)
-        switch_shard(self, nxt)
-        self.pos = self.first_bos[nxt]
+        switch_shard(self, nxt, self.first_bos[nxt])
 
     def next_host(self):
         """(this rank's local_tokens + 1 tokens, where its documents start)."""
@@ -1374,8 +1367,8 @@ class VirtualRankLoader(_HostLoader):
 
     def __init__(self, loaders, block):
         self.loaders, self.block, self.taken = loaders, block, 0
-        # what PrefetchingPackedLoader reads of its base (packed loaders); batches go to the device as the first's do
-        self.local_tokens, self.rope_len = getattr(loaders[0], "local_tokens", 0), getattr(loaders[0], "rope_len", 0)
+        # what make_train_loader's prefetcher reads of a packed base; batches go to the device as the first's do
+        self.local_tokens = getattr(loaders[0], "local_tokens", 0)
 
     def next_host(self):
         source = self.loaders[(self.taken // self.block) % len(self.loaders)]
@@ -1405,12 +1398,8 @@ class PrefetchingPackedLoader:
     """The prefetcher (thread, pinned ring, copy stream) around a DocumentPackingLoader: cu_seqlens travel as
     the batch's aux; next_batch() gives (x, y, DocBounds)."""
 
-    def __init__(self, base, rt, h):
-        self.base = base
-        self.inner = PrefetchingDistributedTokenLoader(base.next_host, base.local_tokens, rt.device,
-                                                       h.train_prefetch_queue, threaded=rt.train_prefetch,
-                                                       copy_stream=rt.train_copy_stream, name="train",
-                                                       produce_position=base.position)
+    def __init__(self, base, inner):
+        self.base, self.inner = base, inner  # inner: the prefetcher of base.next_host's (tokens, starts)
 
     def next_batch(self):
         x, y, starts = self.inner.next()
@@ -1421,10 +1410,6 @@ class PrefetchingPackedLoader:
 
     def position(self):
         return self.inner.position()
-
-    @property
-    def rope_len(self):
-        return self.base.rope_len
 
     def shutdown(self):
         self.inner.shutdown()
@@ -3122,11 +3107,10 @@ def build_optimizers(h, model, ns_dtype=torch.bfloat16):
     adams = [torch.optim.AdamW([dict(params=params[k], lr=lr, base_lr=lr)], betas=(h.beta1, h.beta2), eps=h.adam_eps,
                                weight_decay=wd, fused=fused) for k, (opt, lr, wd) in settings.items()
              if opt == "adamw" and params[k]]
-    muon = Muon(params["matrix"], lr=h.matrix_lr, momentum=h.muon_momentum, backend_steps=h.muon_backend_steps,
-                weight_decay=h.muon_wd, ns_dtype=ns_dtype, ns_coeffs=h.muon_ns_coeffs,
-                row_normalize=h.muon_row_normalize, momentum_fp32=h.muon_momentum_fp32, ns_ca_first=h.muon_ns_ca_first)
-    for g in muon.param_groups:
-        g["base_lr"] = h.matrix_lr
+    muon = Muon([dict(params=params["matrix"], base_lr=h.matrix_lr)], lr=h.matrix_lr, momentum=h.muon_momentum,
+                backend_steps=h.muon_backend_steps, weight_decay=h.muon_wd, ns_dtype=ns_dtype,
+                ns_coeffs=h.muon_ns_coeffs, row_normalize=h.muon_row_normalize, momentum_fp32=h.muon_momentum_fp32,
+                ns_ca_first=h.muon_ns_ca_first)
     return muon, adams
 
 
@@ -3526,15 +3510,14 @@ def replay_schedule(h):
 def schedule_states(h, n):
     """The training state (layer loop on, cut length, QAT on) of each of n steps without a wallclock cap, decided as
     _train_loop decides: the loop from the step whose fraction reaches ENABLE_LOOPING_AT (from the start at 0), the
-    TRAIN_SEQ_LEN_SCHEDULE phase due, late QAT from the first step with LR scale below its threshold."""
+    TRAIN_SEQ_LEN_SCHEDULE phase due, late QAT from the first step with LR scale below its threshold (its Schedule)."""
     g = copy.copy(h)
     g.iterations, g.warmdown_iters, g.max_wallclock_seconds = n, rehearsal_warmdown(h, n), 0.0
-    looping, qat, states = g.num_loops > 0 and g.enable_looping_at == 0, g.qat_enabled, []
+    sched, states = Schedule(g), []
     for step in range(n):
-        looping = looping or (g.num_loops > 0 and step > 0 and training_fraction(g, step, 0.0) >= g.enable_looping_at)
-        cut = g.seq_len_phases[seq_len_phase(g, step, 0.0)][0] if g.seq_len_phases else g.train_seq_len
-        qat = qat or (g.late_qat_threshold > 0 and lr_multiplier(g, step, 0.0) < g.late_qat_threshold)
-        states.append((looping, cut, qat))
+        sched.before_step(step)
+        states.append((sched.looping, sched.seq_len, sched.qat_on))
+        sched.after_step(step + 1, 0.0)
     return states
 
 
@@ -3762,9 +3745,8 @@ class Trainer:
         # QAT flag)
         self.muon, self.adams = build_optimizers(self.h, model, rt.autocast_dtype or torch.float32)
         self.optimizers = [*self.adams, self.muon]
-        bank_ids = {id(p) for p in self.muon.param_groups[0]["params"]}
-        # Non-bank parameters are replicated and all-reduced (no DDP wrapper).
-        self.replicated = [p for p in model.parameters() if id(p) not in bank_ids]
+        groups = param_groups(model)  # all but Muon's "matrix" group: replicated and all-reduced (no DDP wrapper)
+        self.replicated = [p for name, p in model.named_parameters() if groups[name] != "matrix"]
         self.data_wait_ms = 0.0
         # MICRO_BATCH_SPLIT: each drawn micro-batch computed in this many pieces (0, auto: from 1, doubled on
         # out-of-memory during the warmup: grow_split)
@@ -3943,12 +3925,13 @@ def make_train_loader(rt, position=None):
         base.restore(position)
     if not (rt.train_prefetch or rt.train_copy_stream):
         return base
-    if h.train_loader == "packed":
-        return PrefetchingPackedLoader(base, rt, h)
-    return PrefetchingDistributedTokenLoader(lambda: (base.next_host(), None), h.train_seq_len, rt.device,
-                                             h.train_prefetch_queue, threaded=rt.train_prefetch,
-                                             copy_stream=rt.train_copy_stream, name="train",
-                                             produce_position=base.position)
+    packed = h.train_loader == "packed"  # its host batches carry their document starts; a row is local_tokens long
+    inner = PrefetchingDistributedTokenLoader(base.next_host if packed else lambda: (base.next_host(), None),
+                                              base.local_tokens if packed else h.train_seq_len, rt.device,
+                                              h.train_prefetch_queue, threaded=rt.train_prefetch,
+                                              copy_stream=rt.train_copy_stream, name="train",
+                                              produce_position=base.position)
+    return PrefetchingPackedLoader(base, inner) if packed else inner
 
 
 def make_calibration_loader(rt):
@@ -5079,10 +5062,8 @@ def dequantize_state_dict(w, meta, template, source):
                           f"(e.g. {extra[:2]}), {len(missing)} missing (e.g. {missing[:2]}); it has "
                           f"{count_blocks(meta)} blocks, NUM_LAYERS={count_blocks(template)}")
     out = {}
-    for name, ref in template.items():
-        info = meta.get(name)
-        if info is None:
-            raise ConfigError(f"{source}: artifact has no entry for {name} (other model settings?)")
+    for name, ref in template.items():  # every name has its entry (missing ones are refused above)
+        info = meta[name]
         t = w[name] if isinstance(info, str) else dequantize_entry(w, name, info)
         if tuple(t.shape) != tuple(ref.shape):
             raise ConfigError(f"{source}: {name} has shape {tuple(t.shape)}, the model expects {tuple(ref.shape)}")
@@ -5449,19 +5430,21 @@ def finish_loss_bpb(rt, sums):
 
 
 def eval_val_split(h, num_targets):
-    """(first, last) sequence of this rank, rows per batch, whole EVAL_SEQ_LEN sequences of eval_val."""
+    """This rank's batches of eval_val as (first sequence, rows; the last may have fewer), and the whole EVAL_SEQ_LEN
+    sequences of all ranks."""
     L = h.eval_seq_len
     batch_seqs = h.val_batch_size // (h.world_size * h.micro_steps) // L
     total = num_targets // L
-    return total * h.rank // h.world_size, total * (h.rank + 1) // h.world_size, batch_seqs, total
+    first, last = total * h.rank // h.world_size, total * (h.rank + 1) // h.world_size
+    return [(s, min(batch_seqs, last - s)) for s in range(first, last, batch_seqs)], total
 
 
 def eval_val_shapes(h, num_targets):
     """The (rows, length) of this rank's eval_val forwards: its batches (the last may be shorter) and, with
     EVAL_INCLUDE_TAIL on the last rank, the tail row."""
     L = h.eval_seq_len
-    first, last, batch_seqs, total = eval_val_split(h, num_targets)
-    shapes = {(min(batch_seqs, last - s), L) for s in range(first, last, batch_seqs)}
+    batches, total = eval_val_split(h, num_targets)
+    shapes = {(rows, L) for _, rows in batches}
     if h.eval_include_tail and h.rank == h.world_size - 1 and total * L < num_targets:
         shapes.add((1, num_targets - total * L))
     return sorted(shapes)
@@ -5470,17 +5453,16 @@ def eval_val_shapes(h, num_targets):
 def eval_val(rt, forward, val_tokens, luts):
     """SPEC 7 standard eval: contiguous EVAL_SEQ_LEN sequences split across ranks, through the prefetcher."""
     h, dev, L = rt.h, rt.device, rt.h.eval_seq_len
-    first, last, batch_seqs, total = eval_val_split(h, val_tokens.numel() - 1)
-    starts = iter(range(first, last, batch_seqs))
-    num_batches = len(range(first, last, batch_seqs))
+    batches, total = eval_val_split(h, val_tokens.numel() - 1)
+    starts, num_batches = iter(batches), len(batches)
     host_bytes = h.val_bytecount_device == "cpu" or luts.sidecar is not None
     tokens = val_tokens.numpy()
 
     def produce():
-        s = next(starts, None)
+        s, rows = next(starts, (None, 0))
         if s is None:
             return None
-        span = tokens[s * L:min(s + batch_seqs, last) * L + 1]
+        span = tokens[s * L:(s + rows) * L + 1]
         t = torch.from_numpy(span)
         pos = torch.arange(s * L + 1, s * L + span.size)
         nbytes = float(luts.target_bytes(t[:-1], t[1:], pos).sum()) if host_bytes else None
@@ -5983,17 +5965,18 @@ def lora_forward(rt, model, planned):
 
 
 @contextlib.contextmanager
-def frozen_weights(model):
-    """The model in eval mode with every weight's requires_grad off inside the block (LoRA TTT trains only its
-    adapters); each weight's flag is restored on leaving."""
+def weights_trainable(model, flag=None, drop_grads=False):
+    """Inside the block every weight's requires_grad is `flag` (None: as it is; False: frozen, LoRA TTT trains only its
+    adapters); on leaving each weight's flag is restored and, with drop_grads, its gradient dropped."""
     saved = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in saved:
-        p.requires_grad_(False)
-    model.eval()
+    for p, _ in saved if flag is not None else ():
+        p.requires_grad_(flag)
     try:
         yield
     finally:
         for p, requires in saved:
+            if drop_grads:
+                p.grad = None
             p.requires_grad_(requires)
 
 
@@ -6035,7 +6018,8 @@ def warm_lora_ttt(rt, model, forward, batch_sizes, costs=None):
     shapes = lora_warm_shapes(h, batch_sizes)
     g = torch.Generator().manual_seed(h.seed)
     timed, rows_ = {}, h.ttt_batch_size  # width -> (step, forward) seconds
-    with frozen_weights(model):
+    model.eval()
+    with weights_trainable(model, False):
         for rows, width in shapes:
             lora = LoRAAdapters(rows, model, h, g).to(rt.device)
             opt = lora_optimizer(h, lora, rt.device)
@@ -6069,7 +6053,6 @@ def global_sgd_row_seconds(rt, model, g):
     """The seconds of one EVAL_SEQ_LEN row of a global SGD phase (forward and backward of every weight, eager as the
     phases run), timed after one untimed row; gradients dropped, requires_grad and the mode restored."""
     h = rt.h
-    saved = [(p, p.requires_grad) for p in model.parameters()]
     x, y = (torch.randint(0, h.vocab_size, (1, h.eval_seq_len), generator=g).to(rt.device) for _ in range(2))
 
     def row():
@@ -6077,13 +6060,9 @@ def global_sgd_row_seconds(rt, model, g):
             model(x, y).backward()
 
     model.train()
-    for p, _ in saved:
-        p.requires_grad_(True)
-    row()
-    took = seconds(rt, row)
-    for p, requires in saved:
-        p.grad = None
-        p.requires_grad_(requires)
+    with weights_trainable(model, True, drop_grads=True):
+        row()
+        took = seconds(rt, row)
     model.eval()
     return took
 
@@ -6139,7 +6118,8 @@ def lora_ttt_sums(rt, model, val_tokens, luts, per_token=None, forward=None, til
     laps = Laps(rt) if meter.on else None
     phase_s = [0.0, 0]  # the phases' seconds and rows (this rank's), for the next phase's projection
     t0, done = time.perf_counter(), 0
-    with frozen_weights(model):
+    model.eval()
+    with weights_trainable(model, False):
         for phase, (lo, hi) in enumerate(segments):
             mine = lora_ttt_assignment(hi - lo, W)[h.rank]
             for r in range(-(-(hi - lo) // W)):  # rounds: every rank decides at each, with a batch or not
@@ -6316,16 +6296,14 @@ def global_sgd_phase(rt, model, tokens):
     """A phase's global SGD on all base weights (SPEC-FRONTIER 14, 18), with the chunked SGD TTT's pieces and
     settings: `tokens` (the scored docs, concatenated) in TTT_CHUNK_TOKENS chunks, all but the last trained with
     ttt_train_chunk (TTT_LR cosine over the chunks, TTT_MOMENTUM, TTT_EPOCHS, TTT_GRAD_CLIP, gradients averaged over
-    ranks, rows split at BOS with EVAL_SPLIT_AT_BOS); a new optimizer each phase. Weights frozen again after."""
+    ranks, rows split at BOS with EVAL_SPLIT_AT_BOS); a new optimizer each phase. requires_grad restored after (LoRA
+    TTT's: frozen)."""
     params = list(model.named_parameters())
-    for _, p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.SGD([p for _, p in params], lr=rt.h.ttt_lr, momentum=rt.h.ttt_momentum)
-    num_chunks = -(-(tokens.numel() - 1) // rt.h.ttt_chunk_tokens)
-    for ci in range(num_chunks - 1):
-        ttt_train_chunk(rt, model, model, opt, params, {}, tokens, ci, num_chunks)
-    for _, p in params:
-        p.requires_grad_(False)
+    with weights_trainable(model, True):
+        opt = torch.optim.SGD([p for _, p in params], lr=rt.h.ttt_lr, momentum=rt.h.ttt_momentum)
+        num_chunks = -(-(tokens.numel() - 1) // rt.h.ttt_chunk_tokens)
+        for ci in range(num_chunks - 1):
+            ttt_train_chunk(rt, model, model, opt, params, {}, tokens, ci, num_chunks)
     model.eval()
 
 
@@ -6577,10 +6555,8 @@ def project_training(h, ms):
     cap that binds is the training time, else ITERATIONS steps at the shares' ms."""
     if h.clock is not None:
         return project_replay(h, ms)
-    counts = {}
-    for key in (state_key(*st) for st in schedule_states(h, 1000)):
-        counts[key] = counts.get(key, 0) + 1
-    shares, mean = {k: c / 1000.0 for k, c in counts.items()}, sum(ms.values()) / len(ms)
+    keys = [state_key(*st) for st in schedule_states(h, 1000)]
+    shares, mean = {k: keys.count(k) / 1000.0 for k in dict.fromkeys(keys)}, sum(ms.values()) / len(ms)
     cap, iterations = h.real["max_wallclock_ms"], h.real["ITERATIONS"]
     steps = iterations
     if cap:
@@ -6839,13 +6815,10 @@ class Evaluation(NamedTuple):
 
 
 def eval_qat_states(rt):
-    """The QAT flags SGD TTT's training graphs are warmed with: those training can end with (QAT_ENABLED's, and on
-    with LATE_QAT_THRESHOLD), both with EVAL_ONLY (the artifact's flag is read inside the evaluation's clock). Eager
-    runs compile nothing: one."""
-    h = rt.h
-    if not compile_enabled(rt):
-        return [h.qat_enabled]
-    return [False, True] if h.eval_only else sorted({h.qat_enabled, h.qat_enabled or h.late_qat_threshold > 0})
+    """The QAT flags SGD TTT's training graphs are warmed with: those training can end with (qat_states: QAT_ENABLED's,
+    and on with LATE_QAT_THRESHOLD; eager runs compile nothing: one), both with EVAL_ONLY (the artifact's flag is read
+    inside the evaluation's clock)."""
+    return [False, True] if rt.h.eval_only and compile_enabled(rt) else qat_states(rt)
 
 
 def import_lazy_modules():
@@ -6911,9 +6884,8 @@ def scoring_projection(h, ev, val_tokens):
     c, L, out, num_targets = ev.costs, h.eval_seq_len, {}, val_tokens.numel() - 1
     plan = scored_evaluations(h)
     if "final_int6_roundtrip" in plan:
-        first, last, batch_seqs, total = eval_val_split(h, num_targets)
-        out["final_int6_roundtrip"] = sum(c.get(("val", (min(batch_seqs, last - s), L)), 0.0)
-                                          for s in range(first, last, batch_seqs))
+        batches = eval_val_split(h, num_targets)[0]
+        out["final_int6_roundtrip"] = sum(c.get(("val", (rows, L)), 0.0) for _, rows in batches)
     if "final_int6_sliding_window" in plan:
         mine = len(rank_slice(sliding_windows(num_targets, L, h.eval_stride), h))
         rows = eval_batch_rows(h, [mine])
@@ -7060,16 +7032,13 @@ def warm_evaluation(rt, model, forward, logits_fn, shapes, costs=None):
     for rows in shapes.score:
         call(("score", rows), lambda: score_call(rows))
     if shapes.ttt_score or shapes.train:
-        saved = [(p, p.requires_grad) for p in model.parameters()]
-        ttt_params(model, h)  # SGD TTT scores and trains with its frozen blocks' weights not trainable
-        for rows in shapes.ttt_score:
-            call(("score", rows), lambda: score_call(rows))
-        model.train()
-        for rows in shapes.train:
-            call(("train", rows), lambda: train_call(rows))
-        for p, requires in saved:
-            p.grad = None
-            p.requires_grad_(requires)
+        with weights_trainable(model, drop_grads=True):
+            ttt_params(model, h)  # SGD TTT scores and trains with its frozen blocks' weights not trainable
+            for rows in shapes.ttt_score:
+                call(("score", rows), lambda: score_call(rows))
+            model.train()
+            for rows in shapes.train:
+                call(("train", rows), lambda: train_call(rows))
     model.train(was_training)
     rt.sync()
 
@@ -7187,8 +7156,7 @@ def run(rt):
         read_shard_header(f)
     stage("building the model")
     model = rt.prepare_model(build_model(h))
-    skip = marked(model, "training_only")
-    only = sum(p.numel() for n, p in model.named_parameters() if skip.get(n))
+    only = model_param_counts(h)["training_only"]
     rt.log(f"model_params:{sum(p.numel() for p in model.parameters()) - only}" + (f" training_only:{only}" * (only > 0)))
     for line in optimizer_lines(h, model):
         rt.log(line)
