@@ -73,6 +73,10 @@ def check_preset_run(preset, nproc, data, tmp_path, tmp_path_factory, eager=True
     assert_preset_lines(preset, env, compiled)
     assert_compiled_as_planned(compiled, REGIONS)
     assert "compile:1" in compiled
+    # issue 53: a split other than the record's (RUN_SCALE's GRAD_ACCUM_STEPS=1) is said at the start; the record's not
+    split = (f"\ngrad_accum: GRAD_ACCUM_STEPS={env['GRAD_ACCUM_STEPS']} micro-batches a step, not the record's "
+             f"{8 // nproc}: " if "GRAD_ACCUM_STEPS" in env else "\ngrad_accum:")
+    assert (split in compiled) == ("GRAD_ACCUM_STEPS" in env), split
     if preset == "record_0323":
         assert "late_qat:enabled" in compiled and "qat:1" in compiled  # the QAT graph warmed before the timer
     if preset in ("record_0427", "record_0430", "record_0501"):
