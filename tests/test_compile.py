@@ -48,7 +48,8 @@ PRESET_ENV = {
     "record_0501": {**COMPILE_SCALE, **RUN_0501, "VAL_PREFETCH": "0"},
 }
 # record_0430's own code paths (progressive context with its LR re-warmup, TTT chunks by document length, AWQ-lite, the
-# scored tail) on another LoRA preset's run, which then stands for record_0430's on 2 processes (tests/test_compile_ranks.py)
+# scored tail) on another LoRA preset's run, which then stands for record_0430's on 2 processes
+# (tests/test_compile_ranks.py)
 WITH_0430 = {**RUN_0430, "TRAIN_SEQ_LEN_SCHEDULE": PRESET_ENV["record_0430"]["TRAIN_SEQ_LEN_SCHEDULE"], "AWQ_LITE": "1",
              "AWQ_LITE_BITS": "8", "AWQ_LITE_GROUP": "64", "AWQ_LITE_TOP_K": "1", "EVAL_INCLUDE_TAIL": "1"}
 REGIONS = ["training", "final_int6_roundtrip", "final_int6_sliding_window", "legal_ttt"]
