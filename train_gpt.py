@@ -665,8 +665,11 @@ class Hyperparameters:
     @property
     def grad_accum_steps(self):
         """Micro-batches per rank of REPLAY_WORLD_SIZE and step: GRAD_ACCUM_STEPS, else the record's 8 over the ranks."""
-        if self.grad_accum_override > 0:
-            return self.grad_accum_override
+        return self.grad_accum_override or self.record_grad_accum_steps
+
+    @property
+    def record_grad_accum_steps(self):
+        """The record's split: its 8 micro-batches a step over the ranks of REPLAY_WORLD_SIZE (at least 1 each)."""
         return 8 // self.replay_world_size if self.replay_world_size <= 8 else 1
 
     @property
@@ -7098,6 +7101,9 @@ def run(rt):
     rt.log(f"seed:{h.seed}")
     rt.log(f"device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps} "
            f"attention_backend:{backend} compile:{int(compile_enabled(rt))}")
+    if h.grad_accum_steps != h.record_grad_accum_steps:
+        rt.log(f"grad_accum: GRAD_ACCUM_STEPS={h.grad_accum_steps} micro-batches a step, not the record's "
+               f"{h.record_grad_accum_steps}: the same tokens a step, summed in another order")
     if h.train_loader == "packed":
         rt.log(f"attention_backend_packed:{varlen_backend_name()} (document-packed rows, SPEC-FRONTIER 3)")
     if h.smear_gate == 2 and not h.smear_gate_bos_fix:

@@ -12,6 +12,11 @@
 #   EMA_DECAY                   1 - 4/ITERATIONS, kept within [0.9, 0.997]   (0.98)
 # The EMA's averaging horizon 1/(1 - decay) is then a quarter of the run (50 steps at 200), where the
 # record's 0.997 (a 333-step horizon) would leave a short run's EMA close to its initial weights.
+#
+# GRAD_ACCUM_STEPS=1: the fewest micro-steps, the whole 16,384-token batch in one (a CPU's memory holds it many times
+# over). The record's 8 micro-steps a step (8 over the ranks) were for an H100's memory; the sample's step takes the
+# same tokens in one micro-batch, summed in another order, and the log's start says so (a `grad_accum:` line). The
+# default run and the presets keep the record's split: their faith to the records' scripts is at 8 micro-steps.
 export ITERATIONS="${ITERATIONS:-200}"
 if [[ ! "$ITERATIONS" =~ ^[0-9]{1,9}$ ]] || (( 10#$ITERATIONS < 1 )); then
   echo "scripts/sample_env.sh: ITERATIONS=$ITERATIONS must be a whole number of steps from 1 to 999999999" >&2
@@ -37,6 +42,7 @@ export NUM_LAYERS="${NUM_LAYERS:-6}" MODEL_DIM="${MODEL_DIM:-128}" NUM_HEADS="${
 export NUM_KV_HEADS="${NUM_KV_HEADS:-2}" VE_LAYERS="${VE_LAYERS:-4,5}" XSA_LAST_N="${XSA_LAST_N:-2}"
 export TRAIN_SEQ_LEN="${TRAIN_SEQ_LEN:-256}" EVAL_SEQ_LEN="${EVAL_SEQ_LEN:-256}"
 export TRAIN_BATCH_TOKENS="${TRAIN_BATCH_TOKENS:-16384}" VAL_BATCH_SIZE="${VAL_BATCH_SIZE:-16384}"
+export GRAD_ACCUM_STEPS="${GRAD_ACCUM_STEPS:-1}"
 export WARMUP_STEPS="${WARMUP_STEPS:-2}" MAX_WALLCLOCK_SECONDS="${MAX_WALLCLOCK_SECONDS:-0}"
 export WARMDOWN_ITERS="${WARMDOWN_ITERS:-$(( _sample_warmdown < 1 ? 1 : _sample_warmdown ))}"
 export MUON_MOMENTUM_WARMUP_STEPS="${MUON_MOMENTUM_WARMUP_STEPS:-$(( _sample_momentum < 1 ? 1 : _sample_momentum ))}"

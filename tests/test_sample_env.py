@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, config_error
 
 DERIVED = ("ITERATIONS", "WARMDOWN_ITERS", "MUON_MOMENTUM_WARMUP_STEPS", "VAL_LOSS_EVERY", "TRAIN_LOG_EVERY",
            "EMA_DECAY")
@@ -16,13 +16,13 @@ DERIVED = ("ITERATIONS", "WARMDOWN_ITERS", "MUON_MOMENTUM_WARMUP_STEPS", "VAL_LO
 SET_BY_SCRIPT = DERIVED + (
     "DATA_PATH", "TOKENIZER_PATH", "DEVICE", "NUM_LAYERS", "MODEL_DIM", "NUM_HEADS", "NUM_KV_HEADS",
     "VE_LAYERS", "XSA_LAST_N", "TRAIN_SEQ_LEN", "EVAL_SEQ_LEN", "TRAIN_BATCH_TOKENS", "VAL_BATCH_SIZE",
-    "WARMUP_STEPS", "MAX_WALLCLOCK_SECONDS", "TTT_CHUNK_TOKENS", "TTT_BATCH_SEQS")
+    "WARMUP_STEPS", "MAX_WALLCLOCK_SECONDS", "TTT_CHUNK_TOKENS", "TTT_BATCH_SEQS", "GRAD_ACCUM_STEPS")
 
 
-def source_env(**env: str) -> subprocess.CompletedProcess:
+def source_env(names=DERIVED, **env: str) -> subprocess.CompletedProcess:
     """Sources the script in bash, as sample_run.sh does (set -euo pipefail), and prints the derived values."""
     base = {k: v for k, v in os.environ.items() if k not in SET_BY_SCRIPT}
-    echo = " ".join(f'"${name}"' for name in DERIVED)
+    echo = " ".join(f'"${name}"' for name in names)
     return subprocess.run(["bash", "-c", f"set -euo pipefail; source scripts/sample_env.sh; echo {echo}"],
                           cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=10)
 
@@ -78,3 +78,37 @@ def test_helper_variables_do_not_leak():
                           capture_output=True, text=True, timeout=10)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ""
+
+
+def sample_settings(**env: str) -> dict[str, str]:
+    """Every variable the script sets, as a shell sourcing it sees them."""
+    proc = source_env(SET_BY_SCRIPT, **env)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    return dict(zip(SET_BY_SCRIPT, proc.stdout.split()))
+
+
+def test_the_sample_takes_one_micro_step_a_step():
+    """Issue 53: the sample's whole batch in one micro-step (the fewest: TRAIN_BATCH_TOKENS need only split into
+    sequences), where the record's split is 8 over the ranks; an explicit GRAD_ACCUM_STEPS wins. That a run's start
+    says so (a `grad_accum:` line), and a run at the record's split says nothing: tests/test_compile.py's
+    check_preset_run, on runs with and without GRAD_ACCUM_STEPS."""
+    import train_gpt as tg
+
+    sample = sample_settings()
+    assert sample["GRAD_ACCUM_STEPS"] == "1" and sample_settings(GRAD_ACCUM_STEPS="8")["GRAD_ACCUM_STEPS"] == "8"
+    h = tg.Hyperparameters(sample)
+    assert (h.grad_accum_steps, h.record_grad_accum_steps, h.micro_steps) == (1, 8, 1)
+    assert h.local_tokens == h.train_batch_tokens == 16384
+    assert tg.Hyperparameters({**sample, "GRAD_ACCUM_STEPS": "0"}).grad_accum_steps == 8  # 0: the record's split
+    assert tg.Hyperparameters({**sample, "GRAD_ACCUM_STEPS": "0", "WORLD_SIZE": "2"}).grad_accum_steps == 4
+    assert tg.Hyperparameters({}).grad_accum_steps == 8  # the default run keeps the record's
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("-1", "GRAD_ACCUM_STEPS=-1 must be >= 0"),
+    ("x", "GRAD_ACCUM_STEPS='x' is not a valid int"),
+    ("1.5", "GRAD_ACCUM_STEPS='1.5' is not a valid int"),
+    ("3", "TRAIN_BATCH_TOKENS=16384 must split into whole sequences of TRAIN_SEQ_LEN=256 per rank and micro-step"),
+])
+def test_a_bad_grad_accum_steps_is_one_line(value, fragment):
+    assert fragment in config_error({**sample_settings(), "GRAD_ACCUM_STEPS": value})

@@ -160,9 +160,10 @@ def test_newton_schulz_follows_the_precision(autocast, ns):
 @pytest.mark.real_command
 def test_run_logs_precision_and_threads(tmp_path, sample_data):
     """A real `python3 train_gpt.py` without OMP_NUM_THREADS (no zygote may serve it: tests/launcher.py) chooses
-    one thread per core and logs it; 4,097 val tokens keep its evaluation short."""
-    data = short_val_data(sample_data, tmp_path, 4097)
-    env = {**TINY_ENV, **data, "ITERATIONS": "1", "TTT_ENABLED": "0", "EVAL_STRIDE": "0",
+    one thread per core and logs it; 257 val tokens (two sequences) and one sequence a micro-step keep its work short
+    (issue 53: the lines asserted come before any work)."""
+    data = short_val_data(sample_data, tmp_path, 2 * 128 + 1)
+    env = {**TINY_ENV, **data, "ITERATIONS": "1", "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "TRAIN_BATCH_TOKENS": "1024",
            "AUTOCAST_DTYPE": "fp32", "RUN_ID": "prec"}
     env.pop("OMP_NUM_THREADS", None)
     full = {k: v for k, v in clean_environ().items() if k != "OMP_NUM_THREADS"}
