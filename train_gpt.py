@@ -2886,26 +2886,27 @@ def artifact_state_dict(model):
     return state
 
 
-def model_params(h):
-    """(name, shape, bytes per element, optimizer group, training-only) of each of GPT(h)'s parameters, read from the
-    model built on the meta device (no memory, no numbers: absurd sizes are refused before any allocation)."""
-    # its draws skipped: normal_ on meta tensors takes a second the first time (torch loads its reference decompositions)
-    normal_, nn.init.normal_ = nn.init.normal_, lambda t, *a, **k: t
-    try:
-        with torch.device("meta"):
-            model = GPT(h)
-    finally:
-        nn.init.normal_ = normal_
+def model_params(h, model=None):
+    """(name, shape, bytes per element, optimizer group, training-only) of each of GPT(h)'s parameters, read from
+    `model` when it is built, else from the model built on the meta device (no memory, no numbers: absurd sizes are
+    refused before any allocation)."""
+    if model is None:  # its draws skipped: normal_ on meta tensors takes a second the first time (torch loads its
+        normal_, nn.init.normal_ = nn.init.normal_, lambda t, *a, **k: t  # reference decompositions)
+        try:
+            with torch.device("meta"):
+                model = GPT(h)
+        finally:
+            nn.init.normal_ = normal_
     groups, skip = param_groups(model), marked(model, "training_only")
     return [(n, p.shape, 2 if n in EMBEDDING_NAMES else 4, groups[n], bool(skip.get(n)))
             for n, p in model.named_parameters()]
 
 
-def model_param_counts(h):
-    """GPT(h)'s parameter counts (model_params): "banks" (Muon's), "embeddings" (bf16 tables), "other" (fp32 rest),
-    and apart from them "training_only" (the training-only pieces', not in the artifact)."""
+def model_param_counts(h, model=None):
+    """GPT(h)'s parameter counts (model_params, of `model` when built): "banks" (Muon's), "embeddings" (bf16 tables),
+    "other" (fp32 rest), and apart from them "training_only" (the training-only pieces', not in the artifact)."""
     counts = dict.fromkeys(("banks", "embeddings", "other", "training_only"), 0)
-    for name, shape, size, group, only in model_params(h):
+    for name, shape, size, group, only in model_params(h, model):
         kind = "training_only" if only else "banks" if group == "matrix" else "embeddings" if size == 2 else "other"
         counts[kind] += shape.numel()
     return counts
@@ -6247,20 +6248,19 @@ def prefix_phase_rows(h, queue_, prefixes):
         segs += alive
         lo = np.where(alive, hi, lo)
     segs += (lo < nb) | (segs == 0)
-    rows = np.zeros(P.shape, dtype=np.int64)
+    rows, batch_tokens = np.zeros(P.shape, dtype=np.int64), np.array([c[-1] for c in lens])
     for k, (bound, hi) in enumerate(zip(bounds, ends)):
         runs = (k < segs - 1) & (hi > 0)
         for width in np.unique(hi[runs]):  # the scored batches' docs in batch-index order: counts, then tokens
-            pick = runs & (hi == width)
-            scored = np.isin(order, np.arange(width))
+            pick, scored = runs & (hi == width), order < width  # scored: the queue's first `width` batches
             count = np.cumsum(np.where(scored, sizes[order], 0))
-            tokens = np.cumsum(np.where(scored, [c[-1] for c in lens], 0))
+            tokens = np.cumsum(np.where(scored, batch_tokens, 0))
             b = bound[pick]
             j = np.searchsorted(count, b, side="left")  # the batch (in index order) holding doc b
             before = np.where(j > 0, count[np.maximum(j - 1, 0)], 0)
             t = np.where(j > 0, tokens[np.maximum(j - 1, 0)], 0) + np.array(
                 [lens[jj][bb - cc] for jj, bb, cc in zip(j, b, before)])
-            rows[pick] += h.ttt_epochs * -(-(t - 1) // (h.eval_seq_len * h.world_size))
+            rows[pick] += phase_rows(h, t)
     return rows
 
 
@@ -6537,8 +6537,7 @@ def stale_outputs(h):
     """OVERWRITE_RUN=1: the finished run's files in runs/$RUN_ID: its raw model and artifact, and its rehearsal's
     preflight.json when no newer than its artifact (a rehearsal made since, for this run, stays)."""
     out = [name for name in artifact_files(h) if os.path.exists(name)]
-    report = os.path.join(h.run_dir, "preflight.json")
-    done = artifact_files(h)[1]
+    report, done = os.path.join(h.run_dir, "preflight.json"), artifact_files(h)[1]
     if os.path.exists(report) and os.path.exists(done) and os.path.getmtime(report) <= os.path.getmtime(done):
         out.append(report)
     return out
@@ -7162,7 +7161,7 @@ def run(rt):
         read_shard_header(f)
     stage("building the model")
     model = rt.prepare_model(build_model(h))
-    only = model_param_counts(h)["training_only"]
+    only = model_param_counts(h, model)["training_only"]  # (the model just built: no second build on meta)
     rt.log(f"model_params:{sum(p.numel() for p in model.parameters()) - only}" + (f" training_only:{only}" * (only > 0)))
     for line in optimizer_lines(h, model):
         rt.log(line)
