@@ -1062,11 +1062,8 @@ class ShardReader:
 
 
 def load_shard(path):
-    reader = ShardReader(path)
-    try:
+    with contextlib.closing(ShardReader(path)) as reader:
         return reader.read(0, reader.num_tokens)
-    finally:
-        reader.close()
 
 
 def list_shards(pattern):
@@ -1317,15 +1314,12 @@ class DocumentPackingLoader(_HostLoader):
 
     @staticmethod
     def _first_bos(path, block=1 << 16):
-        reader = ShardReader(path)
-        try:
+        with contextlib.closing(ShardReader(path)) as reader:
             for start in range(0, reader.num_tokens, block):
                 hits = np.flatnonzero(reader.read(start, min(block, reader.num_tokens - start)) == BOS_ID)
                 if hits.size:
                     return start + int(hits[0])
             return None
-        finally:
-            reader.close()
 
     def _next_shard(self):
         nxt = (self.file_idx + 1) % len(self.files)
