@@ -1276,11 +1276,11 @@ def small_to_device(array, device):
 
 
 def eval_doc_bounds(rt, rows):
-    """DocBounds of eval rows (host tensor or array, (B, T)) on the device when EVAL_SPLIT_AT_BOS, else None."""
+    """A forward's extra arguments on eval rows (host tensor or array, (B, T)): (DocBounds,) with EVAL_SPLIT_AT_BOS."""
     if not rt.h.eval_split_at_bos:
-        return None
+        return ()
     rows = np.asarray(rows)
-    return DocBounds(small_to_device(rows_cu_seqlens(rows), rt.device), rows.shape[1])
+    return (DocBounds(small_to_device(rows_cu_seqlens(rows), rt.device), rows.shape[1]),)
 
 
 class DocumentPackingLoader(_HostLoader):
@@ -5500,7 +5500,7 @@ def score_tail(rt, forward, val_tokens, start, luts):
     x, y = (t[None].to(rt.device).to(torch.int64) for t in (span[:-1], span[1:]))
     docs = eval_doc_bounds(rt, span[None, :-1].numpy())
     with rt.autocast():
-        loss = forward(x, y, *(() if docs is None else (docs,))).detach()
+        loss = forward(x, y, *docs).detach()
     nbytes = luts.target_bytes(span[:-1], span[1:], torch.arange(start + 1, start + span.numel())).sum()
     return torch.stack([loss.double() * y.numel(), torch.tensor(float(y.numel()), dtype=torch.float64,
                                                                    device=loss.device), nbytes.to(loss.device)])
@@ -5546,7 +5546,7 @@ def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_toke
         mask_d = mask.to(dev)
         docs = eval_doc_bounds(rt, spans[:, :-1])
         with rt.autocast():
-            logits = logits_fn(x) if docs is None else logits_fn(x, docs)
+            logits = logits_fn(x, *docs)
         target_pos = rows[:, :1] + positions[None, :] + 1
         _, nll = token_scores(logits, y, tilt, target_pos - 1, mask)
         scored = nll.double()[mask_d]
@@ -5843,7 +5843,7 @@ def ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ch
         x, y = host_to_device(val_tokens[lo:hi], L, rt.device)
         docs = eval_doc_bounds(rt, val_tokens[lo:hi - 1].view(-1, L))
         with rt.autocast():
-            loss = (loss_fn(x, y) if docs is None else loss_fn(x, y, docs)) * (len(mine) / (e - b))
+            loss = loss_fn(x, y, *docs) * (len(mine) / (e - b))
         loss.backward()
     for name, p in params:
         if p.grad is None:
@@ -6993,10 +6993,6 @@ def warm_evaluation(rt, model, forward, logits_fn, shapes, costs=None):
     def tokens(*shape):
         return torch.randint(0, h.vocab_size, shape, generator=g, dtype=torch.int32)
 
-    def docs_of(x):
-        docs = eval_doc_bounds(rt, x.cpu().numpy())
-        return () if docs is None else (docs,)
-
     def call(key, fn):
         fn()
         if costs is not None:
@@ -7009,17 +7005,17 @@ def warm_evaluation(rt, model, forward, logits_fn, shapes, costs=None):
             if width != L:  # score_tail: one shorter row, made inside
                 span = tokens(width + 1).long()
                 x, y = (t[None].to(dev) for t in (span[:-1], span[1:]))
-            forward(x, y, *docs_of(x))
+            forward(x, y, *eval_doc_bounds(rt, x.cpu().numpy()))
 
     def score_call(rows):  # score_windows: (rows, L + 1) windows cut into views
         with torch.inference_mode(), rt.autocast():
             x, _ = cut_batch(tokens(rows, L + 1).to(dev).to(torch.int64), L)
-            logits_fn(x, *docs_of(x))
+            logits_fn(x, *eval_doc_bounds(rt, x.cpu().numpy()))
 
     def train_call(rows):  # ttt_train_batch
         x, y = host_to_device(tokens(rows * L + 1), L, dev)
         with rt.autocast():
-            forward(x, y, *docs_of(x)).backward()
+            forward(x, y, *eval_doc_bounds(rt, x.cpu().numpy())).backward()
 
     was_training = model.training
     model.eval()
