@@ -2994,12 +2994,10 @@ class Muon(torch.optim.Optimizer):
     def reduced_bank_grads(self):
         """This rank's shards of the bank gradients averaged over ranks (waits for the reduce-scatters);
         one process: the gradients themselves."""
-        if self._meta is None:
-            self._build()
+        if self._pending is None:
+            self.launch_reduce_scatters()  # (builds the banks' metadata first; one process: nothing to launch)
         if self._ws == 1:
             return [m["p"].grad for m in self._meta]
-        if self._pending is None:
-            self.launch_reduce_scatters()
         for handle in self._pending:
             if handle is not None:
                 handle.wait()
