@@ -5916,9 +5916,9 @@ def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_toke
     forward = forward or model.forward_logits
     L = h.ttt_eval_seq_len or h.eval_seq_len
     num_chunks = torch.tensor([-(-(n - 1) // C) for _, n in batch])
+    mark = laps.mark if laps is not None else (lambda kind: None)
     for ci in range(int(num_chunks.max())):
-        if laps is not None:
-            laps.mark(None)
+        mark(None)
         starts, lens, offs, counts, width, train_off = lora_ttt_chunk(batch, ci, C, L)
         cols = torch.arange(width + 1)
         span = val_tokens[(starts[:, None] + cols).clamp_(max=val_tokens.numel() - 1)].long()
@@ -5936,15 +5936,13 @@ def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_toke
             sums[2] += float(luts.target_bytes(x[scored], y[scored], target_pos[scored]).sum())
             if per_token is not None:
                 per_token[target_pos[scored]] = score[scored_d].double().cpu()
-        if laps is not None:
-            laps.mark("score")
+        mark("score")
         train = (num_chunks - 1 > ci).to(dev, torch.float32)
         if adapt and bool(train.any()):
             opt.zero_grad(set_to_none=True)
             (nll[:, train_off:train_off + C].mean(dim=-1) * train).sum().backward()
             opt.step()
-        if laps is not None:
-            laps.mark("step")
+        mark("step")
 
 
 def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None, forward=None, tilt=None, budget=None):
