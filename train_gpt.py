@@ -5801,12 +5801,9 @@ def ttt_params(model, h):
     """SGD TTT's trained weights, (name, parameter): all but the first TTT_FREEZE_BLOCKS blocks' (requires_grad set
     accordingly on every weight)."""
     frozen_prefixes = tuple(f"blocks.{i}." for i in range(h.ttt_freeze_blocks))
-    params = []
     for name, p in model.named_parameters():
         p.requires_grad_(not name.startswith(frozen_prefixes))
-        if p.requires_grad:
-            params.append((name, p))
-    return params
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 def ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, tokens, ci, num_chunks):
