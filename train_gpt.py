@@ -779,7 +779,7 @@ class Hyperparameters:
                  "TTT_LORA_RANK TTT_CHUNK_SIZE TTT_BATCH_SIZE TTT_LORA_LR PHASED_TTT_NUM_PHASES TTT_LOCAL_LR_MULT",
                  lambda v: v > 0, "> 0"),
                 ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM ENABLE_LOOPING_AT "
-                 "WARMDOWN_FRAC MIN_LR", lambda v: 0 <= v < 1, "in [0, 1)")):
+                 "WARMDOWN_FRAC MIN_LR TTT_BETA1 TTT_BETA2", lambda v: 0 <= v < 1, "in [0, 1)")):
             for name in names.split():
                 v = getattr(self, self._attr(name))
                 need(ok(v), f"{name}={v} must be {rule}")
@@ -790,7 +790,8 @@ class Hyperparameters:
                               ("SMEAR_GATE", (0, 1, 2)), ("ATTN_GATE", ("none", "sparse", "output", "dense")),
                               ("PARALLEL_MODE", ("gptj", "lanes")), ("GRAD_CLIP_SCOPE", ("local", "reduced")),
                               ("ATTENTION_BACKEND", ("auto", *ATTENTION_MODULES, TORCH_VARLEN)),
-                              ("LQER_FACTOR_BITS", (2, 3, 4, 5, 6, 7, 8)), ("AWQ_LITE_BITS", (7, 8))):
+                              ("LQER_FACTOR_BITS", (2, 3, 4, 5, 6, 7, 8)), ("AWQ_LITE_BITS", (7, 8)),
+                              ("TTT_MODE", ("sgd", "lora"))):
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
         if self.train_seq_len_schedule:
@@ -900,7 +901,6 @@ class Hyperparameters:
              "rank's next training batches calibrate, as many from each")
         need(self.eval_stride <= self.eval_seq_len,
              f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
-        need(self.ttt_mode in ("sgd", "lora"), f"TTT_MODE={self.ttt_mode!r} must be sgd or lora")
         need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0 "
              "or auto")
         need(self.phased_ttt_prefix_docs_max >= 0, f"PHASED_TTT_PREFIX_DOCS_MAX={self.phased_ttt_prefix_docs_max} must "
@@ -913,7 +913,6 @@ class Hyperparameters:
             need(self.eval_ttt_stop_at < 0, "PHASED_TTT_PREFIX_DOCS=auto reads the clock; with EVAL_TTT_STOP_AT, which "
                  "reads none, give the prefix as a number (a stop line names the prefix its run chose)")
         need(self.ttt_eval_seq_len >= 0, f"TTT_EVAL_SEQ_LEN={self.ttt_eval_seq_len} must be >= 0 (0: EVAL_SEQ_LEN)")
-        need(0 <= self.ttt_beta1 < 1 and 0 <= self.ttt_beta2 < 1, "TTT_BETA1 and TTT_BETA2 must be in [0, 1)")
         need(self.ttt_lora_alpha > 0, f"TTT_LORA_ALPHA={self.ttt_lora_alpha:g} must be > 0 (the LoRA output scale is "
              "alpha / rank)")
         need(self.ttt_weight_decay >= 0, f"TTT_WEIGHT_DECAY={self.ttt_weight_decay:g} must be >= 0")
