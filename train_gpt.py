@@ -6529,9 +6529,9 @@ def stale_outputs(h):
     return out
 
 
-def merge_shapes(a, b):
-    """Two EvalShapes as one: every shape of either (PREFLIGHT=1 warms the whole val set's and its slice's)."""
-    return EvalShapes(*(sorted(set(x) | set(y)) for x, y in zip(a, b)))
+def merge_shapes(*shapes):
+    """EvalShapes as one: every shape of any (PREFLIGHT=1 warms the whole val set's and its slice's)."""
+    return EvalShapes(*(sorted(set().union(*x)) for x in zip(*shapes)))
 
 
 def project_training(h, ms):
@@ -6837,9 +6837,7 @@ def prepare_evaluation(rt, val_tokens):
         model = rt.prepare_model(build_model(h))
         model.looping = h.num_loops > 0  # a looped model is evaluated looped (SPEC-FRONTIER 4)
         streams = [val_tokens] if pf is None else [val_tokens, pf.full_val]  # PREFLIGHT=1: the real run's shapes too
-        shapes = evaluation_shapes(h, val_tokens.numel() - 1)
-        for v in streams[1:]:
-            shapes = merge_shapes(shapes, evaluation_shapes(h, v.numel() - 1))
+        shapes = merge_shapes(*(evaluation_shapes(h, v.numel() - 1) for v in streams))
         sizes = [len(b) for v in streams for _, b in lora_ttt_queue(lora_ttt_documents(v), h.ttt_batch_size)] if lora else []
         qats = eval_qat_states(rt)  # (only SGD TTT's training graphs depend on the flag: eval mode never reads it)
         forward = compile_fn(rt, "eval_forward", model, model.graph_state, len(shapes.val) + len(qats) * len(shapes.train))
