@@ -869,6 +869,7 @@ class Hyperparameters:
         need(self.replay_world_size % self.world_size == 0, f"REPLAY_WORLD_SIZE={self.replay_world_size} must be a "
              f"multiple of WORLD_SIZE={self.world_size} (each rank stands for as many virtual ranks)")
         ranks = ("REPLAY_WORLD_SIZE", self.replay_world_size) if self.virtual_ranks > 1 else ("WORLD_SIZE", self.world_size)
+        split = f"({ranks[0].lower()} {ranks[1]} x grad_accum {self.grad_accum_steps})"
         if self.grad_accum_override == 0 and self.replay_world_size <= 8:
             need(8 % self.replay_world_size == 0,
                  f"{ranks[0]}={ranks[1]} must divide 8 (the record splits 8 micro-batches over ranks); "
@@ -876,14 +877,12 @@ class Hyperparameters:
         micro = self.replay_world_size * self.grad_accum_steps
         need(self.train_batch_tokens % (micro * self.train_seq_len) == 0,
              f"TRAIN_BATCH_TOKENS={self.train_batch_tokens} must split into whole sequences of "
-             f"TRAIN_SEQ_LEN={self.train_seq_len} per rank and micro-step "
-             f"({ranks[0].lower()} {ranks[1]} x grad_accum {self.grad_accum_steps})")
-        need(self.val_batch_size // micro >= self.eval_seq_len,
-             f"VAL_BATCH_SIZE={self.val_batch_size} gives less than one sequence of EVAL_SEQ_LEN={self.eval_seq_len} "
-             f"per rank and micro-step ({ranks[0].lower()} {ranks[1]} x grad_accum {self.grad_accum_steps})")
+             f"TRAIN_SEQ_LEN={self.train_seq_len} per rank and micro-step {split}")
+        need(self.val_batch_size // micro >= self.eval_seq_len, f"VAL_BATCH_SIZE={self.val_batch_size} gives less than "
+             f"one sequence of EVAL_SEQ_LEN={self.eval_seq_len} per rank and micro-step {split}")
         need(self.train_loader != "packed" or self.split_limit > 0,
              f"TRAIN_BATCH_TOKENS={self.train_batch_tokens} gives each packed micro-batch {self.local_tokens} tokens "
-             f"({ranks[0].lower()} {ranks[1]} x grad_accum {self.grad_accum_steps}), fewer than the longest training "
+             f"{split}, fewer than the longest training "
              f"context, {self.longest_train_seq_len} (TRAIN_SEQ_LEN_SCHEDULE, else TRAIN_SEQ_LEN): raise "
              f"TRAIN_BATCH_TOKENS to {micro * self.longest_train_seq_len} or shorten the context")
         need(self.micro_batch_split != 0 or self.warmup_steps > 0, "MICRO_BATCH_SPLIT=0 (auto) is found in the warmup "
