@@ -3147,6 +3147,7 @@ class Runtime:
     def log(self, msg, console=True):
         if not self.is_main:
             return
+        msg = msg if isinstance(msg, str) else "\n".join(msg)  # a list of lines (never empty): each on its own
         if console:
             print(msg, flush=True)
         if self.log_path is not None:
@@ -3365,9 +3366,8 @@ def setup_runtime(h, resume=None):
 
 def log_environment(rt):
     """The log starts with this script's source, then versions and the GPU listing (SPEC 5)."""
-    for msg in (Path(__file__).read_text(encoding="utf-8"), "=" * 100, f"Running Python {sys.version}",
-                f"Running PyTorch {torch.__version__}"):
-        rt.log(msg, console=False)
+    rt.log([Path(__file__).read_text(encoding="utf-8"), "=" * 100, f"Running Python {sys.version}",
+            f"Running PyTorch {torch.__version__}"], console=False)
     if rt.device.type == "cuda":
         rt.log(subprocess.run(["nvidia-smi"], capture_output=True, text=True, check=False).stdout, console=False)
     else:
@@ -6706,8 +6706,7 @@ class Preflight:
                                "cap_bytes": SIZE_CAP_BYTES}
         rep["problems"] = problems = self.problems(rep, error)
         rep["verdict"] = "preflight: ready" if not problems else f"preflight: NOT READY: {problems[0]}"
-        for line in self.lines(rep):
-            rt.log(line)
+        rt.log(self.lines(rep))
         if rt.is_main:
             write_atomically(os.path.join(h.run_dir, "preflight.json"), (json.dumps(rep, indent=1) + "\n").encode())
             for name in artifact_files(h):
@@ -7055,8 +7054,7 @@ def write_outputs(rt, model, late_qat, hessians):
     rt.log(f"Serialized model: {os.path.getsize(raw)} bytes")
     code = code_bytes()
     size = save_artifact(artifact, model, late_qat, rt.h, hessians, code, rt.log)
-    for line in size_report(size, code, rt.h.compressor):
-        rt.log(line)
+    rt.log(size_report(size, code, rt.h.compressor))
     if _PREFLIGHT[0] is not None:
         _PREFLIGHT[0].artifact = (size, code)
 
@@ -7074,8 +7072,7 @@ def run(rt):
     backend = select_attention_backend(rt.device, h.attention_backend)
     overrides = [name for name in PRESETS[h.preset] if h.effective[name][1] == "env"]
     rt.log(f"preset:{h.preset}" + (f" overridden_by_env:{','.join(overrides)}" if overrides else ""))
-    for line in h.dump():
-        rt.log(line, console=False)
+    rt.log(h.dump(), console=False)
     rt.log(f"seed:{h.seed}")
     rt.log(f"device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps} "
            f"attention_backend:{backend} compile:{int(compile_enabled(rt))}")
@@ -7088,8 +7085,7 @@ def run(rt):
         rt.log("smear_gate: v2 without its BOS mask (SMEAR_GATE_BOS_FIX=0, as #2135 ran): each BOS position mixes in "
                "the token before it, across documents in packed rows")
     rt.log(f"precision: {rt.precision_note}")
-    for line in select_fused_kernels(h, rt.device, rt.autocast_dtype or torch.float32):
-        rt.log(line)
+    rt.log(select_fused_kernels(h, rt.device, rt.autocast_dtype or torch.float32))
     if rt.device.type == "cpu":
         rt.log(f"cpu_threads: {rt.threads_note}")
         rt.log("cpu: FlashAttention and CUDA copy streams need CUDA; torch.compile is off unless COMPILE=1")
@@ -7142,8 +7138,7 @@ def run(rt):
     model = rt.prepare_model(build_model(h))
     only = model_param_counts(h, model)["training_only"]  # (the model just built: no second build on meta)
     rt.log(f"model_params:{sum(p.numel() for p in model.parameters()) - only}" + (f" training_only:{only}" * (only > 0)))
-    for line in optimizer_lines(h, model):
-        rt.log(line)
+    rt.log(optimizer_lines(h, model))
     if h.num_loops > 0:
         (enc, dec), (loop_enc, loop_dec) = model.orders[False], model.orders[True]
         rt.log(f"layer_loop: encoder:{enc} decoder:{dec}, looped from ENABLE_LOOPING_AT={h.enable_looping_at:g}: "
