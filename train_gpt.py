@@ -5688,12 +5688,6 @@ class TTTMeter:
         acc[0] += secs
         acc[1] += units
 
-    def scoring(self, i):
-        return self.timed(self.scored, self.units[i])
-
-    def adapting(self, units):
-        return self.timed(self.adapted, units)
-
     @staticmethod
     def rate(acc, fallback):
         return acc[0] / acc[1] if acc[1] else fallback
@@ -5757,7 +5751,7 @@ def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None, ti
     t0 = time.perf_counter()
     for ci in range(num_chunks):
         model.eval()
-        with meter.scoring(ci), torch.inference_mode():
+        with meter.timed(meter.scored, meter.units[ci]), torch.inference_mode():
             sums += score_windows(rt, logits_fn, val_tokens, rank_slice(chunk_windows[ci], h), luts, batch_rows,
                                   per_token, tilt)
         if ci == num_chunks - 1 or h.ttt_epochs == 0:
@@ -5765,7 +5759,7 @@ def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None, ti
         rows = h.ttt_epochs * sum(len(rank_slice(range(b, e), h)) for b, e in ttt_chunk_batches(h, ci, val_tokens.numel() - 1))
         if not meter.adapt(f"chunk {ci + 1}/{num_chunks}", rows, ci + 1):
             continue
-        with meter.adapting(rows):
+        with meter.timed(meter.adapted, rows):
             lr = ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ci, num_chunks)
         if rt.is_main and (ci % 10 == 0 or ci == num_chunks - 2):
             rt.log(f"ttt_progress chunk:{ci + 1}/{num_chunks} lr:{lr:.6f} elapsed:{time.perf_counter() - t0:.1f}s")
