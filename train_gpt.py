@@ -3591,8 +3591,6 @@ class CompiledFunction:
         self.graphs, self.compile_s, self.eager_calls = 0, 0.0, 0
         self.region_graphs, self.region_eager, self.region_calls = {}, {}, {}
         self.keys, self.logged = set(), set()
-        if isinstance(fn, nn.Module):
-            self._orig_mod = fn  # what set_train_mode switches
         self.compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True, backend=self._backend)
         rt.compiled.append(self)
         # Dynamo's per-code-object limit (default 8) from the plan: functions of one model share code objects
@@ -3656,10 +3654,6 @@ class CompiledFunction:
             self.rt.sync()
             self.compile_s += time.perf_counter() - t0
         return out
-
-    @property
-    def training(self):
-        return getattr(self.fn, "training", True)
 
     def summary(self):
         """The log line: graphs compiled against the plan, compile seconds, eager calls."""
@@ -5466,8 +5460,9 @@ def eval_val(rt, forward, val_tokens, luts):
                                                copy_stream=rt.val_copy_stream, name="val")
     luts_d = None if host_bytes else luts.to(dev)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
-    was_training = getattr(forward, "training", True)
-    set_train_mode(forward, False)
+    module = getattr(forward, "fn", forward)  # the model (a CompiledFunction's own)
+    was_training = module.training
+    module.eval()
     every, t0 = h.val_progress_log_every, time.perf_counter()
     try:
         with torch.inference_mode():
@@ -5485,7 +5480,7 @@ def eval_val(rt, forward, val_tokens, luts):
                 sums += score_tail(rt, forward, val_tokens, total * L, luts)
     finally:
         loader.shutdown()
-    set_train_mode(forward, was_training)
+    module.train(was_training)
     return finish_loss_bpb(rt, sums)
 
 
@@ -5500,12 +5495,6 @@ def score_tail(rt, forward, val_tokens, start, luts):
     nbytes = luts.target_bytes(span[:-1], span[1:], torch.arange(start + 1, start + span.numel())).sum()
     return torch.stack([loss.double() * y.numel(), torch.tensor(float(y.numel()), dtype=torch.float64,
                                                                    device=loss.device), nbytes.to(loss.device)])
-
-
-def set_train_mode(module_or_compiled, mode):
-    target = getattr(module_or_compiled, "_orig_mod", module_or_compiled)
-    if isinstance(target, nn.Module):
-        target.train(mode)
 
 
 def sliding_windows(num_targets, seq_len, stride):
