@@ -1525,14 +1525,11 @@ class PrefetchingDistributedTokenLoader:
         self._ring[idx][1] = event
         return wide, aux, event, pos
 
+    @torch.inference_mode(False)
     def next(self):
         """(x, y, aux) of the next batch; raises StopIteration at the end of a finite source. The tokens are
         ordinary tensors even when called inside inference mode (evaluation), whichever thread made them: the
         compiled graphs guard on it, and the evaluation's warmup makes its tokens outside inference mode too."""
-        with torch.inference_mode(False):
-            return self._next()
-
-    def _next(self):
         current = self._pending if self._pending is not None else self._copy(self._take())
         self._pending = None
         if isinstance(current, _WorkerFailure):
