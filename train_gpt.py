@@ -779,7 +779,7 @@ class Hyperparameters:
                  "TTT_LORA_RANK TTT_CHUNK_SIZE TTT_BATCH_SIZE TTT_LORA_LR PHASED_TTT_NUM_PHASES TTT_LOCAL_LR_MULT",
                  lambda v: v > 0, "> 0"),
                 ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM ENABLE_LOOPING_AT "
-                 "WARMDOWN_FRAC MIN_LR", lambda v: 0 <= v < 1, "in [0, 1)")):
+                 "WARMDOWN_FRAC MIN_LR TTT_BETA1 TTT_BETA2", lambda v: 0 <= v < 1, "in [0, 1)")):
             for name in names.split():
                 v = getattr(self, self._attr(name))
                 need(ok(v), f"{name}={v} must be {rule}")
@@ -790,7 +790,8 @@ class Hyperparameters:
                               ("SMEAR_GATE", (0, 1, 2)), ("ATTN_GATE", ("none", "sparse", "output", "dense")),
                               ("PARALLEL_MODE", ("gptj", "lanes")), ("GRAD_CLIP_SCOPE", ("local", "reduced")),
                               ("ATTENTION_BACKEND", ("auto", *ATTENTION_MODULES, TORCH_VARLEN)),
-                              ("LQER_FACTOR_BITS", (2, 3, 4, 5, 6, 7, 8)), ("AWQ_LITE_BITS", (7, 8))):
+                              ("LQER_FACTOR_BITS", (2, 3, 4, 5, 6, 7, 8)), ("AWQ_LITE_BITS", (7, 8)),
+                              ("TTT_MODE", ("sgd", "lora"))):
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
         if self.train_seq_len_schedule:
@@ -868,6 +869,7 @@ class Hyperparameters:
         need(self.replay_world_size % self.world_size == 0, f"REPLAY_WORLD_SIZE={self.replay_world_size} must be a "
              f"multiple of WORLD_SIZE={self.world_size} (each rank stands for as many virtual ranks)")
         ranks = ("REPLAY_WORLD_SIZE", self.replay_world_size) if self.virtual_ranks > 1 else ("WORLD_SIZE", self.world_size)
+        split = f"({ranks[0].lower()} {ranks[1]} x grad_accum {self.grad_accum_steps})"
         if self.grad_accum_override == 0 and self.replay_world_size <= 8:
             need(8 % self.replay_world_size == 0,
                  f"{ranks[0]}={ranks[1]} must divide 8 (the record splits 8 micro-batches over ranks); "
@@ -875,14 +877,12 @@ class Hyperparameters:
         micro = self.replay_world_size * self.grad_accum_steps
         need(self.train_batch_tokens % (micro * self.train_seq_len) == 0,
              f"TRAIN_BATCH_TOKENS={self.train_batch_tokens} must split into whole sequences of "
-             f"TRAIN_SEQ_LEN={self.train_seq_len} per rank and micro-step "
-             f"({ranks[0].lower()} {ranks[1]} x grad_accum {self.grad_accum_steps})")
-        need(self.val_batch_size // micro >= self.eval_seq_len,
-             f"VAL_BATCH_SIZE={self.val_batch_size} gives less than one sequence of EVAL_SEQ_LEN={self.eval_seq_len} "
-             f"per rank and micro-step ({ranks[0].lower()} {ranks[1]} x grad_accum {self.grad_accum_steps})")
+             f"TRAIN_SEQ_LEN={self.train_seq_len} per rank and micro-step {split}")
+        need(self.val_batch_size // micro >= self.eval_seq_len, f"VAL_BATCH_SIZE={self.val_batch_size} gives less than "
+             f"one sequence of EVAL_SEQ_LEN={self.eval_seq_len} per rank and micro-step {split}")
         need(self.train_loader != "packed" or self.split_limit > 0,
              f"TRAIN_BATCH_TOKENS={self.train_batch_tokens} gives each packed micro-batch {self.local_tokens} tokens "
-             f"({ranks[0].lower()} {ranks[1]} x grad_accum {self.grad_accum_steps}), fewer than the longest training "
+             f"{split}, fewer than the longest training "
              f"context, {self.longest_train_seq_len} (TRAIN_SEQ_LEN_SCHEDULE, else TRAIN_SEQ_LEN): raise "
              f"TRAIN_BATCH_TOKENS to {micro * self.longest_train_seq_len} or shorten the context")
         need(self.micro_batch_split != 0 or self.warmup_steps > 0, "MICRO_BATCH_SPLIT=0 (auto) is found in the warmup "
@@ -900,7 +900,6 @@ class Hyperparameters:
              "rank's next training batches calibrate, as many from each")
         need(self.eval_stride <= self.eval_seq_len,
              f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
-        need(self.ttt_mode in ("sgd", "lora"), f"TTT_MODE={self.ttt_mode!r} must be sgd or lora")
         need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0 "
              "or auto")
         need(self.phased_ttt_prefix_docs_max >= 0, f"PHASED_TTT_PREFIX_DOCS_MAX={self.phased_ttt_prefix_docs_max} must "
@@ -913,7 +912,6 @@ class Hyperparameters:
             need(self.eval_ttt_stop_at < 0, "PHASED_TTT_PREFIX_DOCS=auto reads the clock; with EVAL_TTT_STOP_AT, which "
                  "reads none, give the prefix as a number (a stop line names the prefix its run chose)")
         need(self.ttt_eval_seq_len >= 0, f"TTT_EVAL_SEQ_LEN={self.ttt_eval_seq_len} must be >= 0 (0: EVAL_SEQ_LEN)")
-        need(0 <= self.ttt_beta1 < 1 and 0 <= self.ttt_beta2 < 1, "TTT_BETA1 and TTT_BETA2 must be in [0, 1)")
         need(self.ttt_lora_alpha > 0, f"TTT_LORA_ALPHA={self.ttt_lora_alpha:g} must be > 0 (the LoRA output scale is "
              "alpha / rank)")
         need(self.ttt_weight_decay >= 0, f"TTT_WEIGHT_DECAY={self.ttt_weight_decay:g} must be >= 0")
@@ -1062,11 +1060,8 @@ class ShardReader:
 
 
 def load_shard(path):
-    reader = ShardReader(path)
-    try:
+    with contextlib.closing(ShardReader(path)) as reader:
         return reader.read(0, reader.num_tokens)
-    finally:
-        reader.close()
 
 
 def list_shards(pattern):
@@ -1279,11 +1274,11 @@ def small_to_device(array, device):
 
 
 def eval_doc_bounds(rt, rows):
-    """DocBounds of eval rows (host tensor or array, (B, T)) on the device when EVAL_SPLIT_AT_BOS, else None."""
+    """A forward's extra arguments on eval rows (host tensor or array, (B, T)): (DocBounds,) with EVAL_SPLIT_AT_BOS."""
     if not rt.h.eval_split_at_bos:
-        return None
+        return ()
     rows = np.asarray(rows)
-    return DocBounds(small_to_device(rows_cu_seqlens(rows), rt.device), rows.shape[1])
+    return (DocBounds(small_to_device(rows_cu_seqlens(rows), rt.device), rows.shape[1]),)
 
 
 class DocumentPackingLoader(_HostLoader):
@@ -1317,15 +1312,12 @@ class DocumentPackingLoader(_HostLoader):
 
     @staticmethod
     def _first_bos(path, block=1 << 16):
-        reader = ShardReader(path)
-        try:
+        with contextlib.closing(ShardReader(path)) as reader:
             for start in range(0, reader.num_tokens, block):
                 hits = np.flatnonzero(reader.read(start, min(block, reader.num_tokens - start)) == BOS_ID)
                 if hits.size:
                     return start + int(hits[0])
             return None
-        finally:
-            reader.close()
 
     def _next_shard(self):
         nxt = (self.file_idx + 1) % len(self.files)
@@ -1533,14 +1525,11 @@ class PrefetchingDistributedTokenLoader:
         self._ring[idx][1] = event
         return wide, aux, event, pos
 
+    @torch.inference_mode(False)
     def next(self):
         """(x, y, aux) of the next batch; raises StopIteration at the end of a finite source. The tokens are
         ordinary tensors even when called inside inference mode (evaluation), whichever thread made them: the
         compiled graphs guard on it, and the evaluation's warmup makes its tokens outside inference mode too."""
-        with torch.inference_mode(False):
-            return self._next()
-
-    def _next(self):
         current = self._pending if self._pending is not None else self._copy(self._take())
         self._pending = None
         if isinstance(current, _WorkerFailure):
@@ -3000,12 +2989,10 @@ class Muon(torch.optim.Optimizer):
     def reduced_bank_grads(self):
         """This rank's shards of the bank gradients averaged over ranks (waits for the reduce-scatters);
         one process: the gradients themselves."""
-        if self._meta is None:
-            self._build()
+        if self._pending is None:
+            self.launch_reduce_scatters()  # (builds the banks' metadata first; one process: nothing to launch)
         if self._ws == 1:
             return [m["p"].grad for m in self._meta]
-        if self._pending is None:
-            self.launch_reduce_scatters()
         for handle in self._pending:
             if handle is not None:
                 handle.wait()
@@ -3157,6 +3144,7 @@ class Runtime:
     def log(self, msg, console=True):
         if not self.is_main:
             return
+        msg = msg if isinstance(msg, str) else "\n".join(msg)  # a list of lines (never empty): each on its own
         if console:
             print(msg, flush=True)
         if self.log_path is not None:
@@ -3375,9 +3363,8 @@ def setup_runtime(h, resume=None):
 
 def log_environment(rt):
     """The log starts with this script's source, then versions and the GPU listing (SPEC 5)."""
-    for msg in (Path(__file__).read_text(encoding="utf-8"), "=" * 100, f"Running Python {sys.version}",
-                f"Running PyTorch {torch.__version__}"):
-        rt.log(msg, console=False)
+    rt.log([Path(__file__).read_text(encoding="utf-8"), "=" * 100, f"Running Python {sys.version}",
+            f"Running PyTorch {torch.__version__}"], console=False)
     if rt.device.type == "cuda":
         rt.log(subprocess.run(["nvidia-smi"], capture_output=True, text=True, check=False).stdout, console=False)
     else:
@@ -3601,8 +3588,6 @@ class CompiledFunction:
         self.graphs, self.compile_s, self.eager_calls = 0, 0.0, 0
         self.region_graphs, self.region_eager, self.region_calls = {}, {}, {}
         self.keys, self.logged = set(), set()
-        if isinstance(fn, nn.Module):
-            self._orig_mod = fn  # what set_train_mode switches
         self.compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True, backend=self._backend)
         rt.compiled.append(self)
         # Dynamo's per-code-object limit (default 8) from the plan: functions of one model share code objects
@@ -3666,10 +3651,6 @@ class CompiledFunction:
             self.rt.sync()
             self.compile_s += time.perf_counter() - t0
         return out
-
-    @property
-    def training(self):
-        return getattr(self.fn, "training", True)
 
     def summary(self):
         """The log line: graphs compiled against the plan, compile seconds, eager calls."""
@@ -5476,8 +5457,9 @@ def eval_val(rt, forward, val_tokens, luts):
                                                copy_stream=rt.val_copy_stream, name="val")
     luts_d = None if host_bytes else luts.to(dev)
     sums = torch.zeros(3, dtype=torch.float64, device=dev)
-    was_training = getattr(forward, "training", True)
-    set_train_mode(forward, False)
+    module = getattr(forward, "fn", forward)  # the model (a CompiledFunction's own)
+    was_training = module.training
+    module.eval()
     every, t0 = h.val_progress_log_every, time.perf_counter()
     try:
         with torch.inference_mode():
@@ -5495,7 +5477,7 @@ def eval_val(rt, forward, val_tokens, luts):
                 sums += score_tail(rt, forward, val_tokens, total * L, luts)
     finally:
         loader.shutdown()
-    set_train_mode(forward, was_training)
+    module.train(was_training)
     return finish_loss_bpb(rt, sums)
 
 
@@ -5506,16 +5488,10 @@ def score_tail(rt, forward, val_tokens, start, luts):
     x, y = (t[None].to(rt.device).to(torch.int64) for t in (span[:-1], span[1:]))
     docs = eval_doc_bounds(rt, span[None, :-1].numpy())
     with rt.autocast():
-        loss = forward(x, y, *(() if docs is None else (docs,))).detach()
+        loss = forward(x, y, *docs).detach()
     nbytes = luts.target_bytes(span[:-1], span[1:], torch.arange(start + 1, start + span.numel())).sum()
     return torch.stack([loss.double() * y.numel(), torch.tensor(float(y.numel()), dtype=torch.float64,
                                                                    device=loss.device), nbytes.to(loss.device)])
-
-
-def set_train_mode(module_or_compiled, mode):
-    target = getattr(module_or_compiled, "_orig_mod", module_or_compiled)
-    if isinstance(target, nn.Module):
-        target.train(mode)
 
 
 def sliding_windows(num_targets, seq_len, stride):
@@ -5552,7 +5528,7 @@ def score_windows(rt, logits_fn, val_tokens, windows, luts, batch_seqs, per_toke
         mask_d = mask.to(dev)
         docs = eval_doc_bounds(rt, spans[:, :-1])
         with rt.autocast():
-            logits = logits_fn(x) if docs is None else logits_fn(x, docs)
+            logits = logits_fn(x, *docs)
         target_pos = rows[:, :1] + positions[None, :] + 1
         _, nll = token_scores(logits, y, tilt, target_pos - 1, mask)
         scored = nll.double()[mask_d]
@@ -5698,12 +5674,6 @@ class TTTMeter:
         acc[0] += secs
         acc[1] += units
 
-    def scoring(self, i):
-        return self.timed(self.scored, self.units[i])
-
-    def adapting(self, units):
-        return self.timed(self.adapted, units)
-
     @staticmethod
     def rate(acc, fallback):
         return acc[0] / acc[1] if acc[1] else fallback
@@ -5767,7 +5737,7 @@ def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None, ti
     t0 = time.perf_counter()
     for ci in range(num_chunks):
         model.eval()
-        with meter.scoring(ci), torch.inference_mode():
+        with meter.timed(meter.scored, meter.units[ci]), torch.inference_mode():
             sums += score_windows(rt, logits_fn, val_tokens, rank_slice(chunk_windows[ci], h), luts, batch_rows,
                                   per_token, tilt)
         if ci == num_chunks - 1 or h.ttt_epochs == 0:
@@ -5775,7 +5745,7 @@ def eval_ttt(rt, model, logits_fn, loss_fn, val_tokens, luts, per_token=None, ti
         rows = h.ttt_epochs * sum(len(rank_slice(range(b, e), h)) for b, e in ttt_chunk_batches(h, ci, val_tokens.numel() - 1))
         if not meter.adapt(f"chunk {ci + 1}/{num_chunks}", rows, ci + 1):
             continue
-        with meter.adapting(rows):
+        with meter.timed(meter.adapted, rows):
             lr = ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ci, num_chunks)
         if rt.is_main and (ci % 10 == 0 or ci == num_chunks - 2):
             rt.log(f"ttt_progress chunk:{ci + 1}/{num_chunks} lr:{lr:.6f} elapsed:{time.perf_counter() - t0:.1f}s")
@@ -5809,12 +5779,9 @@ def ttt_params(model, h):
     """SGD TTT's trained weights, (name, parameter): all but the first TTT_FREEZE_BLOCKS blocks' (requires_grad set
     accordingly on every weight)."""
     frozen_prefixes = tuple(f"blocks.{i}." for i in range(h.ttt_freeze_blocks))
-    params = []
     for name, p in model.named_parameters():
         p.requires_grad_(not name.startswith(frozen_prefixes))
-        if p.requires_grad:
-            params.append((name, p))
-    return params
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 def ttt_train_chunk(rt, model, loss_fn, opt, params, frozen_rows, tokens, ci, num_chunks):
@@ -5849,7 +5816,7 @@ def ttt_train_batch(rt, model, loss_fn, opt, params, frozen_rows, val_tokens, ch
         x, y = host_to_device(val_tokens[lo:hi], L, rt.device)
         docs = eval_doc_bounds(rt, val_tokens[lo:hi - 1].view(-1, L))
         with rt.autocast():
-            loss = (loss_fn(x, y) if docs is None else loss_fn(x, y, docs)) * (len(mine) / (e - b))
+            loss = loss_fn(x, y, *docs) * (len(mine) / (e - b))
         loss.backward()
     for name, p in params:
         if p.grad is None:
@@ -5924,9 +5891,9 @@ def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_toke
     forward = forward or model.forward_logits
     L = h.ttt_eval_seq_len or h.eval_seq_len
     num_chunks = torch.tensor([-(-(n - 1) // C) for _, n in batch])
+    mark = laps.mark if laps is not None else (lambda kind: None)
     for ci in range(int(num_chunks.max())):
-        if laps is not None:
-            laps.mark(None)
+        mark(None)
         starts, lens, offs, counts, width, train_off = lora_ttt_chunk(batch, ci, C, L)
         cols = torch.arange(width + 1)
         span = val_tokens[(starts[:, None] + cols).clamp_(max=val_tokens.numel() - 1)].long()
@@ -5944,15 +5911,13 @@ def lora_ttt_batch(rt, model, val_tokens, luts, batch, lora, opt, sums, per_toke
             sums[2] += float(luts.target_bytes(x[scored], y[scored], target_pos[scored]).sum())
             if per_token is not None:
                 per_token[target_pos[scored]] = score[scored_d].double().cpu()
-        if laps is not None:
-            laps.mark("score")
+        mark("score")
         train = (num_chunks - 1 > ci).to(dev, torch.float32)
         if adapt and bool(train.any()):
             opt.zero_grad(set_to_none=True)
             (nll[:, train_off:train_off + C].mean(dim=-1) * train).sum().backward()
             opt.step()
-        if laps is not None:
-            laps.mark("step")
+        mark("step")
 
 
 def eval_ttt_lora(rt, model, val_tokens, luts, per_token=None, forward=None, tilt=None, budget=None):
@@ -6543,9 +6508,9 @@ def stale_outputs(h):
     return out
 
 
-def merge_shapes(a, b):
-    """Two EvalShapes as one: every shape of either (PREFLIGHT=1 warms the whole val set's and its slice's)."""
-    return EvalShapes(*(sorted(set(x) | set(y)) for x, y in zip(a, b)))
+def merge_shapes(*shapes):
+    """EvalShapes as one: every shape of any (PREFLIGHT=1 warms the whole val set's and its slice's)."""
+    return EvalShapes(*(sorted(set().union(*x)) for x in zip(*shapes)))
 
 
 def project_training(h, ms):
@@ -6721,8 +6686,7 @@ class Preflight:
                                "cap_bytes": SIZE_CAP_BYTES}
         rep["problems"] = problems = self.problems(rep, error)
         rep["verdict"] = "preflight: ready" if not problems else f"preflight: NOT READY: {problems[0]}"
-        for line in self.lines(rep):
-            rt.log(line)
+        rt.log(self.lines(rep))
         if rt.is_main:
             write_atomically(os.path.join(h.run_dir, "preflight.json"), (json.dumps(rep, indent=1) + "\n").encode())
             for name in artifact_files(h):
@@ -6851,9 +6815,7 @@ def prepare_evaluation(rt, val_tokens):
         model = rt.prepare_model(build_model(h))
         model.looping = h.num_loops > 0  # a looped model is evaluated looped (SPEC-FRONTIER 4)
         streams = [val_tokens] if pf is None else [val_tokens, pf.full_val]  # PREFLIGHT=1: the real run's shapes too
-        shapes = evaluation_shapes(h, val_tokens.numel() - 1)
-        for v in streams[1:]:
-            shapes = merge_shapes(shapes, evaluation_shapes(h, v.numel() - 1))
+        shapes = merge_shapes(*(evaluation_shapes(h, v.numel() - 1) for v in streams))
         sizes = [len(b) for v in streams for _, b in lora_ttt_queue(lora_ttt_documents(v), h.ttt_batch_size)] if lora else []
         qats = eval_qat_states(rt)  # (only SGD TTT's training graphs depend on the flag: eval mode never reads it)
         forward = compile_fn(rt, "eval_forward", model, model.graph_state, len(shapes.val) + len(qats) * len(shapes.train))
@@ -6999,10 +6961,6 @@ def warm_evaluation(rt, model, forward, logits_fn, shapes, costs=None):
     def tokens(*shape):
         return torch.randint(0, h.vocab_size, shape, generator=g, dtype=torch.int32)
 
-    def docs_of(x):
-        docs = eval_doc_bounds(rt, x.cpu().numpy())
-        return () if docs is None else (docs,)
-
     def call(key, fn):
         fn()
         if costs is not None:
@@ -7015,17 +6973,17 @@ def warm_evaluation(rt, model, forward, logits_fn, shapes, costs=None):
             if width != L:  # score_tail: one shorter row, made inside
                 span = tokens(width + 1).long()
                 x, y = (t[None].to(dev) for t in (span[:-1], span[1:]))
-            forward(x, y, *docs_of(x))
+            forward(x, y, *eval_doc_bounds(rt, x.cpu().numpy()))
 
     def score_call(rows):  # score_windows: (rows, L + 1) windows cut into views
         with torch.inference_mode(), rt.autocast():
             x, _ = cut_batch(tokens(rows, L + 1).to(dev).to(torch.int64), L)
-            logits_fn(x, *docs_of(x))
+            logits_fn(x, *eval_doc_bounds(rt, x.cpu().numpy()))
 
     def train_call(rows):  # ttt_train_batch
         x, y = host_to_device(tokens(rows * L + 1), L, dev)
         with rt.autocast():
-            forward(x, y, *docs_of(x)).backward()
+            forward(x, y, *eval_doc_bounds(rt, x.cpu().numpy())).backward()
 
     was_training = model.training
     model.eval()
@@ -7076,8 +7034,7 @@ def write_outputs(rt, model, late_qat, hessians):
     rt.log(f"Serialized model: {os.path.getsize(raw)} bytes")
     code = code_bytes()
     size = save_artifact(artifact, model, late_qat, rt.h, hessians, code, rt.log)
-    for line in size_report(size, code, rt.h.compressor):
-        rt.log(line)
+    rt.log(size_report(size, code, rt.h.compressor))
     if _PREFLIGHT[0] is not None:
         _PREFLIGHT[0].artifact = (size, code)
 
@@ -7095,8 +7052,7 @@ def run(rt):
     backend = select_attention_backend(rt.device, h.attention_backend)
     overrides = [name for name in PRESETS[h.preset] if h.effective[name][1] == "env"]
     rt.log(f"preset:{h.preset}" + (f" overridden_by_env:{','.join(overrides)}" if overrides else ""))
-    for line in h.dump():
-        rt.log(line, console=False)
+    rt.log(h.dump(), console=False)
     rt.log(f"seed:{h.seed}")
     rt.log(f"device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps} "
            f"attention_backend:{backend} compile:{int(compile_enabled(rt))}")
@@ -7109,8 +7065,7 @@ def run(rt):
         rt.log("smear_gate: v2 without its BOS mask (SMEAR_GATE_BOS_FIX=0, as #2135 ran): each BOS position mixes in "
                "the token before it, across documents in packed rows")
     rt.log(f"precision: {rt.precision_note}")
-    for line in select_fused_kernels(h, rt.device, rt.autocast_dtype or torch.float32):
-        rt.log(line)
+    rt.log(select_fused_kernels(h, rt.device, rt.autocast_dtype or torch.float32))
     if rt.device.type == "cpu":
         rt.log(f"cpu_threads: {rt.threads_note}")
         rt.log("cpu: FlashAttention and CUDA copy streams need CUDA; torch.compile is off unless COMPILE=1")
@@ -7163,8 +7118,7 @@ def run(rt):
     model = rt.prepare_model(build_model(h))
     only = model_param_counts(h, model)["training_only"]  # (the model just built: no second build on meta)
     rt.log(f"model_params:{sum(p.numel() for p in model.parameters()) - only}" + (f" training_only:{only}" * (only > 0)))
-    for line in optimizer_lines(h, model):
-        rt.log(line)
+    rt.log(optimizer_lines(h, model))
     if h.num_loops > 0:
         (enc, dec), (loop_enc, loop_dec) = model.orders[False], model.orders[True]
         rt.log(f"layer_loop: encoder:{enc} decoder:{dec}, looped from ENABLE_LOOPING_AT={h.enable_looping_at:g}: "
