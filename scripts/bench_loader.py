@@ -367,13 +367,15 @@ def main() -> int:
     ap.add_argument("--queue", type=int, default=2, help="TRAIN_PREFETCH_QUEUE")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--all-ranks", action="store_true", help="also the plain production rate of ranks 0..7")
-    ap.add_argument("--quick", action="store_true", help="small shards and few steps (under 30 s)")
+    ap.add_argument("--quick", action="store_true",
+                    help="small shards and few steps (under 30 s); a flag given beside it keeps its own value")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads (0: 1 on CPU, where the int64 widening of a 98k-token batch "
                          "otherwise waits for OpenMP workers on a busy machine; torch's default on CUDA)")
     args = ap.parse_args()
-    if args.quick:
-        args.shard_tokens, args.steps, args.prod_steps, args.warmup = 2_000_000, 30, 20, 2
+    if args.quick:  # --quick's values become the defaults: the flags given explicitly still win
+        ap.set_defaults(shard_tokens=2_000_000, steps=30, prod_steps=20, warmup=2)
+        args = ap.parse_args()
     if args.shard_tokens < WORLD_SIZE * (LOCAL_TOKENS + 1):
         ap.error(f"--shard-tokens must be at least one micro-step ({WORLD_SIZE * (LOCAL_TOKENS + 1)} tokens)")
     want = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

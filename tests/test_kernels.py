@@ -13,13 +13,14 @@ import re
 import runpy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import train_gpt as tg
-from conftest import REPO, clean_environ, read_log, run_training
+from conftest import REPO, clean_environ, read_log, run_training, shared_run
 
 CPU = torch.device("cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set when this process started
@@ -462,20 +463,32 @@ def test_kernels_interpreted_in_a_fresh_process():
     assert "16 passed" in proc.stdout, proc.stdout[-2000:]
 
 
-def test_tiny_training_run_with_both_kernels_matches_the_eager_run(tmp_path, sample_data):
+KERNEL_RUN_ID = "kernels"
+
+
+def kernel_run(tmp_path_factory, sample_data) -> Path:
+    """The folder of the tiny run with both kernels interpreted (TINY_KERNEL_RUN, FUSED_MLP=1 FUSED_CE=1,
+    TRITON_INTERPRET=1; RUN_ID kernels), made once for the session: the eager comparison here and the packed file's
+    twin (tests/test_pack_code.py) read the same run."""
+    env = {**TINY_KERNEL_RUN, **sample_data, "FUSED_MLP": "1", "FUSED_CE": "1", "TRITON_INTERPRET": "1"}
+    return shared_run(tmp_path_factory, KERNEL_RUN_ID, env)
+
+
+def test_tiny_training_run_with_both_kernels_matches_the_eager_run(tmp_path, tmp_path_factory, sample_data):
     """Two steps with FUSED_MLP=1 FUSED_CE=1 (interpreted kernels; the second step's loss and the final one
     follow updates through both backward kernels) give the eager run's losses within bf16 rounding, and the log
     says the kernels ran."""
     needs_interpreter()
     losses = {}
     for on in (0, 1):
-        cwd = tmp_path / f"fused{on}"
-        cwd.mkdir()
-        env = {**TINY_KERNEL_RUN, **sample_data, "RUN_ID": "k", "FUSED_MLP": str(on), "FUSED_CE": str(on),
-               "TRITON_INTERPRET": str(on)}
-        proc = run_training(env, cwd)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        log = read_log(cwd, "k")
+        if on:
+            log = read_log(kernel_run(tmp_path_factory, sample_data), KERNEL_RUN_ID)
+        else:
+            env = {**TINY_KERNEL_RUN, **sample_data, "RUN_ID": "k", "FUSED_MLP": "0", "FUSED_CE": "0",
+                   "TRITON_INTERPRET": "0"}
+            proc = run_training(env, tmp_path)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            log = read_log(tmp_path, "k")
         for name in ("mlp", "ce"):
             assert (f"fused_{name}: triton kernel (Triton interpreter on CPU" if on else
                     f"fused_{name}: eager (FUSED_{name.upper()}=0)") in log
