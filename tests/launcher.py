@@ -19,7 +19,8 @@ is asked to run, and never computes anything; for each run it forks one child, w
 - one thread at the fork: the zygote checks /proc/self/task before every fork and refuses to fork with more (the
   imports start none when OMP_NUM_THREADS is set as the tests set it: OpenBLAS starts its pool at NumPy's import
   otherwise), so no lock is held by a thread the child does not have, and the child's OpenMP pool is its own;
-- no Dynamo cache, compiled graph or CUDA state: the zygote compiles nothing and initialises no device;
+- no Dynamo cache, compiled graph or CUDA state: the zygote compiles nothing and initialises no device (it only
+  makes Dynamo's line -> function-name table of the scripts it runs, as of their current bytes: _Compiled);
 - its own process group, so that a timeout kills the run and anything it started;
 - the interpreter's ending: SystemExit's code (or 1 and the traceback for an uncaught exception), non-daemon
   threads joined, atexit handlers run, streams flushed, and the status the zygote reports is the one
@@ -66,8 +67,10 @@ IMPORT_TIME_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "ATEN_", "
 # Set by pytest for each test and read by no library: passed to the runs, never a reason for another zygote.
 HARMLESS_PREFIXES = ("PYTEST_",)
 # What the zygote imports before it serves (each if installed): what train_gpt.py's runs import, then train_gpt.
+# torch._dynamo.backends.common: what Dynamo imports at a process's first compilation (AOT autograd, functorch's compile,
+# networkx; 0.1 to 0.4 s of each compiled run).
 PRELOAD = ("numpy", "numpy.random", "torch", "torch.nn.functional", "torch.distributed", "torch._dynamo",
-           "sentencepiece", "brotli", "zpaq", "triton", "triton.language", "train_gpt")
+           "torch._dynamo.backends.common", "sentencepiece", "brotli", "zpaq", "triton", "triton.language", "train_gpt")
 
 
 def runtime_names() -> frozenset[str]:
@@ -96,7 +99,12 @@ def _send(msg: dict) -> None:
 
 
 class _Compiled:
-    """Code objects of the scripts run so far, compiled again when a file changes (size or modification time)."""
+    """Code objects of the scripts run so far, compiled again when a file changes (size or modification time).
+
+    Beside each, Dynamo's table of the file's function names by line (torch._dynamo.funcname_cache, which a process
+    tokenizes at its first compilation of code from that file: ~0.5 s for train_gpt.py's 390 KB) is made when the
+    script is compiled, and again when the file changes, so a compiled run does not tokenize the script itself; the
+    table only names lines in Dynamo's messages, never what a graph computes."""
 
     def __init__(self):
         self.cache = {}
@@ -106,7 +114,12 @@ class _Compiled:
         key = (path, st.st_size, st.st_mtime_ns)
         if key not in self.cache:
             with open(path, "rb") as f:
-                self.cache[key] = compile(f.read(), path, "exec", dont_inherit=True)
+                source = f.read()
+            self.cache[key] = compile(source, path, "exec", dont_inherit=True)
+            names = sys.modules.get("torch._dynamo.funcname_cache")
+            if names is not None:
+                names.cache.pop(path, None)
+                names.get_funcname(path, 1)  # tokenizes the file now: the bytes just compiled
         return self.cache[key]
 
 

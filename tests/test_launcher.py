@@ -79,6 +79,20 @@ def test_a_forked_run_starts_as_a_new_python_process_would_and_keeps_nothing_of_
         assert len({run["draws"][source] for run in (real, first, second)}) == 3, source
 
 
+def test_dynamos_table_of_a_scripts_function_names_is_the_scripts_as_it_is_now(tmp_path):
+    """The zygote makes Dynamo's line -> function-name table of each script it compiles (so that compiled runs do not
+    tokenize train_gpt.py again): the run finds it made, and a script edited between runs gets its new names, as a
+    new process would."""
+    script = tmp_path / "named.py"
+    ask = ("import torch._dynamo.funcname_cache as names\n"
+           "print(__file__ in names.cache, names.get_funcname(__file__, 5), names.get_funcname(__file__, 7))\n")
+    for first, second in (("alpha", "beta"), ("gamma_longer", "delta")):
+        script.write_text(f"{ask}\n\ndef {first}():\n    return 1\ndef {second}():\n    return 2\n")
+        proc = launcher.run([script], ENV, tmp_path, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout == f"True {first} {second}\n"  # made by the zygote, before the run's first line
+
+
 def test_a_zygote_serves_only_runs_of_its_own_process_environment(tmp_path):
     """Settings that train_gpt reads when it runs share a zygote; a variable that a library reads at start gets a
     zygote started with it (TORCHINDUCTOR_CACHE_DIR here), or a new process where no fork of one would be clean:
