@@ -102,9 +102,9 @@ class _Compiled:
     """Code objects of the scripts run so far, compiled again when a file changes (size or modification time).
 
     Beside each, Dynamo's table of the file's function names by line (torch._dynamo.funcname_cache, which a process
-    tokenizes at its first compilation of code from that file: ~0.5 s for train_gpt.py's 390 KB) is made when the
-    script is compiled, and again when the file changes, so a compiled run does not tokenize the script itself; the
-    table only names lines in Dynamo's messages, never what a graph computes."""
+    tokenizes at its first compilation of code from that file: 0.29 s for train_gpt.py's 390 KB on a 2-core EPYC)
+    is made when the script is compiled, and again when the file changes, so a compiled run does not tokenize the
+    script itself; the table only names lines in Dynamo's messages, never what a graph computes."""
 
     def __init__(self):
         self.cache = {}
@@ -114,12 +114,11 @@ class _Compiled:
         key = (path, st.st_size, st.st_mtime_ns)
         if key not in self.cache:
             with open(path, "rb") as f:
-                source = f.read()
-            self.cache[key] = compile(source, path, "exec", dont_inherit=True)
+                self.cache[key] = compile(f.read(), path, "exec", dont_inherit=True)
             names = sys.modules.get("torch._dynamo.funcname_cache")
             if names is not None:
                 names.cache.pop(path, None)
-                names.get_funcname(path, 1)  # tokenizes the file now: the bytes just compiled
+                names.get_funcname(path, 1)  # tokenizes the file as it is now (a later change makes both anew)
         return self.cache[key]
 
 
