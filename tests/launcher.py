@@ -67,8 +67,8 @@ IMPORT_TIME_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "ATEN_", "
 # Set by pytest for each test and read by no library: passed to the runs, never a reason for another zygote.
 HARMLESS_PREFIXES = ("PYTEST_",)
 # What the zygote imports before it serves (each if installed): what train_gpt.py's runs import, then train_gpt.
-# torch._dynamo.backends.common: what Dynamo imports at a process's first compilation (AOT autograd, functorch's compile,
-# networkx; 0.1 to 0.4 s of each compiled run).
+# torch._dynamo.backends.common: what Dynamo imports at a process's first compilation (AOT autograd, functorch's
+# compile, networkx; 0.1 to 0.4 s of each compiled run).
 PRELOAD = ("numpy", "numpy.random", "torch", "torch.nn.functional", "torch.distributed", "torch._dynamo",
            "torch._dynamo.backends.common", "sentencepiece", "brotli", "zpaq", "triton", "triton.language", "train_gpt")
 
