@@ -60,6 +60,16 @@ GET_DATA = ("build the offline sample: python3 data/build_sample_data.py && bash
             "or download FineWeb: python3 data/cached_challenge_fineweb.py --variant sp1024")
 
 
+# Settings that describe the machine, not the run: a specialised file (scripts/specialise.py) never fixes them
+MACHINE_SETTINGS = ("DEVICE", "COMPILE", "COMPILE_BACKEND", "AUTOCAST_DTYPE", "ATTENTION_BACKEND", "RANK", "WORLD_SIZE",
+                    "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
+                    "DIST_TIMEOUT_SECONDS", "TRAIN_PREFETCH", "TRAIN_PREFETCH_QUEUE", "TRAIN_COPY_STREAM", "VAL_PREFETCH",
+                    "VAL_COPY_STREAM", "VAL_BYTECOUNT_DEVICE", "MICRO_BATCH_SPLIT")
+# A specialised file (scripts/pack_code.py --for) records here the full script's sha256, the run it was made for and
+# each condition on a setting it folded ((op, literal, result) by name); empty in the full script (docs/submitting.md)
+SPECIALISED = {}
+
+
 class ConfigError(ValueError):
     """A bad setting or input (exit 2); the message names the variable or file and what is wrong."""
 
@@ -583,10 +593,34 @@ class Hyperparameters:
                                          "EVAL_BUDGET_SECONDS=600 holds it to the track's")
             self.eval_budget_seconds = self._resolved(
                 "EVAL_BUDGET_SECONDS", 0.0 if self.eval_budget_note else self.max_wallclock_seconds)
+        self._check_specialised()
         self._validate()
         self.real = None  # PREFLIGHT=1: the real run's settings that the rehearsal changes
         if self.preflight:
             self._rehearse()
+
+    def _check_specialised(self):
+        """A specialised file runs the values it was made for: a setting for which a folded condition would change is
+        refused (the code for it is gone; the full train_gpt.py runs it)."""
+        ops = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "in": lambda a, b: a in b,
+               "not in": lambda a, b: a not in b, "is": lambda a, b: a is b, "is not": lambda a, b: a is not b,
+               "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
+               "truth": lambda a, b: bool(a)}
+        kinds = {"bool": bool, "int": int, "str": str}
+        for name, conditions in SPECIALISED.get("conditions", {}).items():
+            if name in SPECIALISED["unread"]:  # no code reads it any more: only the environment can give another value
+                raw = self._environ.get(name, "").strip()
+                if raw == "":
+                    continue
+                v = self._parse(name, raw, kinds[SPECIALISED["unread"][name]])
+            else:
+                v = getattr(self, self._attr(name))
+            for op, lit, want in conditions:
+                if ops[op](v, lit) != want:
+                    rule = ("set" if want else "empty or 0") if op == "truth" else f"{'' if want else 'not '}{op} {lit!r}"
+                    raise ConfigError(f"{name}={self._text(v)}: this file is specialised to {name} {rule} (made for "
+                                      f"{' '.join(f'{k}={x}' for k, x in SPECIALISED['run'].items())}); the full "
+                                      "train_gpt.py runs other values")
 
     def _rehearse(self):
         """PREFLIGHT=1 (issue 36): keep the real values in self.real (what the report projects to), then set the
@@ -780,7 +814,7 @@ class Hyperparameters:
                  lambda v: v > 0, "> 0"),
                 ("MUON_MOMENTUM MUON_MOMENTUM_WARMUP_START BETA1 BETA2 EMA_DECAY TTT_MOMENTUM ENABLE_LOOPING_AT "
                  "WARMDOWN_FRAC MIN_LR TTT_BETA1 TTT_BETA2", lambda v: 0 <= v < 1, "in [0, 1)")):
-            for name in names.split():
+            for name in (n for n in names.split() if n in self.effective):  # a specialised file reads fewer
                 v = getattr(self, self._attr(name))
                 need(ok(v), f"{name}={v} must be {rule}")
         for name, choices in (("DEVICE", ("", "cpu", "cuda")), ("TRAIN_LOADER", ("stream", "shuffled", "packed")),
@@ -792,6 +826,8 @@ class Hyperparameters:
                               ("ATTENTION_BACKEND", ("auto", *ATTENTION_MODULES, TORCH_VARLEN)),
                               ("LQER_FACTOR_BITS", (2, 3, 4, 5, 6, 7, 8)), ("AWQ_LITE_BITS", (7, 8)),
                               ("TTT_MODE", ("sgd", "lora"))):
+            if name not in self.effective:
+                continue
             v = getattr(self, name.lower())
             need(v in choices, f"{name}={v!r} must be {' or '.join(str(c) for c in choices if c != '')}")
         if self.train_seq_len_schedule:
@@ -4139,13 +4175,14 @@ def find_resume(h):
     """Before any work (and before the log is opened): RESUME's checkpoint, its settings compared and its files
     checked, or None for a fresh run (RESUME unset, or auto with no checkpoint yet). Refusals are one-line
     ConfigErrors, and nothing on disk has changed."""
-    folder = Path(h.checkpoint_dir)
-    if not h.resume:
-        if h.checkpoint_every > 0 and complete_checkpoints(folder):
-            raise ConfigError(f"CHECKPOINT_DIR={folder} already holds checkpoints of a run with RUN_ID={h.run_id} "
-                              "(up to " + complete_checkpoints(folder)[-1][1].name + "): continue it with RESUME=auto, "
-                              "or choose another RUN_ID or CHECKPOINT_DIR")
+    if not h.resume:  # a fresh run, refused where it would write over another run's checkpoints
+        found = complete_checkpoints(Path(h.checkpoint_dir)) if h.checkpoint_every > 0 else ()
+        if found:
+            raise ConfigError(f"CHECKPOINT_DIR={h.checkpoint_dir} already holds checkpoints of a run with RUN_ID="
+                              f"{h.run_id} (up to {found[-1][1].name}): continue it with RESUME=auto, or choose another "
+                              "RUN_ID or CHECKPOINT_DIR")
         return None
+    folder = Path(h.checkpoint_dir)
     if h.resume == "auto":
         found = complete_checkpoints(folder)
         if not found:
@@ -6854,12 +6891,13 @@ def scoring_projection(h, ev, val_tokens):
         mine = len(rank_slice(sliding_windows(num_targets, L, h.eval_stride), h))
         rows = eval_batch_rows(h, [mine])
         out["final_int6_sliding_window"] = -(-mine // rows) * c.get(("score", rows), 0.0)
-    if "legal_ttt" in plan and h.ttt_mode == "lora":
-        queue_ = lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)
-        out["legal_ttt"] = sum(lora_batch_seconds(h, b, c.get("lora_fit"))[1] for _, b in queue_) / h.world_size
-    elif "legal_ttt" in plan:
-        chunks, rows = ttt_chunk_windows(h, num_targets)
-        out["legal_ttt"] = sum(-(-len(rank_slice(w, h)) // rows) for w in chunks) * c.get(("score", rows), 0.0)
+    if "legal_ttt" in plan:
+        if h.ttt_mode == "lora":
+            queue_ = lora_ttt_queue(lora_ttt_documents(val_tokens), h.ttt_batch_size)
+            out["legal_ttt"] = sum(lora_batch_seconds(h, b, c.get("lora_fit"))[1] for _, b in queue_) / h.world_size
+        else:
+            chunks, rows = ttt_chunk_windows(h, num_targets)
+            out["legal_ttt"] = sum(-(-len(rank_slice(w, h)) // rows) for w in chunks) * c.get(("score", rows), 0.0)
     return out
 
 
@@ -6907,10 +6945,10 @@ def evaluate_artifact(rt, ev, val_tokens, luts, t_eval):
         timed(label, lambda: eval_sliding(rt, model, logits_fn, val_tokens, luts, tilt=None if h.ttt_enabled else
                                           build_ngram_tilt(rt, val_tokens, label)), f" stride:{h.eval_stride}")
     ttt_s = None
-    if "legal_ttt" in plan and h.ttt_mode == "lora":
+    if "legal_ttt" in plan and h.ttt_mode == "lora":  # the tilt's build inside the timer of the score it tilts
         ttt_s = timed("legal_ttt", lambda: eval_ttt_lora(rt, model, val_tokens, luts, forward=ev.lora_fn, budget=budget,
                                                          tilt=build_ngram_tilt(rt, val_tokens, "legal_ttt")), note=budget)
-    elif "legal_ttt" in plan:
+    if "legal_ttt" in plan and h.ttt_mode != "lora":
         ttt_s = timed("legal_ttt", lambda: eval_ttt(rt, model, logits_fn, forward, val_tokens, luts, budget=budget,
                                                     tilt=build_ngram_tilt(rt, val_tokens, "legal_ttt")), note=budget)
     log_evaluation_time(rt, ttt_s, time.perf_counter() - t_eval)
@@ -7052,6 +7090,10 @@ def run(rt):
     backend = select_attention_backend(rt.device, h.attention_backend)
     overrides = [name for name in PRESETS[h.preset] if h.effective[name][1] == "env"]
     rt.log(f"preset:{h.preset}" + (f" overridden_by_env:{','.join(overrides)}" if overrides else ""))
+    if SPECIALISED:  # scripts/pack_code.py --for: the code of one run (docs/submitting.md)
+        rt.log(f"specialised: from train_gpt.py sha256:{SPECIALISED['source_sha256']} for "
+               + " ".join(f"{k}={v}" for k, v in SPECIALISED["run"].items())
+               + f" ({len(SPECIALISED['conditions'])} settings fixed)")
     rt.log(h.dump(), console=False)
     rt.log(f"seed:{h.seed}")
     rt.log(f"device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps} "

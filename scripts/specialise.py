@@ -1,0 +1,1353 @@
+#!/usr/bin/env python3
+"""Specialise train_gpt.py to one run: the code that run executes, and nothing else (issue 60).
+
+    python3 scripts/specialise.py PRESET=record_0501 [VAR=VALUE ...] [--source train_gpt.py] [-o OUT]
+
+(`scripts/pack_code.py --for ...` packs the result; this script writes it readable: comments kept.)
+
+What is removed comes from an analysis of the source, repeated until nothing changes:
+- Settings. Every `self.X = self._env("NAME", default, kind)` of Hyperparameters is a setting. A *predicate* on one
+  is a test of its value against a literal: `==`, `!=`, `in`, `not in`, `is (not) None` for any setting, `<`, `<=`,
+  `>`, `>=` for an int one, or its truth value where a branch reads it (an if/while/conditional-expression test,
+  `not`, an and/or inside one). Float settings (rates, seconds, fractions) and list ones are values: never tested
+  here. MACHINE_SETTINGS (the source's own list: the world size, the device, compile, the attention kernel...) stay
+  open. A predicate is folded to the constant it has for the run, and the condition is recorded: the specialised
+  file refuses at start any value for which a recorded condition changes (SPECIALISED, Hyperparameters), so a
+  folded branch is never silently wrong. A bool setting, or one tested equal to a literal, is known outright: its
+  every read becomes the literal. Predicates on an attribute that something other than Hyperparameters.__init__
+  assigns are not folded (its value at the test is not its value at start); in __init__ itself only those whose
+  attribute is assigned once.
+- Constants. Conditions whose value is known fold (`not`, and/or, comparisons of literals, conditional
+  expressions); a local assigned once at its function's top level to a literal, a module global assigned once to
+  one, and an attribute `self.a` that every assignment in the file (one class family, all through `self`) sets to
+  the same literal (or to None, or always to a new object: `is None` is known) are replaced by it.
+- Statements. An `if`/`elif`/`while` whose test is known keeps only the branch taken (dedented); statements after a
+  `return`/`raise`/`continue`/`break` in the same block go; a local that nothing reads any more and that was set to
+  a literal goes.
+- Definitions. Module-level functions, classes and assignments that no kept code names go (a root is any other
+  module-level statement); a method or property goes when its name is read as an attribute nowhere and appears in
+  no string (dunders and the hooks torch calls stay). A setting that nothing reads but Hyperparameters' own
+  checks goes with its checks (a check that names it).
+- Presets: PRESETS becomes the one preset of the run, the VAR=VALUE given merged into it (so they are the file's
+  defaults), and PRESET's default its name.
+
+The result is checked: it parses under Python 3.10 and compiles. Its equivalence with the full script (the same
+loss and score lines, the same artifact bytes) is what tests/test_specialise.py runs.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import io
+import json
+import operator
+import os
+import sys
+import tokenize
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MIN_PYTHON = (3, 10)
+# Methods torch (nn.Module, autograd.Function, torch.library) or Python call without naming them as an attribute.
+HOOK_METHODS = frozenset(("forward", "backward", "setup_context", "extra_repr", "jvp", "vjp"))
+# The comparison operators a predicate may use, as the specialised file evaluates them (SPECIALISED's conditions)
+COMPARE_OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not",
+               ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
+EQUALITY_OPS = ("==", "!=", "in", "not in", "is", "is not")
+EVALUATE = {"==": operator.eq, "!=": operator.ne, "in": lambda a, b: a in b, "not in": lambda a, b: a not in b,
+            "is": operator.is_, "is not": operator.is_not, "<": operator.lt, "<=": operator.le, ">": operator.gt,
+            ">=": operator.ge, "truth": lambda a, b: bool(a)}
+UNKNOWN = object()  # a value the analysis does not know
+NOT_NONE = object()  # an object that is not None (a new instance), whose value is otherwise unknown
+_LITERAL_TYPES = (bool, int, float, str, type(None))
+
+
+class SpecialiseError(ValueError):
+    """A run the source cannot be specialised to, or a result that fails its checks (one-line message)."""
+
+
+@dataclass
+class Specialised:
+    text: str  # the specialised source, readable
+    source_sha256: str
+    run: dict  # the settings it was made for (PRESET and the VAR=VALUE given)
+    conditions: dict = field(default_factory=dict)  # NAME -> [(op, literal, result)]
+    rounds: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------- source text
+
+
+class Source:
+    """A source text and its AST, with offsets: node positions (lines, UTF-8 byte columns) to string indices."""
+
+    def __init__(self, text):
+        self.text = text
+        self.tree = ast.parse(text)
+        self.lines = text.splitlines(keepends=True)
+        self.starts = [0]
+        for line in self.lines:
+            self.starts.append(self.starts[-1] + len(line))
+        self.string_lines = set()  # lines inside a multi-line string token (never re-indented)
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.STRING and tok.end[0] > tok.start[0]:
+                self.string_lines.update(range(tok.start[0] + 1, tok.end[0] + 1))
+
+    def offset(self, lineno, col):
+        line = self.lines[lineno - 1]
+        return self.starts[lineno - 1] + len(line.encode()[:col].decode())
+
+    def span(self, node):
+        return self.offset(node.lineno, node.col_offset), self.offset(node.end_lineno, node.end_col_offset)
+
+    def segment(self, node):
+        a, b = self.span(node)
+        return self.text[a:b]
+
+    def line_span(self, first, last):
+        """Whole lines first..last (1-based, inclusive) as a string span."""
+        return self.starts[first - 1], self.starts[last]
+
+    def indent(self, lineno):
+        line = self.lines[lineno - 1]
+        return len(line) - len(line.lstrip(" "))
+
+    def dedented(self, first, last, by, to=None):
+        """Lines first..last with `by` leading spaces removed (lines inside multi-line strings kept as they are)."""
+        out = []
+        for n in range(first, last + 1):
+            line = self.lines[n - 1]
+            if n not in self.string_lines and line.strip():
+                cut = min(by, len(line) - len(line.lstrip(" ")))
+                line = line[cut:]
+            out.append(line)
+        return "".join(out)
+
+    def comments_above(self, lineno):
+        """The first line of the comment lines directly above `lineno` at its indentation (or lineno)."""
+        ind, n = self.indent(lineno), lineno
+        while n > 1 and self.lines[n - 2].strip().startswith("#") and self.indent(n - 1) == ind \
+                and (n - 1) not in self.string_lines:
+            n -= 1
+        return n
+
+
+def stmt_first_line(node):
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", ())])
+
+
+# ---------------------------------------------------------------------------------------------------- the settings
+
+
+def settings_table(tree):
+    """{attribute: (NAME, kind)} of Hyperparameters' settings, and the names MACHINE_SETTINGS lists."""
+    table, machine = {}, set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "MACHINE_SETTINGS"
+                                                for t in node.targets):
+            machine = set(ast.literal_eval(node.value))
+        if isinstance(node, ast.ClassDef) and node.name == "Hyperparameters":
+            for sub in ast.walk(node):
+                if (isinstance(sub, ast.Assign) and len(sub.targets) == 1 and isinstance(sub.targets[0], ast.Attribute)
+                        and isinstance(sub.value, ast.Call) and isinstance(sub.value.func, ast.Attribute)
+                        and sub.value.func.attr in ("_env", "_env_int_list")):
+                    args = sub.value.args
+                    kind = ("list" if sub.value.func.attr == "_env_int_list" else
+                            args[2].id if len(args) > 2 else "int")
+                    table[sub.targets[0].attr] = (args[0].value, kind)
+            for sub in ast.walk(node):  # settings read into a local first (e.g. PHASED_TTT_PREFIX_DOCS)
+                if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "_env"
+                        and sub.args and isinstance(sub.args[0], ast.Constant)
+                        and sub.args[0].value not in {n for n, _ in table.values()}):
+                    table[f"<{sub.args[0].value}>"] = (sub.args[0].value, "local")
+    return table, machine
+
+
+def load_module(text, path):
+    """The full script's module (its definitions only: nothing runs below `if __name__ == '__main__'`)."""
+    name = "_specialise_source"
+    mod = types.ModuleType(name)
+    mod.__file__ = str(path)
+    sys.modules[name] = mod
+    try:
+        exec(compile(text, str(path), "exec"), mod.__dict__)
+    finally:
+        sys.modules.pop(name, None)
+    return mod
+
+
+def run_settings(module, run):
+    """Hyperparameters of the run: PRESET and the VAR=VALUE given, nothing else from the environment."""
+    env = {"RUN_ID": "specialise", **run}
+    try:
+        return module.Hyperparameters(env)
+    except module.ConfigError as e:
+        raise SpecialiseError(f"the run's settings are refused by the full script: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------- the analysis
+
+
+def is_literal(v):
+    if isinstance(v, _LITERAL_TYPES):
+        return True
+    return isinstance(v, tuple) and all(is_literal(x) for x in v)
+
+
+def literal_text(v):
+    return repr(v)
+
+
+class Analysis:
+    """One pass over a source: what is known, and the text edits that fold it."""
+
+    def __init__(self, src: Source, table, machine, h, conditions):
+        self.src, self.table, self.h = src, table, h
+        self.conditions = conditions  # NAME -> {(op, literal): result}, accumulated over passes
+        self.edits = []
+        tree = src.tree
+        self.classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+        self.functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        self.parents, self.fn_of, self.cls_of = {}, {}, {}
+        self._index(tree, None, None)
+        self.bound = {}  # function -> names bound in it (parameters, assignments)
+        # settings whose attribute is assigned outside Hyperparameters.__init__ (or more than once in it)
+        stores_out, stores_init = set(), {}
+        hp = self.classes.get("Hyperparameters")
+        init = next((f for f in hp.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None) if hp else None
+        init_nodes = set(ast.walk(init)) if init else set()
+        for node in ast.walk(tree):
+            for target in self._store_targets(node):
+                if isinstance(target, ast.Attribute) and target.attr in table:
+                    if target in init_nodes and isinstance(target.value, ast.Name) and target.value.id == "self":
+                        stores_init[target.attr] = stores_init.get(target.attr, 0) + 1
+                    elif self._is_settings_base(target.value, node):
+                        stores_out.add(target.attr)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+                stores_out.add("*")  # setattr on a settings object: checked below by its literal name, if any
+                if len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+                    stores_out.add(node.args[1].value)
+        self.init_nodes = init_nodes
+        self.multi_init = {a for a, n in stores_init.items() if n > 1}
+        dynamic = "*" in stores_out and self._setattr_on_settings(tree)
+        self.foldable = {}  # attr -> (NAME, kind): settings whose predicates fold
+        for attr, (name, kind) in table.items():
+            if name in machine or kind in ("float", "list", "local") or attr in stores_out or dynamic:
+                continue
+            self.foldable[attr] = (name, kind)
+        # a setting known outright: a bool, or one the run has recorded equal to a literal
+        self.known_settings = {}
+        for attr, (name, kind) in self.foldable.items():
+            value = getattr(h, attr)
+            if kind == "bool" or any(op == "==" and res for (op, _), res in conditions.get(name, {}).items()):
+                if is_literal(value):
+                    self.known_settings[attr] = value
+        self._collect_constants(tree)
+
+    # -- helpers
+
+    @staticmethod
+    def _store_targets(node):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, (ast.For, ast.AsyncFor)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        else:
+            return []
+        out = []
+        for t in targets:
+            out.extend(x for x in ast.walk(t) if isinstance(x, (ast.Attribute, ast.Name, ast.Subscript)))
+        return out
+
+    def _setattr_on_settings(self, tree):
+        """setattr(obj, name, ...) with a computed name, where obj looks like a settings object."""
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                    and len(node.args) > 1 and not isinstance(node.args[1], ast.Constant)):
+                base = node.args[0]
+                if self._is_settings_base(base, node):
+                    # Hyperparameters' own `setattr` (none today) or a settings object: unsafe
+                    fn = self.enclosing(node, (ast.FunctionDef,))
+                    if fn is None or fn.name not in ("restore_real",):
+                        return True
+        return False
+
+    def _index(self, node, fn, cls):
+        """parents; for each node its innermost function, and the class whose method it is in (`self`'s class)."""
+        stack = [(node, fn, cls)]
+        while stack:
+            node, fn, cls = stack.pop()
+            self.fn_of[node], self.cls_of[node] = fn, cls
+            inner_fn, inner_cls = fn, cls
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                parent = self.parents.get(node)
+                inner_cls = parent.name if isinstance(parent, ast.ClassDef) else cls
+                inner_fn = node
+            elif isinstance(node, ast.ClassDef):
+                inner_cls = None
+            for child in ast.iter_child_nodes(node):
+                self.parents[child] = node
+                stack.append((child, inner_fn, inner_cls))
+
+    def enclosing(self, node, kinds):
+        if kinds == (ast.FunctionDef, ast.AsyncFunctionDef) or kinds == (ast.FunctionDef,):
+            return self.fn_of.get(node)
+        while node in self.parents:
+            node = self.parents[node]
+            if isinstance(node, kinds):
+                return node
+        return None
+
+    def enclosing_class(self, node):
+        return self.cls_of.get(node)
+
+    def _is_settings_base(self, base, at):
+        if isinstance(base, ast.Name) and base.id == "h":
+            return True
+        if isinstance(base, ast.Attribute) and base.attr == "h":
+            return True
+        return isinstance(base, ast.Name) and base.id == "self" and self.enclosing_class(at) == "Hyperparameters"
+
+    def setting_of(self, node):
+        """The foldable setting attribute `node` reads (h.X, rt.h.X, self.h.X, self.X in Hyperparameters, or a local
+        assigned once from one of those at its function's top level), or None."""
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            fn = self.fn_of.get(node)
+            return self.local_aliases(fn).get(node.id) if fn is not None else None
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in self.foldable
+                and self._is_settings_base(node.value, node)):
+            if node in self.init_nodes and node.attr in self.multi_init:
+                return None  # in __init__ before its last assignment the value may differ
+            return node.attr
+        return None
+
+    # -- constants: locals, globals, attributes
+
+    def _collect_constants(self, tree):
+        self.global_consts = {}
+        declared_global = {n for node in ast.walk(tree) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
+        assigned = {}
+        for node in tree.body:
+            for t in self._store_targets(node):
+                if isinstance(t, ast.Name):
+                    assigned.setdefault(t.id, []).append(node)
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)):
+                for name in ([node.name] if hasattr(node, "name") else
+                             [a.asname or a.name.split(".")[0] for a in node.names]):
+                    assigned.setdefault(name, []).append(node)
+        for name, nodes in assigned.items():
+            node = nodes[0]
+            if (len(nodes) == 1 and name not in declared_global and isinstance(node, ast.Assign)
+                    and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                    and isinstance(node.value, ast.Constant) and is_literal(node.value.value)):
+                self.global_consts[name] = node.value.value
+        # attributes: every store of `.a` in the file
+        stores = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                for t in node.targets:
+                    self._attr_stores(t, node.value, node, stores)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor, ast.Delete, ast.With)):
+                for t in ast.walk(node.target if hasattr(node, "target") else node) if not isinstance(node, ast.With) \
+                        else [x for item in node.items if item.optional_vars for x in ast.walk(item.optional_vars)]:
+                    if isinstance(t, ast.Attribute) and isinstance(t.ctx, (ast.Store, ast.Del)):
+                        stores.setdefault(t.attr, []).append((None, None, UNKNOWN))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+                name = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else "*"
+                stores.setdefault(name, []).append((None, None, UNKNOWN))
+            elif isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    if isinstance(stmt, ast.Assign):
+                        for t in stmt.targets:
+                            if isinstance(t, ast.Name):
+                                stores.setdefault(t.id, []).append((node.name, None, UNKNOWN))
+        self.attr_stores = stores
+        self.attr_consts = {}  # (family root, attr) -> value
+        self.families = self._class_families()
+        if "*" in stores:
+            return
+        for attr, entries in stores.items():
+            fams = {self.families.get(cls) for cls, _, _ in entries}
+            if len(fams) != 1 or None in fams:
+                continue
+            values = []
+            for cls, value_node, hint in entries:
+                if hint is UNKNOWN and value_node is None:
+                    values = None
+                    break
+                values.append(self.value(value_node, in_class=cls) if value_node is not None else hint)
+            if not values or any(v is UNKNOWN for v in values):
+                continue
+            if all(v is NOT_NONE or (v is not None and not isinstance(v, _LITERAL_TYPES)) for v in values):
+                self.attr_consts[(fams.pop(), attr)] = NOT_NONE
+            elif all(v is not NOT_NONE and is_literal(v) for v in values) and len({(type(v), v) for v in values}) == 1:
+                self.attr_consts[(fams.pop(), attr)] = values[0]
+
+    def _attr_stores(self, target, value, stmt, stores):
+        if isinstance(target, (ast.Tuple, ast.List)):
+            elts = value.elts if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts) else None
+            for i, t in enumerate(target.elts):
+                self._attr_stores(t, elts[i] if elts else None, stmt, stores)
+            return
+        if isinstance(target, ast.Starred):
+            self._attr_stores(target.value, None, stmt, stores)
+            return
+        if not isinstance(target, ast.Attribute):
+            return
+        if isinstance(target.value, ast.Name) and target.value.id == "self" and value is not None:
+            cls = self.enclosing_class(stmt)
+            stores.setdefault(target.attr, []).append((cls, value, None) if cls else (None, None, UNKNOWN))
+        else:
+            stores.setdefault(target.attr, []).append((None, None, UNKNOWN))
+
+    def _class_families(self):
+        """class name -> the root of its family (classes of the file joined by inheritance)."""
+        parent = {name: name for name in self.classes}
+
+        def root(x):
+            while parent[x] != x:
+                x = parent[x]
+            return x
+        for name, node in self.classes.items():
+            for b in node.bases:
+                if isinstance(b, ast.Name) and b.id in self.classes:
+                    parent[root(name)] = root(b.id)
+        return {name: root(name) for name in self.classes}
+
+    def local_aliases(self, fn):
+        """Locals of `fn` assigned once, at its top level, from a foldable setting (e.g. `text = h.train_clock`)."""
+        cache = self.__dict__.setdefault("_aliases", {})
+        if fn not in cache:
+            cache[fn] = {}
+            counts = self._store_counts(fn)
+            for stmt in fn.body:
+                if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                        and counts.get(stmt.targets[0].id) == 1 and isinstance(stmt.value, ast.Attribute)):
+                    attr = self.setting_of(stmt.value)
+                    if attr is not None:
+                        cache[fn][stmt.targets[0].id] = attr
+        return cache[fn]
+
+    def _store_counts(self, fn):
+        cache = self.__dict__.setdefault("_counts", {})
+        if fn in cache:
+            return cache[fn]
+        counts = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                counts[node.id] = counts.get(node.id, 0) + 1
+            elif isinstance(node, (ast.Global, ast.Nonlocal)):
+                for n in node.names:
+                    counts[n] = 99
+            elif isinstance(node, ast.arg):
+                counts[node.arg] = 99
+        cache[fn] = counts
+        return counts
+
+    def returned_keys(self, name):
+        """The keys of the dict module function `name` returns, when its last statement is
+        `return {k: v for k, v in A.items() if B[k]}` with A and B dict displays of str keys and B's values known."""
+        cache = self.__dict__.setdefault("_keys", {})
+        if name in cache:
+            return cache[name]
+        cache[name] = None
+        fn = self.functions.get(name)
+        if fn is None or not isinstance(fn.body[-1], ast.Return) or not isinstance(fn.body[-1].value, ast.DictComp):
+            return None
+        comp = fn.body[-1].value
+        gen = comp.generators[0] if len(comp.generators) == 1 else None
+        if (gen is None or len(gen.ifs) != 1 or not isinstance(gen.iter, ast.Call)
+                or not isinstance(gen.iter.func, ast.Attribute) or gen.iter.func.attr != "items"
+                or not isinstance(gen.iter.func.value, ast.Name) or not isinstance(gen.target, ast.Tuple)):
+            return None
+        test, key = gen.ifs[0], gen.target.elts[0]
+        if not (isinstance(test, ast.Subscript) and isinstance(test.value, ast.Name) and isinstance(test.slice, ast.Name)
+                and isinstance(key, ast.Name) and test.slice.id == key.id):
+            return None
+        displays = {}
+        counts = self._store_counts(fn)
+        for stmt in fn.body:
+            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                    and isinstance(stmt.value, ast.Dict) and counts.get(stmt.targets[0].id) == 1
+                    and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in stmt.value.keys)):
+                displays[stmt.targets[0].id] = stmt.value
+        a, b = displays.get(gen.iter.func.value.id), displays.get(test.value.id)
+        if a is None or b is None:
+            return None
+        on = {k.value: self.value(v) for k, v in zip(b.keys, b.values)}
+        if any(v is UNKNOWN or v is NOT_NONE for v in on.values()):
+            return None
+        cache[name] = [k.value for k in a.keys if on.get(k.value)]
+        return cache[name]
+
+    def call_result(self, name):
+        """The literal a module function always returns: its body (after a docstring) one `return LITERAL`."""
+        fn = self.functions.get(name)
+        if fn is None:
+            return UNKNOWN
+        body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+        if len(body) == 1 and isinstance(body[0], ast.Return):
+            v = self.value(body[0].value) if body[0].value is not None else None
+            return v if v is not NOT_NONE and (v is None or is_literal(v)) else UNKNOWN
+        return UNKNOWN
+
+    def local_call(self, node):
+        """The function name a local is assigned from once, at its function's top level (`plan = f(h)`)."""
+        fn = self.fn_of.get(node)
+        if fn is None:
+            return None
+        counts = self._store_counts(fn)
+        for stmt in fn.body:
+            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                    and stmt.targets[0].id == node.id and counts.get(node.id) == 1 and isinstance(stmt.value, ast.Call)
+                    and isinstance(stmt.value.func, ast.Name)):
+                return stmt.value.func.id
+        return None
+
+    def local_consts(self, fn):
+        """Locals of `fn` assigned once, at its top level, to a literal; not parameters, globals or closures."""
+        cache = getattr(self, "_locals", None)
+        if cache is None:
+            cache = self._locals = {}
+        if fn in cache:
+            return cache[fn]
+        params = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
+        counts, first = {}, {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                counts[node.id] = counts.get(node.id, 0) + 1
+            if isinstance(node, (ast.Global, ast.Nonlocal)):
+                for n in node.names:
+                    counts[n] = 99
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and node is not fn:
+                for a in ast.walk(node.args):
+                    if isinstance(a, ast.arg):
+                        counts[a.arg] = 99
+            if isinstance(node, ast.arg):
+                pass
+        out = {}
+        cache[fn] = out
+        for stmt in fn.body:
+            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                    and counts.get(stmt.targets[0].id) == 1 and stmt.targets[0].id not in params):
+                v = self.value(stmt.value)
+                if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
+                    out[stmt.targets[0].id] = v
+        return out
+
+    # -- values
+
+    def predicate(self, node):
+        """(setting attr, op, literal) when `node` is a predicate of a foldable setting, else None."""
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            op = COMPARE_OPS.get(type(node.ops[0]))
+            left, right = node.left, node.comparators[0]
+            for s_node, l_node, flipped in ((left, right, False), (right, left, True)):
+                attr = self.setting_of(s_node)
+                if attr is None or op is None:
+                    continue
+                try:
+                    lit = ast.literal_eval(l_node)
+                except ValueError:
+                    continue
+                if not is_literal(lit) or isinstance(lit, float):
+                    continue
+                kind = self.foldable[attr][1]
+                if op not in EQUALITY_OPS and kind != "int":
+                    continue
+                if flipped and op in ("in", "not in"):
+                    continue  # `lit in setting`: a substring test
+                if flipped:
+                    op = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}.get(op, op)
+                return attr, op, lit
+        return None
+
+    def record(self, attr, op, lit):
+        name = self.foldable[attr][0]
+        result = bool(EVALUATE[op](getattr(self.h, attr), lit))
+        self.conditions.setdefault(name, {})[(op, lit)] = result
+        return result
+
+    def value(self, node, cond=False, in_class=None):
+        """What `node` evaluates to, if the analysis knows it (UNKNOWN otherwise; NOT_NONE: some object)."""
+        if node is None:
+            return UNKNOWN
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Tuple) and isinstance(node.ctx, ast.Load):
+            vals = [self.value(e) for e in node.elts]
+            return tuple(vals) if all(v is not UNKNOWN and v is not NOT_NONE and is_literal(v) for v in vals) else NOT_NONE
+        if isinstance(node, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp, ast.Lambda)):
+            return NOT_NONE
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in self.classes:
+            return NOT_NONE
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "nn" and node.func.attr[:1].isupper()):
+            return NOT_NONE
+        attr = self.setting_of(node)
+        if attr is not None:
+            if attr in self.known_settings:
+                self.record(attr, "==", self.known_settings[attr]) if self.foldable[attr][1] != "bool" else \
+                    self.record(attr, "truth", None)
+                return self.known_settings[attr]
+            if cond:
+                return self.record(attr, "truth", None)
+            return UNKNOWN
+        pred = self.predicate(node)
+        if pred is not None:
+            return self.record(*pred)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            fn = self.enclosing(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if fn is not None:
+                consts = self.local_consts(fn)
+                if node.id in consts:
+                    return consts[node.id]
+                if self._bound_in(fn, node.id):
+                    return UNKNOWN
+            return self.global_consts.get(node.id, UNKNOWN)
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
+                and node.value.id == "self"):
+            cls = in_class or self.enclosing_class(node)
+            fam = self.families.get(cls)
+            if fam is not None and (fam, node.attr) in self.attr_consts:
+                return self.attr_consts[(fam, node.attr)]
+            return UNKNOWN
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            v = self.value(node.operand, cond=True)
+            return UNKNOWN if v is UNKNOWN or v is NOT_NONE else (not v)
+        if isinstance(node, ast.BoolOp):
+            return self._boolop_value(node, cond)[0]
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in self.functions
+                and not any(isinstance(x, ast.Call) for arg in node.args + node.keywords for x in ast.walk(arg))):
+            return self.call_result(node.func.id)
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            op = COMPARE_OPS.get(type(node.ops[0]))
+            right = node.comparators[0]
+            if (op in ("in", "not in") and isinstance(node.left, ast.Constant) and isinstance(right, ast.Name)
+                    and isinstance(right.ctx, ast.Load)):
+                source = self.local_call(right)
+                keys = self.returned_keys(source) if source else None
+                if keys is not None:
+                    return (node.left.value in keys) == (op == "in")
+            a, b = self.value(node.left), self.value(node.comparators[0])
+            if op in ("is", "is not") and (a is NOT_NONE and b is None or b is NOT_NONE and a is None):
+                return op == "is not"
+            if op and a is not UNKNOWN and b is not UNKNOWN and a is not NOT_NONE and b is not NOT_NONE \
+                    and is_literal(a) and is_literal(b) and not (op in ("is", "is not") and None not in (a, b)):
+                try:
+                    return bool(EVALUATE[op](a, b))
+                except TypeError:
+                    return UNKNOWN
+            return UNKNOWN
+        if isinstance(node, ast.IfExp):
+            t = self.value(node.test, cond=True)
+            if t is UNKNOWN or t is NOT_NONE:
+                return UNKNOWN
+            return self.value(node.body if t else node.orelse, cond)
+        return UNKNOWN
+
+    def _bound_in(self, fn, name):
+        if fn not in self.bound:
+            self.bound[fn] = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} \
+                | {n.arg for n in ast.walk(fn) if isinstance(n, ast.arg)}
+        return name in self.bound[fn]
+
+    def _boolop_value(self, node, cond):
+        """(value, kept operands) of and/or: a known operand with no effect on the result goes; one that decides the
+        whole ends it (the operands before it stay unless the whole is a condition and they call nothing)."""
+        is_and, kept, last = isinstance(node.op, ast.And), [], node.values[-1]
+        for operand in node.values:
+            v = self.value(operand, cond)
+            if v is UNKNOWN or v is NOT_NONE or not is_literal(v):
+                kept.append(operand)
+                continue
+            if bool(v) == is_and:  # truthy in `and`, falsy in `or`: no effect but as the last operand
+                if operand is not last:
+                    continue
+                if not kept:
+                    return v, []
+                if not cond:
+                    kept.append(operand)
+                continue  # `x and True` as a condition: x
+            if not kept or (cond and not any(isinstance(x, ast.Call) for k in kept for x in ast.walk(k))):
+                return v, []
+            kept.append(operand)
+            return UNKNOWN, kept
+        return UNKNOWN, kept
+
+    # -- expression text with folding applied
+
+    def replaceable(self, node, v):
+        return v is not UNKNOWN and v is not NOT_NONE and is_literal(v) and not isinstance(node, ast.Constant)
+
+    def render(self, node, cond=False):
+        """The source text of expression `node` with what is known folded."""
+        if isinstance(node, ast.expr) and not isinstance(node, (ast.JoinedStr,)):
+            if isinstance(node, (ast.Name, ast.Attribute)) and not isinstance(node.ctx, ast.Load):
+                return self.src.segment(node)
+            v = self.value(node, cond)
+            if self.replaceable(node, v) and (cond or not isinstance(node, (ast.BoolOp,)) or isinstance(v, bool)):
+                if cond and not isinstance(v, bool):
+                    v = bool(v) if not isinstance(node, (ast.Name, ast.Attribute)) else v
+                return literal_text(v)
+            if isinstance(node, ast.BoolOp):
+                _, kept = self._boolop_value(node, cond)
+                if len(kept) != len(node.values):
+                    word = " and " if isinstance(node.op, ast.And) else " or "
+                    parts = [self._wrapped(k, cond) for k in kept]
+                    return parts[0] if len(parts) == 1 else word.join(parts)
+            if isinstance(node, ast.IfExp):
+                t = self.value(node.test, cond=True)
+                if t is not UNKNOWN and t is not NOT_NONE:
+                    return self.render(node.body if t else node.orelse, cond)
+            if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+                return self._splice(node, {node.operand: True})
+        if isinstance(node, ast.JoinedStr):
+            return self.src.segment(node)
+        return self._splice(node, {})
+
+    def _wrapped(self, node, cond):
+        text = self.render(node, cond)
+        if isinstance(node, (ast.BoolOp, ast.IfExp, ast.Lambda, ast.NamedExpr)):
+            return f"({text})"
+        return text
+
+    def _splice(self, node, cond_children):
+        """node's text with each child expression rendered (children in `cond_children` as conditions)."""
+        a, b = self.src.span(node)
+        pieces, pos = [], a
+        for child in self._expr_children(node):
+            ca, cb = self.src.span(child)
+            if ca < pos or cb > b:
+                continue
+            cond = child in cond_children or (isinstance(node, ast.IfExp) and child is node.test) or \
+                (isinstance(node, ast.comprehension) and child in node.ifs)
+            text = self.render(child, cond)
+            if text != self.src.text[ca:cb]:
+                pieces.append(self.src.text[pos:ca])
+                pieces.append(text)
+                pos = cb
+        pieces.append(self.src.text[pos:b])
+        return "".join(pieces)
+
+    def _expr_children(self, node):
+        out = []
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.expr):
+                out.append(child)
+            elif isinstance(child, (ast.keyword, ast.comprehension, ast.arguments, ast.arg, ast.Slice)):
+                out.extend(self._expr_children(child))
+            # operators, contexts: nothing
+        return sorted((c for c in out if hasattr(c, "lineno")), key=lambda c: (c.lineno, c.col_offset))
+
+
+# ---------------------------------------------------------------------------------------------------- statements
+
+
+class Folder:
+    """One round of statement edits from an Analysis: known branches kept alone, dead statements dropped."""
+
+    def __init__(self, analysis: Analysis):
+        self.a = analysis
+        self.src = analysis.src
+        self.edits = []  # (start, end, text)
+
+    def run(self):
+        self.block(self.src.tree.body, None)
+        return self.edits
+
+    def edit(self, start, end, text):
+        self.edits.append((start, end, text))
+
+    def block(self, stmts, owner):
+        """Edits for a block of statements; removes the block's dead tail."""
+        removed = []
+        for i, stmt in enumerate(stmts):
+            if i > 0 and isinstance(stmts[i - 1], (ast.Return, ast.Raise, ast.Continue, ast.Break)):
+                removed.extend(stmts[i:])
+                break
+            r = self.statement(stmt)
+            if r == "removed":
+                removed.append(stmt)
+        if removed:
+            first = stmt_first_line(removed[0])
+            if len(removed) == len(stmts) and owner is not None:
+                # the whole block goes: one `pass` in its place
+                ind = " " * self.src.indent(stmts[0].lineno)
+                if stmts[0].lineno == getattr(owner, "lineno", -1):  # `if x: y` on one line
+                    a, _ = self.src.span(stmts[0])
+                    _, b = self.src.span(stmts[-1])
+                    self.edit(a, b, "pass")
+                    return
+                a = self.src.starts[self.src.comments_above(first) - 1]
+                b = self.src.starts[removed[-1].end_lineno]
+                self.edit(a, b, ind + "pass\n")
+                return
+            for stmt in removed:
+                a = self.src.starts[self.src.comments_above(stmt_first_line(stmt)) - 1]
+                b = self.src.starts[stmt.end_lineno]
+                if stmt.lineno == getattr(owner, "lineno", -1):
+                    continue
+                self.edit(a, b, "")
+
+    def statement(self, stmt):
+        a = self.a
+        if isinstance(stmt, ast.If):
+            return self.if_statement(stmt)
+        if isinstance(stmt, ast.While):
+            t = a.value(stmt.test, cond=True)
+            if t is False:
+                return "removed"
+            self.expression(stmt.test, cond=True)
+            self.block(stmt.body, stmt)
+            self.block(stmt.orelse, stmt) if stmt.orelse else None
+            return None
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            self.block(stmt.body, stmt)
+            return None
+        if isinstance(stmt, (ast.For, ast.AsyncFor)):
+            self.expression(stmt.iter)
+            self.block(stmt.body, stmt)
+            if stmt.orelse:
+                self.block(stmt.orelse, stmt)
+            return None
+        if isinstance(stmt, (ast.With, ast.AsyncWith)):
+            for item in stmt.items:
+                self.expression(item.context_expr)
+            self.block(stmt.body, stmt)
+            return None
+        if isinstance(stmt, ast.Try):
+            self.block(stmt.body, stmt)
+            for handler in stmt.handlers:
+                self.block(handler.body, handler)
+            for part in (stmt.orelse, stmt.finalbody):
+                if part:
+                    self.block(part, stmt)
+            return None
+        if isinstance(stmt, ast.Assign) and self.dead_local(stmt):
+            return "removed"
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            return None  # a docstring
+        if isinstance(stmt, ast.Expr) and self.guard_call(stmt.value):
+            ok = a.value(stmt.value.args[0], cond=True)
+            if ok is not UNKNOWN and ok is not NOT_NONE and ok:
+                return "removed"  # a check that always passes
+            self.expression(stmt.value.args[0], cond=True)
+            for arg in stmt.value.args[1:]:
+                self.expression(arg)
+            return None
+        for child in ast.iter_child_nodes(stmt):
+            if isinstance(child, ast.expr) and not (isinstance(child, (ast.Name, ast.Attribute, ast.Subscript,
+                                                                         ast.Tuple, ast.List))
+                                                    and not isinstance(getattr(child, "ctx", ast.Load()), ast.Load)):
+                self.expression(child, cond=isinstance(stmt, ast.Assert) and child is stmt.test)
+        return None
+
+    def guard_call(self, call):
+        """A call of a check: a function whose body is `if not FIRST_PARAM: raise ...` (its first argument is a
+        condition; the call does nothing when it holds)."""
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.args and not call.keywords
+                and not any(isinstance(x, ast.Starred) for x in call.args)):
+            return False
+        fn = self.a.fn_of.get(call)
+        scopes = [fn.body] if fn is not None else []
+        scopes.append(self.src.tree.body)
+        for body in scopes:
+            for d in body:
+                if isinstance(d, ast.FunctionDef) and d.name == call.func.id:
+                    inner = d.body[1:] if isinstance(d.body[0], ast.Expr) and isinstance(d.body[0].value, ast.Constant) \
+                        else d.body
+                    return (len(inner) == 1 and isinstance(inner[0], ast.If) and not inner[0].orelse
+                            and d.args.args and isinstance(inner[0].test, ast.UnaryOp)
+                            and isinstance(inner[0].test.op, ast.Not) and isinstance(inner[0].test.operand, ast.Name)
+                            and inner[0].test.operand.id == d.args.args[0].arg
+                            and all(isinstance(x, ast.Raise) for x in inner[0].body))
+        return False
+
+    def dead_local(self, stmt):
+        """A local set to a literal that nothing reads (its reads were folded)."""
+        if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name):
+            return False
+        fn = self.a.enclosing(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
+        if fn is None or self.a.parents.get(stmt) is not fn:
+            return False
+        name = stmt.targets[0].id
+        if name not in self.a.local_consts(fn) and name not in self.a.local_aliases(fn):
+            return False
+        return not any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(fn))
+
+    def expression(self, node, cond=False):
+        text = self.a.render(node, cond)
+        seg = self.src.segment(node)
+        if text != seg:
+            a, b = self.src.span(node)
+            self.edit(a, b, text)
+
+    def else_line(self, stmt):
+        """The line of `else:` between an if's body and its else block."""
+        ind = self.src.indent(stmt.lineno)
+        for n in range(stmt.body[-1].end_lineno + 1, stmt.orelse[0].lineno):
+            line = self.src.lines[n - 1]
+            if line.strip().startswith("else") and self.src.indent(n) == ind and n not in self.src.string_lines:
+                return n
+        raise SpecialiseError(f"line {stmt.lineno}: no else line found")
+
+    def is_elif(self, stmt):
+        return self.src.lines[stmt.lineno - 1][self.src.offset(stmt.lineno, stmt.col_offset)
+                                                - self.src.starts[stmt.lineno - 1]:].startswith("elif")
+
+    def body_lines(self, stmt, body, header_last):
+        """(first, last) lines of a body, comments directly after the header included."""
+        return header_last + 1, body[-1].end_lineno
+
+    def if_statement(self, stmt):
+        src = self.src
+        t = self.a.value(stmt.test, cond=True)
+        if t is UNKNOWN or t is NOT_NONE:
+            self.expression(stmt.test, cond=True)
+            self.block(stmt.body, stmt)
+            if stmt.orelse and not (len(stmt.orelse) == 1 and isinstance(stmt.orelse[0], ast.If)
+                                    and self.is_elif(stmt.orelse[0])):
+                self.block(stmt.orelse, stmt)
+            elif stmt.orelse:
+                self.if_statement(stmt.orelse[0])
+            return None
+        ind = src.indent(stmt.lineno)
+        header_last = stmt.body[0].lineno - 1 if stmt.body[0].lineno > stmt.lineno else stmt.lineno
+        one_line = stmt.body[0].lineno == stmt.lineno
+        has_elif = bool(stmt.orelse) and len(stmt.orelse) == 1 and isinstance(stmt.orelse[0], ast.If) \
+            and self.is_elif(stmt.orelse[0])
+        start = src.starts[stmt.lineno - 1]
+        end = src.starts[stmt.end_lineno]
+        if self.is_elif(stmt):
+            # inside a chain: rewrite the chain's text from this `elif` on
+            if t:
+                if one_line:
+                    a, _ = src.span(stmt.body[0])
+                    _, b = src.span(stmt.body[-1])
+                    self.edit(start, end, " " * ind + "else: " + src.text[a:b] + "\n")
+                else:
+                    self.edit(start, src.starts[stmt.body[-1].end_lineno],
+                              " " * ind + "else:\n" + src.text[src.starts[header_last]:src.starts[stmt.body[-1].end_lineno]])
+                    self.edit(src.starts[stmt.body[-1].end_lineno], end, "")
+            elif not stmt.orelse:
+                self.edit(start, end, "")
+            elif has_elif:
+                nxt = stmt.orelse[0]
+                self.edit(start, src.starts[nxt.lineno - 1], "")
+            else:
+                self.edit(start, src.starts[self.else_line(stmt) - 1], "")
+            return None
+        if t:
+            if one_line:
+                a, _ = src.span(stmt.body[0])
+                _, b = src.span(stmt.body[-1])
+                text = " " * ind + src.text[a:b] + "\n"
+                if stmt.orelse:
+                    self.edit(start, end, text)
+                else:
+                    self.edit(start, src.starts[stmt.lineno], text)
+                return None
+            first = src.comments_above(stmt_first_line(stmt))
+            body = src.dedented(header_last + 1, stmt.body[-1].end_lineno, src.indent(stmt.body[0].lineno) - ind)
+            self.edit(src.starts[first - 1] if first < stmt.lineno else start, end, body)
+            return None
+        if not stmt.orelse:
+            return "removed"
+        if has_elif:
+            nxt = stmt.orelse[0]
+            a = src.offset(nxt.lineno, nxt.col_offset)
+            self.edit(start, a + 2, " " * ind)  # `elif` -> `if`, at the if's place
+            return None
+        el = self.else_line(stmt)
+        first_body = stmt.orelse[0]
+        if first_body.lineno == el:  # `else: x` on one line
+            a, _ = src.span(first_body)
+            _, b = src.span(stmt.orelse[-1])
+            self.edit(start, end, " " * ind + src.text[a:b] + "\n")
+            return None
+        body = src.dedented(el + 1, stmt.orelse[-1].end_lineno, src.indent(first_body.lineno) - ind)
+        self.edit(start, end, body)
+        return None
+
+
+def apply_edits(text, edits):
+    """Apply non-overlapping edits; an edit inside another is dropped (the outer one wins; the inner one comes back
+    next round if it still applies)."""
+    edits = sorted(set(edits), key=lambda e: (e[0], -e[1]))
+    kept, last_end = [], -1
+    for e in edits:
+        if e[0] < last_end or (kept and e[0] == kept[-1][0] and e[1] <= kept[-1][1] and e != kept[-1]):
+            continue
+        kept.append(e)
+        last_end = max(last_end, e[1])
+    for a, b, t in reversed(kept):
+        text = text[:a] + t + text[b:]
+    return text, len(kept)
+
+
+# ---------------------------------------------------------------------------------------------------- definitions
+
+
+def names_in(node):
+    """Names loaded and attribute names read anywhere in node, and the strings it holds."""
+    names, attrs, strings = set(), set(), set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            names.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            attrs.add(n.attr)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            strings.add(n.value)
+    return names, attrs, strings
+
+
+def dead_definitions(src: Source, table, fixed_names):
+    """Spans of module-level definitions, methods and settings that no kept code reaches."""
+    tree = src.tree
+    defs = {}  # name -> [stmt]
+    roots = []
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defs.setdefault(stmt.name, []).append(stmt)
+        elif (isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets)) or \
+                (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            for t in targets:
+                defs.setdefault(t.id, []).append(stmt)
+        else:
+            roots.append(stmt)
+    live_names, live_attrs, live_strings = set(), set(), set()
+    live_defs, methods_seen = set(), set()
+    pending = list(roots)
+
+    def scan(node, skip_methods=False):
+        if isinstance(node, ast.ClassDef) and skip_methods:
+            n, a, s = set(), set(), set()
+            for part in node.bases + node.keywords + node.decorator_list:
+                x = names_in(part)
+                n |= x[0]; a |= x[1]; s |= x[2]
+            for stmt in node.body:
+                if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    x = names_in(stmt)
+                    n |= x[0]; a |= x[1]; s |= x[2]
+            return n, a, s
+        return names_in(node)
+
+    changed = True
+    while changed:
+        changed = False
+        while pending:
+            node = pending.pop()
+            n, a, s = scan(node, skip_methods=isinstance(node, ast.ClassDef))
+            new_names = n - live_names
+            live_names |= n
+            live_attrs |= a
+            live_strings |= s
+            for name in new_names:
+                for d in defs.get(name, ()):
+                    if id(d) not in live_defs:
+                        live_defs.add(id(d))
+                        pending.append(d)
+        # methods of live classes whose names are read
+        for name, ds in defs.items():
+            for d in ds:
+                if isinstance(d, ast.ClassDef) and id(d) in live_defs:
+                    for m in d.body:
+                        if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and id(m) not in methods_seen \
+                                and method_live(m, live_attrs, live_strings):
+                            methods_seen.add(id(m))
+                            pending.append(m)
+                            changed = True
+    dead = []
+    for name, ds in defs.items():
+        for d in ds:
+            if id(d) not in live_defs and d not in dead:
+                dead.append(d)
+    dead_methods = []
+    for name, ds in defs.items():
+        for d in ds:
+            if isinstance(d, ast.ClassDef) and id(d) in live_defs:
+                methods = [m for m in d.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                for m in methods:
+                    if id(m) not in methods_seen:
+                        dead_methods.append((d, m))
+    return dead, dead_methods, live_attrs
+
+
+def method_live(m, attrs, strings):
+    name = m.name
+    if name.startswith("__") and name.endswith("__"):
+        return True
+    if name in HOOK_METHODS:
+        return True
+    return name in attrs or name in strings
+
+
+def dead_settings(src: Source, table, fixed_names, machine):
+    """Statements of Hyperparameters.__init__ and _validate that set, or check, only attributes nothing else reads
+    (a setting's read, a value derived from settings, a check naming one). Fixed settings (the refusal reads them),
+    the machine's and PRESET stay."""
+    tree = src.tree
+    hp = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Hyperparameters"), None)
+    if hp is None:
+        return []
+    own_fns = [f for f in hp.body if isinstance(f, ast.FunctionDef) and f.name in ("__init__", "_validate")]
+    own = {id(x) for f in own_fns for x in ast.walk(f)}
+    stored = set()
+    for f in own_fns:
+        for node in ast.walk(f):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+                    and node.value.id == "self"):
+                stored.add(node.attr)
+    read_elsewhere = {node.attr for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and id(node) not in own}
+    keep = {attr for attr, (name, _) in table.items() if name in fixed_names or name in machine or name == "PRESET"}
+    dead = stored - read_elsewhere - keep - {"settings", "effective", "_environ", "_preset", "real"}
+
+    def stores(stmt):
+        return {t.attr for t in ast.walk(stmt) if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)}
+
+    def mentions(node):
+        return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
+
+    def removable(stmt):
+        if isinstance(stmt, (ast.Assign, ast.AugAssign)):
+            st = stores(stmt)
+            return bool(st) and st <= dead
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Name) \
+                and stmt.value.func.id == "need":
+            return bool(mentions(stmt.value) & dead)
+        if isinstance(stmt, ast.If):
+            return bool(mentions(stmt.test) & dead) and stores(stmt) <= dead
+        return False
+
+    def visit(body, out):
+        for stmt in body:
+            if removable(stmt):
+                out.append(stmt)
+                continue
+            for child in ast.iter_child_nodes(stmt):
+                if isinstance(child, ast.expr):
+                    live = mentions(child) & dead
+                    if live:
+                        dead.difference_update(live)
+                        raise _Again
+            for field_name in ("body", "orelse", "finalbody"):
+                inner = getattr(stmt, field_name, None)
+                if isinstance(inner, list) and not isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
+                    visit(inner, out)
+                for handler in getattr(stmt, "handlers", []) if field_name == "body" else []:
+                    visit(handler.body, out)
+
+    while True:
+        out = []
+        try:
+            for f in own_fns:
+                visit(f.body, out)
+        except _Again:
+            continue
+        return out
+
+
+class _Again(Exception):
+    """dead_settings: an attribute turned out to be read; start over."""
+
+
+def drop_unread_fixed(src: Source, table, fixed_names):
+    """The reads (`self.X = self._env(...)`) of fixed settings that no code reads any more go: {NAME: kind} of them,
+    which the specialised file checks in the environment instead (Hyperparameters._check_specialised)."""
+    hp = next((n for n in src.tree.body if isinstance(n, ast.ClassDef) and n.name == "Hyperparameters"), None)
+    init = next(f for f in hp.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    by_attr = {attr: (name, kind) for attr, (name, kind) in table.items() if name in fixed_names
+               and kind in ("bool", "int", "str") and name != "PRESET"}
+    reads = {}
+    for node in ast.walk(src.tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in by_attr:
+            reads[node.attr] = reads.get(node.attr, 0) + 1
+    gone, unread = [], {}
+    for stmt in init.body:
+        if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Attribute)
+                and stmt.targets[0].attr in by_attr and not reads.get(stmt.targets[0].attr)
+                and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute)
+                and stmt.value.func.attr == "_env"):
+            gone.append(stmt)
+            unread[by_attr[stmt.targets[0].attr][0]] = by_attr[stmt.targets[0].attr][1]
+    if not gone:
+        return src, {}
+    text, _ = apply_edits(src.text, removal_edits(src, gone))
+    return Source(text), dict(sorted(unread.items()))
+
+
+def walk_statements(body):
+    for stmt in body:
+        yield stmt
+        for field_name in ("body", "orelse", "finalbody"):
+            inner = getattr(stmt, field_name, None)
+            if isinstance(inner, list) and not isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
+                yield from walk_statements(inner)
+
+
+def removal_edits(src: Source, stmts):
+    """Edits removing whole statements (with their comments and decorators); a block left empty gets `pass`."""
+    parents = {}
+    for node in ast.walk(src.tree):
+        for field_name in ("body", "orelse", "finalbody", "handlers"):
+            children = getattr(node, field_name, None)
+            for child in children if isinstance(children, list) else ():
+                parents[id(child)] = (node, field_name)
+    gone = {id(s) for s in stmts}
+    edits = []
+    for stmt in stmts:
+        owner, fname = parents.get(id(stmt), (None, None))
+        a = src.starts[src.comments_above(stmt_first_line(stmt)) - 1]
+        b = src.starts[stmt.end_lineno]
+        text = ""
+        if owner is not None and not isinstance(owner, ast.Module):
+            siblings = getattr(owner, fname)
+            if all(id(s) in gone for s in siblings) and stmt is siblings[0]:
+                text = " " * src.indent(stmt.lineno) + "pass\n"
+        edits.append((a, b, text))
+    return edits
+
+
+# ---------------------------------------------------------------------------------------------------- presets
+
+
+def preset_edits(src: Source, run_preset, values):
+    """PRESETS replaced by the run's one preset (its values with the VAR=VALUE given); PRESET's default its name."""
+    edits, first = [], True
+    for stmt in src.tree.body:
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else []
+        if any((isinstance(t, ast.Name) and t.id == "PRESETS") or
+               (isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == "PRESETS")
+               for t in targets):
+            a = src.starts[stmt.lineno - 1]
+            b = src.starts[stmt.end_lineno]
+            if first:
+                body = ",\n".join(f"    {k!r}: {v!r}" for k, v in values.items())
+                edits.append((a, b, f"PRESETS = {{{run_preset!r}: {{\n{body},\n}}}}\n" if values else
+                              f"PRESETS = {{{run_preset!r}: {{}}}}\n"))
+                first = False
+            else:
+                start = src.starts[src.comments_above(stmt.lineno) - 1]
+                edits.append((start, b, ""))
+    for node in ast.walk(src.tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_env"
+                and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "PRESET"):
+            a, b = src.span(node.args[1])
+            edits.append((a, b, repr(run_preset)))
+    return edits
+
+
+def specialised_edit(src: Source, record):
+    for stmt in src.tree.body:
+        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "SPECIALISED" for t in stmt.targets):
+            a, b = src.span(stmt.value)
+            return [(a, b, record)]
+    raise SpecialiseError("the source has no SPECIALISED = {} line to record the specialisation in")
+
+
+# ---------------------------------------------------------------------------------------------------- driver
+
+
+def parse_run(items):
+    run = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name or not name.replace("_", "").isalnum() or not name.isupper():
+            raise SpecialiseError(f"{item!r} must be VAR=VALUE with VAR an upper-case setting name")
+        run[name] = value
+    run.setdefault("PRESET", "record_0323")
+    return run
+
+
+def specialise(text, run, path="train_gpt.py", max_rounds=60):
+    """The source `text` specialised to the run (a dict: PRESET and VAR=VALUE strings)."""
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    run = {"PRESET": run.get("PRESET", "record_0323"), **{k: v for k, v in run.items() if k != "PRESET"}}
+    src = Source(text)
+    table, machine = settings_table(src.tree)
+    if not table:
+        raise SpecialiseError(f"{path}: no Hyperparameters settings found: not a train_gpt.py")
+    names = {name: attr for attr, (name, _) in table.items()}
+    for name in run:
+        if name not in names:
+            raise SpecialiseError(f"{name} is not a setting of {path} (python3 train_gpt.py --help lists them)")
+        if name in machine:
+            raise SpecialiseError(f"{name} describes the machine, not the run: it stays open in a specialised file")
+    module = load_module(text, path)
+    h = run_settings(module, run)
+    preset = dict(module.PRESETS[h.preset])
+    values = {**preset, **{k: v for k, v in run.items() if k != "PRESET"}}
+    conditions = {}
+    rounds = 0
+    for rounds in range(1, max_rounds + 1):
+        analysis = Analysis(src, table, machine, h, conditions)
+        edits = Folder(analysis).run()
+        if not edits:
+            dead, dead_methods, _ = dead_definitions(src, table, set(conditions))
+            stmts = dead + [m for _, m in dead_methods] + dead_settings(src, table, set(conditions), machine)
+            edits = removal_edits(src, stmts)
+        if not edits:
+            break
+        new_text, n = apply_edits(src.text, edits)
+        if os.environ.get("SPECIALISE_TRACE"):
+            print(f"round {rounds}: {n} edits, {len(new_text.splitlines())} lines", file=sys.stderr)
+        try:
+            src = Source(new_text)
+        except SyntaxError as e:
+            raise SpecialiseError(f"round {rounds}: the edits broke the source at line {e.lineno}: {e.msg}") from None
+    else:
+        raise SpecialiseError(f"no fixed point after {max_rounds} rounds")
+    conds = {name: sorted(([op, lit, res] for (op, lit), res in c.items()), key=repr)
+             for name, c in sorted(conditions.items())}
+    src, unread = drop_unread_fixed(src, table, set(conds))
+    record = repr({"source_sha256": sha, "run": run, "conditions": {k: [tuple(c) for c in v] for k, v in conds.items()},
+                   "unread": unread})
+    read = {n.args[0].value for n in ast.walk(src.tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("_env", "_env_int_list") and n.args and isinstance(n.args[0], ast.Constant)}
+    values = {k: v for k, v in values.items() if k in read}  # the preset's values of settings the file still reads
+    text_out, _ = apply_edits(src.text, preset_edits(src, h.preset, values) + specialised_edit(src, record))
+    check_source(text_out)
+    return Specialised(text_out, sha, run, conds, rounds)
+
+
+def check_source(text):
+    try:
+        ast.parse(text, feature_version=MIN_PYTHON)
+        compile(text, "<specialised>", "exec")
+    except SyntaxError as e:
+        raise SpecialiseError(f"the specialised source does not compile: line {e.lineno}: {e.msg}") from None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("run", nargs="+", help="PRESET=NAME and VAR=VALUE settings of the run")
+    p.add_argument("--source", default=str(REPO / "train_gpt.py"))
+    p.add_argument("-o", "--out")
+    args = p.parse_args(argv)
+    try:
+        text = Path(args.source).read_text(encoding="utf-8")
+        spec = specialise(text, parse_run(args.run), args.source)
+    except (SpecialiseError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        Path(args.out).write_text(spec.text, encoding="utf-8")
+    else:
+        sys.stdout.write(spec.text)
+    print(f"specialised {args.source} ({len(text.splitlines())} lines) to {len(spec.text.splitlines())} lines in "
+          f"{spec.rounds} rounds; {len(spec.conditions)} settings fixed", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
