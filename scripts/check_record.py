@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check a record folder against the challenge's rules before opening a PR.
 
-Usage: check_record.py FOLDER [--track 10min|non-record] [--sota-bpb X] [--against ROW]
+Usage: check_record.py FOLDER [--track 10min|non-record] [--sota-bpb X] [--against ROW] [--full-script TRAIN_GPT]
 
 Every problem found is printed as one "FAIL: <file>: <problem>" line (never a
 traceback) and the exit status is 1. Checked:
@@ -24,7 +24,10 @@ traceback) and the exit status is 1. Checked:
   minify(train_gpt_readable.py) (local renaming included, re-derived from
   that source) is exactly the payload, so the readable file is the code that
   ran; a file in the older LZMA2 + Base85 format is refused with one line
-  (repack it);
+  (repack it); a readable source specialised to its run (scripts/specialise.py,
+  run_seeds.sh PACK_CODE=1) must be what submission.json's code_specialised says,
+  and with --full-script TRAIN_GPT the specialisation is derived again from that
+  full script for the run it records and compared (one SPECIALISED: or FAIL: line);
 - submission.json is a JSON object whose fields have the types make_record.py
   writes (required: name, blurb, author, github_id non-empty strings; date
   YYYY-MM-DD; val_bpb a positive number; bytes_total a positive integer;
@@ -78,6 +81,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pack_code  # noqa: E402
+import specialise  # noqa: E402
 import recordlib as rl  # noqa: E402  (needs the path above)
 
 VAL_BPB_TOLERANCE = 1e-6
@@ -121,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         " scores, else its logs), a submission.json, or comma-separated numbers; applies the leaderboard's rule"
         f" (one-sided Welch p < {rl.WELCH_ALPHA}, PR #1902) instead of the README's; for a folder of replay runs,"
         f" the reproduction check (two-sided Welch p < {rl.REPRODUCTION_ALPHA} means it does not reproduce ROW)",
+    )
+    p.add_argument(
+        "--full-script",
+        type=Path,
+        metavar="TRAIN_GPT",
+        help="the full train_gpt.py a specialised submission was made from: re-derives the specialisation to the"
+        " run its readable source records and says in one line whether the folder's code is it",
     )
     return p
 
@@ -268,7 +279,29 @@ def check_packed_code(folder: Path) -> list[Problem]:
     if minified != payload:
         problems.append((code, f"its packed code is not minify({rl.READABLE_CODE}): it was not packed from that"
                                " source (or by another version of scripts/pack_code.py)"))
+    record = specialise.recorded(source.decode("utf-8"))
+    if data is not None and record:
+        claimed = data.get("code_specialised")
+        if claimed != {"source_sha256": record.get("source_sha256"), "run": record.get("run")}:
+            problems.append((sub, f"code_specialised must be what {rl.READABLE_CODE} records (its SPECIALISED: "
+                                  f"source_sha256 {record.get('source_sha256')}, run {record.get('run')}): "
+                                  "make_record.py writes it"))
+    elif data is not None and data.get("code_specialised") is not None:
+        problems.append((sub, f"code_specialised is set but {rl.READABLE_CODE} is not a specialised file"))
     return problems
+
+
+def check_specialisation(folder: Path, full: Path) -> tuple[bool, str]:
+    """--full-script: whether the folder's readable code is `full` specialised to the run it records."""
+    readable = folder / rl.READABLE_CODE
+    if not readable.is_file():
+        return False, f"FAIL: {readable}: file is missing (a specialised submission ships its readable source)"
+    try:
+        full_text = full.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return False, f"FAIL: {full}: cannot be read ({exc})"
+    ok, message = specialise.same_specialisation(full_text, readable.read_text(encoding="utf-8"), str(full))
+    return ok, (f"SPECIALISED: {rl.READABLE_CODE} is {message}" if ok else f"FAIL: {readable}: {message}")
 
 
 # submission.json fields: one predicate and the words for what it accepts.
@@ -311,6 +344,10 @@ BOOLEAN: Rule = (lambda v: isinstance(v, bool), "true or false")
 DATE: Rule = (lambda v: isinstance(v, str) and valid_date(v), "YYYY-MM-DD")
 SHA256: Rule = (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
                 "64 lowercase hex digits")
+SPECIALISATION: Rule = (lambda v: isinstance(v, dict) and set(v) == {"source_sha256", "run"} and SHA256[0](
+    v["source_sha256"]) and isinstance(v["run"], dict) and all(isinstance(k, str) and isinstance(x, str)
+                                                              for k, x in v["run"].items()),
+                        "an object {source_sha256: the full train_gpt.py's sha256, run: {setting: value}}")
 METRIC: Rule = (lambda v: isinstance(v, str) and v in rl.EVAL_PREFIXES, "one of " + ", ".join(rl.EVAL_PREFIXES))
 
 # (field, required, rule) in the order make_record.py writes them.
@@ -326,6 +363,7 @@ TOP_FIELDS: tuple[tuple[str, bool, Rule], ...] = (
     ("val_bpb_std", False, NONNEG_NUMBER_OR_NULL),
     ("code_packed", False, BOOLEAN),
     ("code_source_sha256", False, SHA256),
+    ("code_specialised", False, SPECIALISATION),
 )
 PER_SEED_FIELDS: tuple[tuple[str, bool, Rule], ...] = (
     ("seed", True, SEED_INT),
@@ -614,6 +652,11 @@ def main(argv: list[str] | None = None) -> int:
     logs, problems = find_problems(folder, track)
     for path, message in problems:
         print(f"FAIL: {path}: {one_line(message)}")
+    if args.full_script is not None:
+        ok, line = check_specialisation(folder, args.full_script)
+        print(one_line(line))
+        if not ok:
+            return 1
     if problems:
         return 1
     try:

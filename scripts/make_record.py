@@ -9,7 +9,9 @@ significance test (beat the record by 0.005 nats at p < 0.01).
 
 When FOLDER/train_gpt.py is the packed form written by scripts/pack_code.py
 (run_seeds.sh with PACK_CODE=1), submission.json also records code_packed: true
-and code_source_sha256, the sha256 of the readable FOLDER/train_gpt_readable.py.
+and code_source_sha256, the sha256 of the readable FOLDER/train_gpt_readable.py; when that source is
+specialised to its run (PACK_CODE=1 does it: scripts/specialise.py), code_specialised records what from
+(the full train_gpt.py's sha256) and for which settings.
 
 Example:
     python scripts/make_record.py records/track_10min_16mb/2025-11-21_MyRun \\
@@ -28,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pack_code  # noqa: E402
+import specialise  # noqa: E402
 import recordlib as rl  # noqa: E402  (needs the path above)
 
 DASH = "–"
@@ -168,7 +171,11 @@ def code_source(folder: Path) -> dict:
     readable = folder / rl.READABLE_CODE
     if not readable.is_file():
         raise rl.RecordError(f"{code} is packed but {readable} (its readable source) is missing")
-    return {"code_packed": True, "code_source_sha256": hashlib.sha256(readable.read_bytes()).hexdigest()}
+    fields = {"code_packed": True, "code_source_sha256": hashlib.sha256(readable.read_bytes()).hexdigest()}
+    record = specialise.recorded(readable.read_text(encoding="utf-8", errors="replace"))
+    if record:  # specialised to its run (run_seeds.sh PACK_CODE=1): from which full script, for which settings
+        fields["code_specialised"] = {"source_sha256": record["source_sha256"], "run": record["run"]}
+    return fields
 
 
 def build_submission(args: argparse.Namespace, existing: dict, logs: list[rl.RunLog], metric: str,
@@ -179,7 +186,7 @@ def build_submission(args: argparse.Namespace, existing: dict, logs: list[rl.Run
     std = rl.sample_std(scores)
     data = dict(existing)
     data.pop("significance", None)  # a result for other seeds would be stale
-    for key in ("code_packed", "code_source_sha256"):  # re-derived from the folder below
+    for key in ("code_packed", "code_source_sha256", "code_specialised"):  # re-derived from the folder below
         data.pop(key, None)
     data.update(
         name=args.name or existing.get("name") or folder_name,

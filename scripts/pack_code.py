@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Pack a training script into a self-extracting file, so fewer code bytes count toward the cap.
 
-    python3 scripts/pack_code.py [SRC] [-o OUT] [--check PACKED] [--table]
+    python3 scripts/pack_code.py [SRC] [-o OUT] [--check PACKED] [--table] [--for VAR=VALUE ... [--readable]]
+
+--for PRESET=NAME [VAR=VALUE ...] specialises SRC to that run first (scripts/specialise.py: only the code the run
+executes; a submission's file, docs/submitting.md); with --readable the specialised source is written unminified.
 
 SRC (default train_gpt.py) is minified (comments, docstrings, blank lines and function-signature annotations
 removed, except the `constexpr` ones Triton reads from its kernels' signatures; one space per indentation level,
@@ -779,11 +782,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("src", nargs="?", default="train_gpt.py", type=Path, help="readable source (default: %(default)s)")
     p.add_argument("-o", "--output", type=Path, help="write the packed file here (atomically)")
+    p.add_argument("--for", dest="run", nargs="+", metavar="VAR=VALUE",
+                   help="specialise SRC to one run first (PRESET=NAME and settings; scripts/specialise.py): the file "
+                        "carries only that run's code")
+    p.add_argument("--for-env", action="store_true",
+                   help="specialise SRC to the run this environment describes (PRESET and the settings set in it; "
+                        "not the machine's): what scripts/run_seeds.sh does with PACK_CODE=1")
+    p.add_argument("--readable", action="store_true",
+                   help="with --for: write the specialised source unminified, comments kept (the code the run executes)")
     p.add_argument("--check", type=Path, metavar="PACKED",
                    help="verify that PACKED is the packed form of SRC (nothing is executed); exit 1 if not")
     p.add_argument("--table", action="store_true",
                    help="print minified, compressed and packed bytes of SRC for each packing step")
     return p
+
+
+def specialised_source(src: str, src_path: Path, run_items: list[str] | None, from_env: bool = False) -> str:
+    """SRC specialised to the run given as VAR=VALUE items, or by the environment (scripts/specialise.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import specialise
+
+    try:
+        run = specialise.run_from_environ(src, os.environ) if from_env else specialise.parse_run(run_items)
+        spec = specialise.specialise(src, run, str(src_path))
+        print(f"specialised to {' '.join(f'{k}={v}' for k, v in spec.run.items())}: {len(src.splitlines())} -> "
+              f"{len(spec.text.splitlines())} lines, {len(spec.conditions)} settings fixed", file=sys.stderr)
+        return spec.text
+    except specialise.SpecialiseError as exc:
+        raise PackError(f"--for: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -797,6 +823,22 @@ def run(args: argparse.Namespace) -> int:
             raise PackError(f"{out.parent}: no such directory")
     if is_packed(src):
         raise PackError(f"{src_path}: already packed; pass the readable source")
+    if args.readable and not (args.run or args.for_env):
+        raise PackError("--readable needs --for or --for-env (it writes the specialised source)")
+    if args.run and args.for_env:
+        raise PackError("give the run by --for or by --for-env, not both")
+    if args.run or args.for_env:
+        try:
+            ast.parse(src)
+        except SyntaxError as exc:
+            raise PackError(f"{src_path}: does not parse: {exc.msg} (line {exc.lineno})") from None
+        src = specialised_source(src, src_path, args.run, args.for_env)
+        if args.readable:
+            print(f"readable: {len(src.encode('utf-8'))} bytes, {len(src.splitlines())} lines (specialised)")
+            if out is not None:
+                write_atomic(out, src)
+                print(f"wrote {out}")
+            return 0
     try:
         minified = minify(src)
     except PackError as exc:

@@ -12,11 +12,13 @@
 # A seed whose runs/$RUN_ID/ holds a finished run stops the script before any
 # run, as train_gpt.py would refuse it (OVERWRITE_RUN=1 reruns it).
 #
-# With PACK_CODE=1, FOLDER/train_gpt.py is instead the packed (self-extracting,
-# minified, locals renamed, ZPAQ in a 7-bit literal) form written by scripts/pack_code.py, the readable
-# source goes to FOLDER/train_gpt_readable.py, and the runs execute the packed
-# file (from the repo root, so data paths resolve as usual): every log's
-# "Code size" is then the packed file's size, the bytes that count.
+# With PACK_CODE=1, train_gpt.py is first specialised to the run this environment
+# describes (PRESET and the settings set in it; scripts/pack_code.py --for-env:
+# only the code that run executes, docs/submitting.md), written readable to
+# FOLDER/train_gpt_readable.py; FOLDER/train_gpt.py is its packed (self-extracting,
+# minified, locals renamed, ZPAQ in a 7-bit literal) form, and the runs execute the
+# packed file (from the repo root, so data paths resolve as usual): every log comes
+# from the bytes submitted and its "Code size" is the packed file's size.
 #
 # Environment:
 #   NPROC_PER_NODE  processes (GPUs) per node, default 8
@@ -79,9 +81,12 @@ read -r -a extra_args <<< "${TORCHRUN_ARGS:-}"
 if [[ $pack == 1 ]]; then
   # Pack beside the target first; check_record compares it with the readable copy.
   code=$(mktemp "$folder/.train_gpt.py.XXXXXX")
-  trap 'rm -f "$code"' EXIT
-  ${PYTHON:-python3} scripts/pack_code.py train_gpt.py -o "$code" >&2 \
-    || die "scripts/pack_code.py could not pack train_gpt.py"
+  readable=$(mktemp "$folder/.train_gpt_readable.py.XXXXXX")
+  trap 'rm -f "$code" "$readable"' EXIT
+  ${PYTHON:-python3} scripts/pack_code.py train_gpt.py --for-env --readable -o "$readable" >&2 \
+    || die "scripts/pack_code.py could not specialise train_gpt.py to this run"
+  ${PYTHON:-python3} scripts/pack_code.py "$readable" -o "$code" >&2 \
+    || die "scripts/pack_code.py could not pack the specialised train_gpt.py"
   launcher+=(${extra_args[@]+"${extra_args[@]}"} "$folder/train_gpt.py")
 else
   code=train_gpt.py
@@ -94,8 +99,9 @@ if [[ -f $folder/train_gpt.py ]] && ! cmp -s "$code" "$folder/train_gpt.py"; the
 fi
 if [[ $pack == 1 ]]; then
   mv -f "$code" "$folder/train_gpt.py"
-  cp train_gpt.py "$folder/train_gpt_readable.py"
-  echo "run_seeds: $folder/train_gpt.py is packed; readable source in train_gpt_readable.py" >&2
+  mv -f "$readable" "$folder/train_gpt_readable.py"
+  echo "run_seeds: $folder/train_gpt.py is specialised to this run and packed; readable source in" \
+    "train_gpt_readable.py" >&2
 else
   cp train_gpt.py "$folder/train_gpt.py"
 fi

@@ -60,6 +60,7 @@ EQUALITY_OPS = ("==", "!=", "in", "not in", "is", "is not")
 EVALUATE = {"==": operator.eq, "!=": operator.ne, "in": lambda a, b: a in b, "not in": lambda a, b: a not in b,
             "is": operator.is_, "is not": operator.is_not, "<": operator.lt, "<=": operator.le, ">": operator.gt,
             ">=": operator.ge, "truth": lambda a, b: bool(a)}
+KEEP_NAMES = frozenset(("SPECIALISED", "PRESETS", "MACHINE_SETTINGS"))  # module names the specialisation writes or reads
 UNKNOWN = object()  # a value the analysis does not know
 NOT_NONE = object()  # an object that is not None (a new instance), whose value is otherwise unknown
 _LITERAL_TYPES = (bool, int, float, str, type(None))
@@ -91,10 +92,17 @@ class Source:
         self.starts = [0]
         for line in self.lines:
             self.starts.append(self.starts[-1] + len(line))
-        self.string_lines = set()  # lines inside a multi-line string token (never re-indented)
-        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-            if tok.type == tokenize.STRING and tok.end[0] > tok.start[0]:
-                self.string_lines.update(range(tok.start[0] + 1, tok.end[0] + 1))
+        self._string_lines = None
+
+    @property
+    def string_lines(self):
+        """Lines inside a multi-line string token (never re-indented)."""
+        if self._string_lines is None:
+            self._string_lines = set()
+            for tok in tokenize.generate_tokens(io.StringIO(self.text).readline):
+                if tok.type == tokenize.STRING and tok.end[0] > tok.start[0]:
+                    self._string_lines.update(range(tok.start[0] + 1, tok.end[0] + 1))
+        return self._string_lines
 
     def offset(self, lineno, col):
         line = self.lines[lineno - 1]
@@ -212,14 +220,18 @@ class Analysis:
         self.classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
         self.functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
         self.parents, self.fn_of, self.cls_of = {}, {}, {}
+        self.loads_in, self.stores_in = {}, {}  # function -> names it loads; -> {name: times bound (99: a parameter,
+        # a global or nonlocal)}
         self._index(tree, None, None)
+        self.all_nodes = list(self.fn_of)
+        self.hot = None
         self.bound = {}  # function -> names bound in it (parameters, assignments)
         # settings whose attribute is assigned outside Hyperparameters.__init__ (or more than once in it)
         stores_out, stores_init = set(), {}
         hp = self.classes.get("Hyperparameters")
         init = next((f for f in hp.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None) if hp else None
         init_nodes = set(ast.walk(init)) if init else set()
-        for node in ast.walk(tree):
+        for node in self.all_nodes:
             for target in self._store_targets(node):
                 if isinstance(target, ast.Attribute) and target.attr in table:
                     if target in init_nodes and isinstance(target.value, ast.Name) and target.value.id == "self":
@@ -268,7 +280,7 @@ class Analysis:
 
     def _setattr_on_settings(self, tree):
         """setattr(obj, name, ...) with a computed name, where obj looks like a settings object."""
-        for node in ast.walk(tree):
+        for node in self.all_nodes:
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
                     and len(node.args) > 1 and not isinstance(node.args[1], ast.Constant)):
                 base = node.args[0]
@@ -285,6 +297,16 @@ class Analysis:
         while stack:
             node, fn, cls = stack.pop()
             self.fn_of[node], self.cls_of[node] = fn, cls
+            if isinstance(node, ast.Name) and fn is not None:
+                if isinstance(node.ctx, ast.Load):
+                    self.loads_in.setdefault(fn, set()).add(node.id)
+                else:
+                    c = self.stores_in.setdefault(fn, {})
+                    c[node.id] = c.get(node.id, 0) + 1
+            elif isinstance(node, (ast.Global, ast.Nonlocal, ast.arg)) and fn is not None:
+                c = self.stores_in.setdefault(fn, {})
+                for n in (node.names if not isinstance(node, ast.arg) else [node.arg]):
+                    c[n] = 99
             inner_fn, inner_cls = fn, cls
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 parent = self.parents.get(node)
@@ -332,7 +354,7 @@ class Analysis:
 
     def _collect_constants(self, tree):
         self.global_consts = {}
-        declared_global = {n for node in ast.walk(tree) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
+        declared_global = {n for node in self.all_nodes if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
         assigned = {}
         for node in tree.body:
             for t in self._store_targets(node):
@@ -350,7 +372,7 @@ class Analysis:
                 self.global_consts[name] = node.value.value
         # attributes: every store of `.a` in the file
         stores = {}
-        for node in ast.walk(tree):
+        for node in self.all_nodes:
             if isinstance(node, ast.Assign):
                 for t in node.targets:
                     self._attr_stores(t, node.value, node, stores)
@@ -436,18 +458,15 @@ class Analysis:
         return cache[fn]
 
     def _store_counts(self, fn):
+        """{name: times bound} in fn and the functions nested in it (parameters, globals, nonlocals: 99)."""
         cache = self.__dict__.setdefault("_counts", {})
         if fn in cache:
             return cache[fn]
-        counts = {}
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-                counts[node.id] = counts.get(node.id, 0) + 1
-            elif isinstance(node, (ast.Global, ast.Nonlocal)):
-                for n in node.names:
-                    counts[n] = 99
-            elif isinstance(node, ast.arg):
-                counts[node.arg] = 99
+        self.loads_anywhere_in(fn, "")  # builds the nesting map
+        counts = dict(self.stores_in.get(fn, {}))
+        for inner in self._nested.get(fn, ()):
+            for name, n in self.stores_in.get(inner, {}).items():
+                counts[name] = counts.get(name, 0) + n
         cache[fn] = counts
         return counts
 
@@ -518,25 +537,12 @@ class Analysis:
             cache = self._locals = {}
         if fn in cache:
             return cache[fn]
-        params = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
-        counts, first = {}, {}
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-                counts[node.id] = counts.get(node.id, 0) + 1
-            if isinstance(node, (ast.Global, ast.Nonlocal)):
-                for n in node.names:
-                    counts[n] = 99
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and node is not fn:
-                for a in ast.walk(node.args):
-                    if isinstance(a, ast.arg):
-                        counts[a.arg] = 99
-            if isinstance(node, ast.arg):
-                pass
+        counts = self._store_counts(fn)
         out = {}
         cache[fn] = out
         for stmt in fn.body:
             if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                    and counts.get(stmt.targets[0].id) == 1 and stmt.targets[0].id not in params):
+                    and counts.get(stmt.targets[0].id) == 1):
                 v = self.value(stmt.value)
                 if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
                     out[stmt.targets[0].id] = v
@@ -577,6 +583,15 @@ class Analysis:
 
     def value(self, node, cond=False, in_class=None):
         """What `node` evaluates to, if the analysis knows it (UNKNOWN otherwise; NOT_NONE: some object)."""
+        if node is None:
+            return UNKNOWN
+        key = (id(node), cond, in_class)
+        memo = self.__dict__.setdefault("_memo", {})
+        if key not in memo:
+            memo[key] = self._value(node, cond, in_class)
+        return memo[key]
+
+    def _value(self, node, cond=False, in_class=None):
         if node is None:
             return UNKNOWN
         if isinstance(node, ast.Constant):
@@ -653,11 +668,23 @@ class Analysis:
             return self.value(node.body if t else node.orelse, cond)
         return UNKNOWN
 
+    def loads_anywhere_in(self, fn, name):
+        """Whether `name` is loaded in fn or in a function nested in it."""
+        if name in self.loads_in.get(fn, ()):
+            return True
+        nested = self.__dict__.setdefault("_nested", None)
+        if nested is None:
+            nested = self._nested = {}
+            for node in self.all_nodes:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    outer = self.fn_of.get(node)
+                    while outer is not None:
+                        nested.setdefault(outer, []).append(node)
+                        outer = self.fn_of.get(outer)
+        return any(name in self.loads_in.get(inner, ()) for inner in nested.get(fn, ()))
+
     def _bound_in(self, fn, name):
-        if fn not in self.bound:
-            self.bound[fn] = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} \
-                | {n.arg for n in ast.walk(fn) if isinstance(n, ast.arg)}
-        return name in self.bound[fn]
+        return name in self._store_counts(fn)
 
     def _boolop_value(self, node, cond):
         """(value, kept operands) of and/or: a known operand with no effect on the result goes; one that decides the
@@ -685,10 +712,32 @@ class Analysis:
     # -- expression text with folding applied
 
     def replaceable(self, node, v):
-        return v is not UNKNOWN and v is not NOT_NONE and is_literal(v) and not isinstance(node, ast.Constant)
+        return v is not UNKNOWN and v is not NOT_NONE and is_literal(v) and not isinstance(node, (ast.Constant, ast.Tuple))
+
+    def mark_hot(self):
+        """The expressions folding may change (a known value, an and/or or conditional with a known part, a setting
+        read) and every node above them: render copies the others' text as it is."""
+        hot = set()
+        for node in self.all_nodes:
+            if not isinstance(node, ast.expr) or isinstance(node, ast.Constant):
+                continue
+            known = self.setting_of(node) is not None or self.predicate(node) is not None
+            if not known:
+                v = self.value(node)
+                known = v is not UNKNOWN and v is not NOT_NONE
+            if not known and isinstance(node, (ast.BoolOp, ast.IfExp)):
+                parts = node.values if isinstance(node, ast.BoolOp) else [node.test]
+                known = any(self.value(p, cond=True) not in (UNKNOWN, NOT_NONE) for p in parts)
+            if known:
+                while node is not None and id(node) not in hot:
+                    hot.add(id(node))
+                    node = self.parents.get(node)
+        self.hot = hot
 
     def render(self, node, cond=False):
         """The source text of expression `node` with what is known folded."""
+        if id(node) not in self.hot:
+            return self.src.segment(node)
         if isinstance(node, ast.expr) and not isinstance(node, (ast.JoinedStr,)):
             if isinstance(node, (ast.Name, ast.Attribute)) and not isinstance(node.ctx, ast.Load):
                 return self.src.segment(node)
@@ -760,6 +809,7 @@ class Folder:
         self.edits = []  # (start, end, text)
 
     def run(self):
+        self.a.mark_hot()
         self.block(self.src.tree.body, None)
         return self.edits
 
@@ -881,7 +931,7 @@ class Folder:
         name = stmt.targets[0].id
         if name not in self.a.local_consts(fn) and name not in self.a.local_aliases(fn):
             return False
-        return not any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(fn))
+        return not self.a.loads_anywhere_in(fn, name)
 
     def expression(self, node, cond=False):
         text = self.a.render(node, cond)
@@ -1069,7 +1119,7 @@ def dead_definitions(src: Source, table, fixed_names):
     dead = []
     for name, ds in defs.items():
         for d in ds:
-            if id(d) not in live_defs and d not in dead:
+            if id(d) not in live_defs and d not in dead and name not in KEEP_NAMES:
                 dead.append(d)
     dead_methods = []
     for name, ds in defs.items():
@@ -1258,6 +1308,41 @@ def specialised_edit(src: Source, record):
 # ---------------------------------------------------------------------------------------------------- driver
 
 
+def recorded(text):
+    """The SPECIALISED record of a source ({} for the full script, None where there is none or it is not a literal):
+    read from its text, nothing executed."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "SPECIALISED" for t in stmt.targets):
+            try:
+                value = ast.literal_eval(stmt.value)
+            except ValueError:
+                return None
+            return value if isinstance(value, dict) else None
+    return None
+
+
+def same_specialisation(full_text, readable_text, path="train_gpt.py"):
+    """(ok, message): whether `readable_text` is `full_text` specialised to the run it records."""
+    record = recorded(readable_text)
+    if not record:
+        return False, "it records no specialisation (SPECIALISED is empty or missing): not a specialised file"
+    sha = hashlib.sha256(full_text.encode()).hexdigest()
+    if record.get("source_sha256") != sha:
+        return False, (f"it was specialised from a script with sha256 {record.get('source_sha256')}, not {path} "
+                       f"(sha256 {sha})")
+    try:
+        again = specialise(full_text, dict(record["run"]), path).text
+    except SpecialiseError as e:
+        return False, f"{path} cannot be specialised to its run: {e}"
+    if again != readable_text:
+        return False, f"it differs from {path} specialised to {' '.join(f'{k}={v}' for k, v in record['run'].items())}"
+    return True, f"{path} (sha256 {sha[:12]}...) specialised to {' '.join(f'{k}={v}' for k, v in record['run'].items())}"
+
+
 def parse_run(items):
     run = {}
     for item in items:
@@ -1265,6 +1350,16 @@ def parse_run(items):
         if not eq or not name or not name.replace("_", "").isalnum() or not name.isupper():
             raise SpecialiseError(f"{item!r} must be VAR=VALUE with VAR an upper-case setting name")
         run[name] = value
+    run.setdefault("PRESET", "record_0323")
+    return run
+
+
+def run_from_environ(text, environ):
+    """The run an environment describes: PRESET and every other setting of `text` set in it, but the machine's
+    (MACHINE_SETTINGS) and those naming one run's files (RUN_ID, SEED stay settings of the file)."""
+    table, machine = settings_table(ast.parse(text))
+    names = {name for name, _ in table.values()} - set(machine) - {"RUN_ID", "SEED"}
+    run = {name: environ[name] for name in sorted(names) if environ.get(name, "").strip()}
     run.setdefault("PRESET", "record_0323")
     return run
 

@@ -1097,13 +1097,55 @@ mkdir -p "runs/$RUN_ID" && echo "$SEED" > "runs/$RUN_ID/final_model.int6.ptz"
 """
 
 
+# A train_gpt.py in miniature for run_seeds.sh's PACK_CODE=1 (specialised to the environment's run, then packed):
+# settings read by Hyperparameters._env, presets, SPECIALISED, a branch on a mode that specialisation folds.
+MINI_TRAIN_GPT = '''import os
+
+MACHINE_SETTINGS = ("WORLD_SIZE",)
+SPECIALISED = {}
+PRESETS = {"record_0323": {}, "fast": {"MODE": "b"}}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Hyperparameters:
+    def __init__(self, environ=None):
+        self._environ, self._preset = os.environ if environ is None else environ, {}
+        self.preset = self._env("PRESET", "record_0323", str)
+        self._preset = PRESETS[self.preset]
+        self.mode = self._env("MODE", "a", str)
+        self.steps = self._env("STEPS", 3)
+        self.world_size = self._env("WORLD_SIZE", 1)
+
+    def _env(self, name, default, kind=int):
+        raw = self._environ.get(name, "") or self._preset.get(name, "")
+        return default if raw == "" else kind(raw)
+
+
+def slow_path(h):
+    """Mode a."""
+    return "a" * h.steps
+
+
+def fast_path(h):
+    return "b" * h.steps
+
+
+if __name__ == "__main__":
+    h = Hyperparameters()
+    print(slow_path(h) if h.mode == "a" else fast_path(h))
+'''
+
+
 @pytest.fixture
 def fake_repo(tmp_path):
     if shutil.which("bash") is None:
         pytest.skip("bash not available")
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for name in ("run_seeds.sh", "pack_code.py"):
+    for name in ("run_seeds.sh", "pack_code.py", "specialise.py"):
         shutil.copy(SCRIPTS / name, repo / "scripts" / name)
     (repo / "train_gpt.py").write_text(READABLE, encoding="utf-8")
     bin_dir = tmp_path / "bin"
@@ -1122,13 +1164,20 @@ def run_seeds(repo: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_run_seeds_pack_code_runs_and_ships_the_packed_file(fake_repo):
+    """PACK_CODE=1: the folder's train_gpt.py is the packed form of train_gpt.py specialised to the environment's run
+    (PRESET=fast: mode b, whose branch is all that is left), the readable specialised source beside it; the runs
+    execute the packed file."""
     repo, env = fake_repo
+    (repo / "train_gpt.py").write_text(MINI_TRAIN_GPT, encoding="utf-8")
     folder = repo / "records" / "track_non_record_16mb" / "2025-11-21_P"
-    proc = run_seeds(repo, dict(env, PACK_CODE="1"), str(folder), "7")
+    proc = run_seeds(repo, dict(env, PACK_CODE="1", PRESET="fast", STEPS="5"), str(folder), "7")
     assert proc.returncode == 0, proc.stderr
     packed = (folder / "train_gpt.py").read_text(encoding="utf-8")
-    assert pc.unpack(packed) == pc.minify(READABLE)
-    assert (folder / "train_gpt_readable.py").read_text(encoding="utf-8") == READABLE
+    readable = (folder / "train_gpt_readable.py").read_text(encoding="utf-8")
+    assert pc.unpack(packed) == pc.minify(readable)
+    assert "def fast_path" in readable and "slow_path" not in readable and "PRESETS = {'fast': {" in readable
+    assert "'run': {'PRESET': 'fast', 'STEPS': '5'}" in readable and "('==', 'a', False)" in readable
+    (repo / "train_gpt.py").write_text(READABLE, encoding="utf-8")
     assert (repo / "args_7.txt").read_text().split()[-1] == str(folder / "train_gpt.py")
     assert f"Code size: {len(packed.encode())} bytes" in (folder / "train_seed7.log").read_text()
     assert sorted(p.name for p in folder.iterdir()) == ["train_gpt.py", "train_gpt_readable.py", "train_seed7.log"]
@@ -1145,7 +1194,7 @@ def test_run_seeds_pack_code_failures(fake_repo):
     assert proc.returncode == 1 and "PACK_CODE must be 0 or 1, got 'yes'" in proc.stderr
     (repo / "train_gpt.py").write_text("def f(:\n")
     proc = run_seeds(repo, dict(env, PACK_CODE="1"), str(repo / "out"), "7")
-    assert proc.returncode == 1 and "could not pack train_gpt.py" in proc.stderr
+    assert proc.returncode == 1 and "could not specialise train_gpt.py to this run" in proc.stderr
     assert "pack_code: error: train_gpt.py: does not parse" in proc.stderr
     assert list((repo / "out").iterdir()) == [] and not (repo / "args_7.txt").exists()
 
