@@ -607,6 +607,7 @@ class Hyperparameters:
                "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
                "truth": lambda a, b: bool(a)}
         kinds = {"bool": bool, "int": int, "str": str}
+        inverse = {"<": ">=", "<=": ">", ">": "<=", ">=": "<"}
         for name, conditions in SPECIALISED.get("conditions", {}).items():
             if name in SPECIALISED["unread"]:  # no code reads it any more: only the environment can give another value
                 raw = self._environ.get(name, "").strip()
@@ -617,8 +618,11 @@ class Hyperparameters:
                 v = getattr(self, self._attr(name))
             for op, lit, want in conditions:
                 if ops[op](v, lit) != want:
-                    rule = ("set" if want else "empty or 0") if op == "truth" else f"{'' if want else 'not '}{op} {lit!r}"
-                    raise ConfigError(f"{name}={self._text(v)}: this file is specialised to {name} {rule} (made for "
+                    ran = SPECIALISED["values"][name]  # the value of the run the file was made for
+                    rule = (f"{name} {op if want else inverse[op]} {lit!r} (its run's {self._text(ran)})"
+                            if op in inverse and op not in ("==", "!=", "in", "not in", "is", "is not") else
+                            f"{name}={self._text(ran)}")
+                    raise ConfigError(f"{name}={self._text(v)}: this file is specialised to {rule} (made for "
                                       f"{' '.join(f'{k}={x}' for k, x in SPECIALISED['run'].items())}); the full "
                                       "train_gpt.py runs other values")
 

@@ -40,7 +40,6 @@ import argparse
 import ast
 import hashlib
 import io
-import json
 import operator
 import os
 import sys
@@ -1402,11 +1401,12 @@ def specialise(text, run, path="train_gpt.py", max_rounds=60):
             raise SpecialiseError(f"round {rounds}: the edits broke the source at line {e.lineno}: {e.msg}") from None
     else:
         raise SpecialiseError(f"no fixed point after {max_rounds} rounds")
-    conds = {name: sorted(([op, lit, res] for (op, lit), res in c.items()), key=repr)
+    conds = {name: sorted(((op, lit, res) for (op, lit), res in c.items()), key=repr)
              for name, c in sorted(conditions.items())}
     src, unread = drop_unread_fixed(src, table, set(conds))
-    record = repr({"source_sha256": sha, "run": run, "conditions": {k: [tuple(c) for c in v] for k, v in conds.items()},
-                   "unread": unread})
+    by_name = {name: attr for attr, (name, _) in table.items()}
+    record = repr({"source_sha256": sha, "run": run, "conditions": conds,
+                   "values": {k: getattr(h, by_name[k]) for k in conds}, "unread": unread})
     read = {n.args[0].value for n in ast.walk(src.tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
             and n.func.attr in ("_env", "_env_int_list") and n.args and isinstance(n.args[0], ast.Constant)}
     values = {k: v for k, v in values.items() if k in read}  # the preset's values of settings the file still reads

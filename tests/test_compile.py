@@ -74,8 +74,7 @@ def check_preset_run(preset, nproc, data, tmp_path, tmp_path_factory, eager=True
     plan; with `eager`, within REL_TOL of the scores of the preset's eager run on as many ranks (eager_run, shared);
     for EVAL_ONLY_RUNS the eager artifact evaluated again gives the eager run's scores exactly."""
     env = {**data, **PRESET_ENV[preset], **(extra or {}), "PRESET": preset}
-    compiled = run({**env, "RUN_ID": f"{preset}_{nproc}_c", "COMPILE": "1", "COMPILE_BACKEND": "eager"},
-                   tmp_path / "compiled", nproc)
+    compiled = compiled_run(tmp_path_factory, preset, data, nproc, extra)[1]
     assert_preset_lines(preset, env, compiled)
     assert_compiled_as_planned(compiled, ["training", *scored_in_log(compiled)])
     assert "compile:1" in compiled
@@ -178,6 +177,15 @@ def preset_data(caseops_run_data, sample_data, tmp_path_factory):
                           lambda out: short_val_data(sample_data, out, 4097))
     return {"record_0323": {"DATA_PATH": str(short), "TOKENIZER_PATH": sample_data["TOKENIZER_PATH"]},
             **{p: caseops_run_data for p in PRESET_ENV if p != "record_0323"}}
+
+
+def compiled_run(tmp_path_factory, preset, data, nproc, extra=None):
+    """The preset's tiny run (PRESET_ENV, `extra` on top) compiled (COMPILE_BACKEND=eager) on `nproc` ranks, made once
+    for the session (conftest.shared_run; RUN_ID PRESET_NPROC_c): its folder, its log and its environment."""
+    env = {**data, **PRESET_ENV[preset], **(extra or {}), "PRESET": preset, "COMPILE": "1", "COMPILE_BACKEND": "eager"}
+    name = f"{preset}_{nproc}_c"
+    folder = shared_run(tmp_path_factory, name, env, nproc)
+    return folder, read_log(folder, name), env
 
 
 def eager_run(tmp_path_factory, preset, data, nproc, extra=None):

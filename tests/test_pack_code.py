@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 
 import launcher
-from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, run_file, short_val_data
+from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, short_val_data
 
 SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import make_record  # noqa: E402  (needs the path above)
 import pack_code as pc  # noqa: E402
-from test_kernels import HAS_TRITON, KERNEL_RUN_ID, TINY_KERNEL_RUN, kernel_run, needs_interpreter  # noqa: E402
+from test_kernels import HAS_TRITON, needs_interpreter  # noqa: E402
 from test_records import META, SEEDS, load_json, make_folder, run_check  # noqa: E402
 
 # Packed bytes per readable byte of train_gpt.py: measured 0.26 (97,319 -> 25,586 at f5b1de9, 110,975 -> 28,797
@@ -938,35 +938,9 @@ def test_packed_kernels_give_the_readable_kernels_numbers_in_the_interpreter(pac
     assert report["rel_to_eager"][0] <= 1e-5
 
 
-def test_packed_train_gpt_runs_the_fused_kernels_like_the_readable_one(packed_train_gpt, sample_data, tmp_path,
-                                                                       tmp_path_factory):
-    """A tiny run of each file with FUSED_MLP=1 FUSED_CE=1 under Triton's interpreter: both logs say the kernels
-    ran (not the eager fallback) and give the same losses and scores; the packed log's Code size is its own. The
-    readable file's run is tests/test_kernels.py's (kernel_run: the same settings, made once for the session)."""
-    needs_interpreter()
-    packed_path = tmp_path / "record" / "train_gpt.py"
-    packed_path.parent.mkdir()
-    packed_path.write_text(packed_train_gpt[2], encoding="utf-8")
-    env = {**clean_environ(), **TINY_KERNEL_RUN, **sample_data, "FUSED_MLP": "1", "FUSED_CE": "1",
-           "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    runs = {"readable": (kernel_run(tmp_path_factory, sample_data), KERNEL_RUN_ID),
-            "packed": (tmp_path / "packed", "packed")}
-    runs["packed"][0].mkdir()
-    proc = launcher.run([packed_path], {**env, "RUN_ID": "packed"}, runs["packed"][0], timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    logs = {}
-    for name, (cwd, run_id) in runs.items():
-        logs[name] = read_log(cwd, run_id)
-        for kernel in ("mlp", "ce"):
-            line = f"fused_{kernel}: triton kernel (Triton interpreter on CPU, TRITON_INTERPRET=1, float32)"
-            assert re.search(f"^{re.escape(line)}$", logs[name], re.M), (name, kernel)
-        assert sorted(p.name for p in cwd.iterdir()) == ["logs", "runs"]
-        assert sorted(p.name for p in run_file(cwd, run_id).parent.iterdir()) == ["final_model.int6.ptz",
-                                                                                   "final_model.pt"]
-    assert sorted(p.name for p in packed_path.parent.iterdir()) == ["train_gpt.py"]  # nothing written beside it
-    readable, packed = _result_lines(logs["readable"]), _result_lines(logs["packed"])
-    assert sum(" train_loss:" in line for line in readable) == 2 and packed == readable
-    assert f"\nCode size: {packed_path.stat().st_size} bytes\n" in logs["packed"]
+# The packed file's run with the fused kernels interpreted, against the readable file's (kernel_run), is
+# tests/test_specialise.py's: a submission's packed file is specialised to its run (PACK_CODE=1), and that test runs
+# it. The full file's packed kernels are compared with the readable ones above (kernel_probe), bit for bit.
 
 
 # ------------------------------------------------------------------------------------------------ CLI

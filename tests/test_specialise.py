@@ -4,9 +4,11 @@ and the same artifact bytes, readable and packed, for every preset; a changed fi
 a specialisation that drops a branch the run takes is caught by the same comparison."""
 from __future__ import annotations
 
-import ast
+import hashlib
 import re
+import shutil
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -14,11 +16,14 @@ import pytest
 import launcher
 import train_gpt as tg
 from conftest import REPO, SCRIPT, clean_environ, computed_once, read_log, run_file, shared_folder
-from test_compile import PRESET_ENV, eager_run, preset_data  # noqa: F401 (fixture)
+from test_compile import PRESET_ENV, compiled_run, eager_run, preset_data  # noqa: F401 (fixture)
 from test_documents import caseops_sample  # noqa: F401 (fixture)
+from test_kernels import KERNEL_RUN_ID, TINY_KERNEL_RUN, kernel_run, needs_interpreter
 from test_presets import caseops_run_data  # noqa: F401 (fixture)
 
 sys.path.insert(0, str(REPO / "scripts"))
+import check_record  # noqa: E402
+import make_record  # noqa: E402
 import pack_code as pc  # noqa: E402
 import specialise as sp  # noqa: E402
 
@@ -39,47 +44,171 @@ def result_lines(log: str) -> list[str]:
     return out
 
 
+def settings_of(env: dict[str, str]) -> dict[str, str]:
+    """The settings of a run's environment that the specialiser is given (not the machine's, not data paths)."""
+    return {k: v for k, v in env.items() if k not in RUNTIME_ONLY and k not in ("TRITON_INTERPRET", "RUN_ID")}
+
+
 def run_settings(preset: str) -> dict[str, str]:
     """The tiny run's settings that the specialiser fixes code by (PRESET_ENV's, as its eager run has them)."""
-    env = {**PRESET_ENV[preset], "PRESET": preset}
-    return {k: v for k, v in env.items() if k not in RUNTIME_ONLY}
+    return settings_of({**PRESET_ENV[preset], "PRESET": preset})
 
 
-def specialised_files(tmp_path_factory, preset: str) -> tuple[Path, Path]:
-    """(readable, packed) train_gpt.py of the preset's tiny run, made once for the session."""
+def specialised_files(tmp_path_factory, name: str, run: dict[str, str]) -> tuple[Path, Path]:
+    """(readable, packed) train_gpt.py specialised to `run`, made once for the session."""
     def build(out: Path) -> None:
-        spec = sp.specialise(SCRIPT.read_text(encoding="utf-8"), run_settings(preset), str(SCRIPT))
-        (out / "readable").mkdir()
-        (out / "packed").mkdir()
-        (out / "readable" / "train_gpt.py").write_text(spec.text, encoding="utf-8")
-        (out / "packed" / "train_gpt.py").write_text(pc.pack(spec.text), encoding="utf-8")
+        spec = sp.specialise(SCRIPT.read_text(encoding="utf-8"), run, str(SCRIPT))
+        for kind, text in (("readable", spec.text), ("packed", pc.pack(spec.text))):
+            (out / kind).mkdir()
+            (out / kind / "train_gpt.py").write_text(text, encoding="utf-8")
 
-    key = __import__("hashlib").sha256(SCRIPT.read_bytes() + repr(run_settings(preset)).encode()).hexdigest()[:12]
-    folder = computed_once(shared_folder(tmp_path_factory) / f"specialised_{preset}_{key}", build)
+    key = hashlib.sha256(SCRIPT.read_bytes() + repr(sorted(run.items())).encode()).hexdigest()[:12]
+    folder = computed_once(shared_folder(tmp_path_factory) / f"specialised_{name}_{key}", build)
     return folder / "readable" / "train_gpt.py", folder / "packed" / "train_gpt.py"
 
 
 def run_file_in(path: Path, env: dict[str, str], cwd: Path, run_id: str):
     cwd.mkdir(parents=True, exist_ok=True)
-    full = {**clean_environ(), **env, "RUN_ID": run_id, "OMP_NUM_THREADS": "1", "COMPILE": "0"}
+    full = {**clean_environ(), "COMPILE": "0", **env, "RUN_ID": run_id, "OMP_NUM_THREADS": "1"}
     return launcher.run([path], full, cwd, timeout=600)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_specialised_file_runs_as_the_full_script(preset, preset_data, tmp_path, tmp_path_factory):
-    """The preset's tiny run (tests/test_compile.py's eager run, shared) and its specialised file, readable and
-    packed, with the same settings: the same loss and score lines, the same artifact bytes; the specialised log says
-    it is one and from which source."""
-    full_dir, full_log = eager_run(tmp_path_factory, preset, preset_data[preset], 1)
-    readable, packed = specialised_files(tmp_path_factory, preset)
-    env = {**preset_data[preset], **PRESET_ENV[preset], "PRESET": preset}
+def assert_same_run(path: Path, env: dict[str, str], cwd: Path, full_dir: Path, full_id: str, full_log: str) -> str:
+    """The file `path` run with `env` prints the full script's run's loss and score lines and writes its artifact's
+    bytes; returns the log."""
+    proc = run_file_in(path, env, cwd, "specialised")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = read_log(cwd, "specialised")
     want = result_lines(full_log)
     assert sum(" train_loss:" in line for line in want) >= 2 and any("_exact " in line for line in want)
+    assert result_lines(log) == want, path
+    assert run_file(cwd, "specialised").read_bytes() == run_file(full_dir, full_id).read_bytes(), path
+    sha = hashlib.sha256(SCRIPT.read_bytes()).hexdigest()
+    assert re.search(rf"^specialised: from train_gpt\.py sha256:{sha} for PRESET=", log, re.M)
+    return log
+
+
+# The packed file runs for every preset; the readable one, the same program unminified (pack_code verifies the
+# minified text against the readable one's AST), runs for the default preset (the suite's time).
+@pytest.mark.parametrize("preset", PRESETS)
+def test_specialised_file_runs_as_the_full_script(preset, preset_data, tmp_path, tmp_path_factory):
+    """The preset's tiny run (tests/test_compile.py's eager run, shared) and its specialised file, packed (and for the
+    default preset readable too), with the same settings: the same loss and score lines, the same artifact bytes;
+    the specialised log says it is one and from which source."""
+    full_dir, full_log = eager_run(tmp_path_factory, preset, preset_data[preset], 1)
+    readable, packed = specialised_files(tmp_path_factory, preset, run_settings(preset))
+    env = {**preset_data[preset], **PRESET_ENV[preset], "PRESET": preset}
     for kind, path in (("readable", readable), ("packed", packed)):
-        proc = run_file_in(path, env, tmp_path / kind, kind)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        log = read_log(tmp_path / kind, kind)
-        assert result_lines(log) == want, kind
-        assert run_file(tmp_path / kind, kind).read_bytes() == run_file(full_dir, f"{preset}_1").read_bytes(), kind
-        sha = __import__("hashlib").sha256(SCRIPT.read_bytes()).hexdigest()
-        assert re.search(rf"^specialised: from train_gpt\.py sha256:{sha} for PRESET={preset} ", log, re.M), kind
+        if kind == "readable" and preset != "record_0323":
+            continue
+        assert_same_run(path, env, tmp_path / kind, full_dir, f"{preset}_1", full_log)
+
+
+def test_specialised_file_runs_compiled_as_the_full_script(preset_data, tmp_path, tmp_path_factory):
+    """record_0323's tiny run compiled (COMPILE_BACKEND=eager: Dynamo's tracing, guards and graph breaks;
+    tests/test_compile.py's compiled run, shared) and its specialised packed file compiled: the same lines, the same
+    artifact bytes."""
+    full_dir, full_log, env = compiled_run(tmp_path_factory, "record_0323", preset_data["record_0323"], 1)
+    _, packed = specialised_files(tmp_path_factory, "record_0323", run_settings("record_0323"))
+    assert_same_run(packed, env, tmp_path, full_dir, "record_0323_1_c", full_log)
+
+
+def test_specialised_packed_file_runs_the_fused_kernels_as_the_full_script(sample_data, tmp_path, tmp_path_factory):
+    """With FUSED_MLP=1 FUSED_CE=1 under Triton's interpreter (tests/test_kernels.py's kernel run, shared): the
+    specialised packed file's kernels run (not the eager fallback; Triton reads their minified source from the
+    packed file's linecache entry) and give the same lines and artifact bytes."""
+    needs_interpreter()
+    env = {**TINY_KERNEL_RUN, **sample_data, "FUSED_MLP": "1", "FUSED_CE": "1", "TRITON_INTERPRET": "1"}
+    _, packed = specialised_files(tmp_path_factory, "kernels", settings_of(env))
+    full_dir = kernel_run(tmp_path_factory, sample_data)
+    log = assert_same_run(packed, env, tmp_path, full_dir, KERNEL_RUN_ID, read_log(full_dir, KERNEL_RUN_ID))
+    for kernel in ("mlp", "ce"):
+        assert f"fused_{kernel}: triton kernel (Triton interpreter on CPU, TRITON_INTERPRET=1, float32)" in log
+
+
+def test_a_specialisation_that_drops_a_taken_branch_is_caught(monkeypatch, preset_data, tmp_path, tmp_path_factory):
+    """The comparison above catches a wrong specialisation: an analysis that folds EMA_ENABLED to 0 while the run has
+    it on (and records it as on, so the file does not refuse to start) drops the branch the run takes, and the tiny
+    run's lines differ from the full script's."""
+    full_dir, full_log = eager_run(tmp_path_factory, "record_0323", preset_data["record_0323"], 1)
+    honest = specialised_files(tmp_path_factory, "record_0323", run_settings("record_0323"))[0].read_text(encoding="utf-8")
+    init = sp.Analysis.__init__
+
+    def wrong(self, *args):
+        init(self, *args)
+        self.known_settings["ema_enabled"] = False  # the run's value is True
+
+    monkeypatch.setattr(sp.Analysis, "__init__", wrong)
+    spec = sp.specialise(SCRIPT.read_text(encoding="utf-8"), run_settings("record_0323"), str(SCRIPT))
+    assert ("truth", None, True) in spec.conditions["EMA_ENABLED"] and spec.text != honest
+    path = tmp_path / "train_gpt.py"
+    path.write_text(spec.text, encoding="utf-8")
+    env = {**preset_data["record_0323"], **PRESET_ENV["record_0323"], "PRESET": "record_0323"}
+    with pytest.raises(AssertionError, match="assert \\[.*\\] == \\["):
+        assert_same_run(path, env, tmp_path / "run", full_dir, "record_0323_1", full_log)
+
+
+def specialised_module(path: Path):
+    """A specialised file's definitions, loaded in this process (nothing below `if __name__ == "__main__"` runs)."""
+    module = types.ModuleType(f"specialised_{path.parent.parent.name}")
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+    return module
+
+
+# Per preset, a setting its file fixes, given another value
+REFUSED = {"record_0323": ("TTT_MODE", "lora", "TTT_MODE=lora: this file is specialised to TTT_MODE=sgd"),
+           "record_0409": ("TRAIN_LOADER", "stream", "TRAIN_LOADER=stream: this file is specialised to TRAIN_LOADER=shuffled"),
+           "record_0427": ("PARALLEL_MODE", "gptj", "PARALLEL_MODE=gptj: this file is specialised to PARALLEL_MODE=lanes"),
+           "record_0430": ("AWQ_LITE", "0", "AWQ_LITE=0: this file is specialised to AWQ_LITE=1"),
+           "record_0501": ("NGRAM_TILT", "0", "NGRAM_TILT=0: this file is specialised to NGRAM_TILT=1")}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_changed_fixed_setting_is_refused_in_one_line(preset, tmp_path_factory, sample_data):
+    """Each preset's specialised file refuses a fixed setting given another value, in one line naming the setting,
+    its fixed value and the run the file was made for, before any work; the run's own values and the values that
+    select no code (sizes, paths, rates) are accepted."""
+    readable, _ = specialised_files(tmp_path_factory, preset, run_settings(preset))
+    module = specialised_module(readable)
+    name, value, message = REFUSED[preset]
+    base = {**PRESET_ENV[preset], "PRESET": preset, "DATA_PATH": sample_data["DATA_PATH"]}
+    module.Hyperparameters(base)
+    module.Hyperparameters({**base, "MATRIX_LR": "0.031", "SEED": "7", "NUM_LAYERS": "4"})
+    with pytest.raises(module.ConfigError) as err:
+        module.Hyperparameters({**base, name: value})
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(message), text
+    assert f"(made for PRESET={preset} " in text and "the full train_gpt.py runs other values" in text
+    with pytest.raises(module.ConfigError, match=f"^PRESET='?record_0501x'?(: this file is specialised to PRESET=| must "
+                                                 f"be ){preset}"):  # the preset's name: its PRESETS holds no other
+        module.Hyperparameters({**base, "PRESET": "record_0501x"})
+
+
+def test_the_record_tools_know_a_specialised_submission(tmp_path, tmp_path_factory):
+    """make_record.py writes what a specialised packed file was made from into submission.json's code_specialised;
+    check_record.py refuses a submission.json that says otherwise, and with --full-script derives the specialisation
+    again from the full script (one line: SPECIALISED or FAIL), refusing a changed readable file or another script."""
+    readable, packed = specialised_files(tmp_path_factory, "record_0323", run_settings("record_0323"))
+    folder = tmp_path / "record"
+    folder.mkdir()
+    shutil.copy(packed, folder / "train_gpt.py")
+    shutil.copy(readable, folder / "train_gpt_readable.py")
+    fields = make_record.code_source(folder)
+    sha = hashlib.sha256(SCRIPT.read_bytes()).hexdigest()
+    assert fields["code_specialised"] == {"source_sha256": sha, "run": {**run_settings("record_0323")}}
+    assert check_record.check_packed_code(folder) == []
+    ok, line = check_record.check_specialisation(folder, SCRIPT)
+    assert ok and line.startswith("SPECIALISED: train_gpt_readable.py is ") and "PRESET=record_0323 " in line, line
+    other = tmp_path / "train_gpt.py"
+    other.write_text(SCRIPT.read_text(encoding="utf-8") + "# changed\n", encoding="utf-8")
+    ok, line = check_record.check_specialisation(folder, other)
+    assert not ok and f"it was specialised from a script with sha256 {sha}, not {other}" in line
+    text = readable.read_text(encoding="utf-8")
+    (folder / "train_gpt_readable.py").write_text(text.replace("def rms_norm(x):", "def rms_norm(x):  # edited"),
+                                                  encoding="utf-8")
+    ok, line = check_record.check_specialisation(folder, SCRIPT)
+    assert not ok and line.startswith("FAIL: ") and "it differs from " in line and "\n" not in line
