@@ -3415,8 +3415,8 @@ def setup_runtime(h, resume=None):
     threads = choose_cpu_threads(h)
     if h.rank == 0 and not h.eval_only:
         make_run_dir(h)
+    tracker = Tracker(h) if h.tracker and h.rank == 0 else None  # before the log: one that fails replaces none
     log_path = open_log(h, append=resume is not None) if h.rank == 0 else None
-    tracker = Tracker(h) if h.tracker and h.rank == 0 else None
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
