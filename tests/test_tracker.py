@@ -1,4 +1,5 @@
-"""TRACKER=wandb|tensorboard and scripts/compare_runs.py (issue 63): three tiny CPU runs, made once for the module,
+"""TRACKER=wandb|tensorboard and scripts/compare_runs.py (issue 63): three tiny CPU runs (TINY_RUN: 2 layers of
+width 32 on 1,024 val tokens, well under a second each once the worker's zygote runs), made once for the module,
 serve both. Run `tb` logs to TensorBoard, `fail` is the same run whose tracker fails mid-run (TRACKER_PROJECT
 differs: W&B's project, read by nothing else), `wb` logs to W&B offline with another seed. The trackers' own
 readers give back the numbers the logs say; the failing tracker leaves the exact lines equal; compare_runs.py's
@@ -47,6 +48,12 @@ if sys.argv[1:] == ["fail"]:  # the tracker fails when the log reaches step 3: a
 sys.argv[1:] = []
 tg.main()
 """
+# TINY_ENV made smaller still (as tests/test_kernels.py's TINY_KERNEL_RUN): every line the tracker sends (train and
+# val steps, the three scores with sliding window and TTT, evaluation times, bytes) at a fraction of TINY_ENV's cost.
+TINY_RUN = {**TINY_ENV, "NUM_LAYERS": "2", "MODEL_DIM": "32", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "VE_LAYERS": "1",
+            "XSA_LAST_N": "1", "TRAIN_SEQ_LEN": "64", "EVAL_SEQ_LEN": "64", "TRAIN_BATCH_TOKENS": "512",
+            "GRAD_ACCUM_STEPS": "1", "VAL_BATCH_SIZE": "4096", "TTT_CHUNK_TOKENS": "512", "EVAL_STRIDE": "32",
+            "DIAGNOSTIC_POST_EMA": "0"}
 RUNS = {
     "tb": {"TRACKER": "tensorboard" if HAS["tensorboard"] else ""},
     "fail": {"TRACKER": "tensorboard" if HAS["tensorboard"] else "", "TRACKER_PROJECT": "golf-b"},
@@ -62,9 +69,9 @@ def launch(cwd: Path, env: dict[str, str], *args: str):
 def runs(tmp_path_factory, sample_data) -> Path:
     cwd = tmp_path_factory.mktemp("tracker")
     (cwd / "val").mkdir()
-    data = short_val_data(sample_data, cwd / "val", 2049)
+    data = short_val_data(sample_data, cwd / "val", 1025)
     for run_id, extra in RUNS.items():
-        env = {**TINY_ENV, **data, "RUN_ID": run_id, "DIAGNOSTIC_POST_EMA": "0", **extra}
+        env = {**TINY_RUN, **data, "RUN_ID": run_id, **extra}
         proc = launch(cwd, env, *(["fail"] if run_id == "fail" else []))
         assert proc.returncode == 0, proc.stderr[-3000:]
         (cwd / f"{run_id}.stdout").write_text(proc.stdout)
