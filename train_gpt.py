@@ -376,6 +376,8 @@ class Hyperparameters:
         self.compile_backend = self._env("COMPILE_BACKEND", "inductor", str)
         self.autocast_dtype = self._env("AUTOCAST_DTYPE", "auto", str)
         self.debug_traceback = self._env("DEBUG_TRACEBACK", False, bool)
+        self.tracker = self._env("TRACKER", "", str)  # wandb or tensorboard: rank 0 sends the log's numbers (issue 63)
+        self.tracker_project = self._env("TRACKER_PROJECT", "parameter-golf", str)  # W&B's project
         # ---- schedule
         self.iterations = self._env("ITERATIONS", 9000)
         self.warmdown_iters = self._env("WARMDOWN_ITERS", 3500)
@@ -829,7 +831,7 @@ class Hyperparameters:
                               ("PARALLEL_MODE", ("gptj", "lanes")), ("GRAD_CLIP_SCOPE", ("local", "reduced")),
                               ("ATTENTION_BACKEND", ("auto", *ATTENTION_MODULES, TORCH_VARLEN)),
                               ("LQER_FACTOR_BITS", (2, 3, 4, 5, 6, 7, 8)), ("AWQ_LITE_BITS", (7, 8)),
-                              ("TTT_MODE", ("sgd", "lora"))):
+                              ("TTT_MODE", ("sgd", "lora")), ("TRACKER", ("", "wandb", "tensorboard"))):
             if name not in self.effective:
                 continue
             v = getattr(self, name.lower())
@@ -845,6 +847,8 @@ class Hyperparameters:
              "v1 mix each token with the previous one across document boundaries; v2 is masked at BOS)")
         for module, package in missing_modules(self.compressor):
             need(False, f"COMPRESSOR={self.compressor} needs the {module} package: {module_fix(module, package)}")
+        need(not self.tracker or importlib.util.find_spec(self.tracker), f"TRACKER={self.tracker} needs the "
+             f"{self.tracker} package (an optional extra, docs/running.md): pip install {self.tracker}")
         need(not self.awq_lite or self.quant == "gptq", "AWQ_LITE=1 needs QUANT=gptq (its saliency reads the "
                                                        "calibration activations)")
         need(self.gptq_calibration_seqs == 0 or self.quant == "gptq",
@@ -3162,6 +3166,7 @@ class Runtime:
     threads_note: str = ""
     resume: ResumePoint | None = None  # RESUME's checked checkpoint (find_resume)
     compiled: list = field(default_factory=list)  # this run's CompiledFunctions, in creation order
+    tracker: Tracker | None = None  # TRACKER's (rank 0)
 
     def __post_init__(self):
         # The timing breakdown turns overlap off; copy streams need CUDA.
@@ -3190,6 +3195,8 @@ class Runtime:
         if self.log_path is not None:
             with open(self.log_path, "a", encoding="utf-8") as f:
                 print(msg, file=f)
+        if self.tracker is not None and console:
+            self.tracker.send(self, msg)
 
     def sync(self):
         if self.device.type == "cuda":
@@ -3274,6 +3281,65 @@ def make_run_dir(h):
     except OSError as e:
         raise ConfigError(f"RUN_ID={h.run_id}: cannot make its folder {h.run_dir} ({e.strerror or e}); run from a "
                           "writable directory") from None
+
+
+class Tracker:
+    """TRACKER=wandb|tensorboard (issue 63; docs/running.md "Experiment trackers"), rank 0 only: the run's effective
+    settings with their sources at start, then the numbers of every line the log gets (train and val lines at their
+    step; scores, evaluation times and artifact bytes at the last step), read from the line's own text, so the tracker
+    holds what the log says. A tracker that cannot start stops the run before any work (ConfigError); one that fails
+    later costs one warning line, and the run goes on without it. Its package is imported here only."""
+    PAIR = re.compile(r"(\w+):([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))(ms|s)?(?=[\s,]|$)")
+
+    def __init__(self, h):
+        self.kind, self.step, self.failed = h.tracker, 0, False
+        settings = {name: {"value": value, "source": source} for name, (value, source) in h.effective.items()}
+        try:
+            os.makedirs(h.run_dir, exist_ok=True)
+            if self.kind == "wandb":  # WANDB_MODE=offline (read by wandb) writes runs/$RUN_ID/wandb/offline-run-*
+                import wandb
+                self.run = wandb.init(project=h.tracker_project, name=h.run_id, dir=h.run_dir, config=settings,
+                                      settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+            else:
+                from torch.utils.tensorboard import SummaryWriter
+                self.run = SummaryWriter(os.path.join(h.run_dir, "tensorboard"))
+                self.run.add_text("settings", "\n".join(f"    {name}={v['value']} [{v['source']}]"
+                                                         for name, v in settings.items()))
+        except Exception as e:
+            raise ConfigError(f"TRACKER={self.kind} cannot start: {type(e).__name__}: {first_line(e)}") from None
+
+    def metrics(self, line):
+        """{name: number} of one log line: step:S/N lines as train/KEY or val/KEY (self.step = S), score lines and
+        evaluation_time: as eval/LABEL/KEY, byte lines as artifact/NAME_bytes; {} for any other line."""
+        pairs = {k + (f"_{unit}" if unit else ""): float(v) for k, v, unit in self.PAIR.findall(line)}
+        step = re.match(r"step:(\d+)/", line)
+        if step:
+            self.step = int(step[1])
+            return {f"{'train' if 'train_loss' in pairs else 'val'}/{k}": v for k, v in pairs.items()}
+        if "val_bpb" in pairs or line.startswith("evaluation_time:"):
+            label = "_".join(w.rstrip(":") for w in line.split() if ":" not in w.rstrip(":"))
+            return {f"eval/{label}/{k}": v for k, v in pairs.items()}
+        name, _, size = line.partition(": ")
+        size = size.removesuffix(" bytes")
+        return {f"artifact/{re.sub(r'[^a-z0-9]+', '_', name.lower())}_bytes": int(size)} if size.isdigit() else {}
+
+    def send(self, rt, text):
+        """Each line's numbers to the tracker; its first failure is one warning line, and it is sent nothing more."""
+        try:
+            for line in [] if self.failed else text.splitlines():
+                metrics = self.metrics(line)
+                if metrics and self.kind == "wandb":
+                    self.run.log(metrics, step=self.step)
+                for name, value in metrics.items() if self.kind == "tensorboard" else ():
+                    self.run.add_scalar(name, value, self.step)
+        except Exception as e:
+            self.failed = True
+            rt.log(f"warning: TRACKER={self.kind} failed ({type(e).__name__}: {first_line(e)}); the run goes on "
+                   "without it")
+
+    def close(self, code):
+        with contextlib.suppress(Exception):
+            self.run.finish(exit_code=code) if self.kind == "wandb" else self.run.close()
 
 
 # The settings that scale the model's memory; a refusal names the one that grew it most beyond its default.
@@ -3389,6 +3455,7 @@ def setup_runtime(h, resume=None):
     threads = choose_cpu_threads(h)
     if h.rank == 0 and not h.eval_only:
         make_run_dir(h)
+    tracker = Tracker(h) if h.tracker and h.rank == 0 else None  # before the log: one that fails replaces none
     log_path = open_log(h, append=resume is not None) if h.rank == 0 else None
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -3398,7 +3465,8 @@ def setup_runtime(h, resume=None):
         # a collective stuck on a dead peer raises after the timeout
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=h.dist_timeout_seconds))
-    return Runtime(h, device, distributed, h.rank == 0, log_path, *choose_precision(h, device), threads, resume)
+    return Runtime(h, device, distributed, h.rank == 0, log_path, *choose_precision(h, device), threads, resume,
+                   tracker=tracker)
 
 
 def log_environment(rt):
@@ -7262,6 +7330,8 @@ def main():
         elif (h.preflight if h is not None else os.environ.get("PREFLIGHT", "").strip() == "1"):
             print(f"preflight: NOT READY: {message.removeprefix('error: ')}", file=sys.stderr, flush=True)
             code = 1
+    if rt is not None and rt.tracker is not None:
+        rt.tracker.close(code)
     leave(code)
 
 

@@ -99,6 +99,11 @@ RX_RESUMED = _rx(r"resumed_from:(\S+) step:(\d+)")
 # greedily, so it ends at the line's last "replay_world_size:" field (a path may hold that text; the note does not).
 RX_REPLAYED = _rx(r"train_clock:(.+) replay_world_size:(\d+) world_size:(\d+) grad_accum:(\d+)")
 # The first form, TRAIN_CLOCK=ms:X alone: ``train_clock:ms:50 (every time-based decision reads step x 50 ms; ...)``.
+# train_gpt.py's settings dump, preset line, evaluation's end and one-line error (scripts/compare_runs.py, issue 63)
+RX_SETTING = re.compile(r"^setting ([A-Z][A-Z0-9_]*)=(.*) \[(env|preset|default)\]$")
+RX_PRESET = _rx(r"preset:(\S+)")
+RX_EVAL_TOTAL = _rx(rf"evaluation_time: (?:ttt_loop:{_NUM}s )?total:{_NUM}s")
+RX_ERROR = re.compile(r"^(?:error: |interrupted ).*")
 RX_REPLAYED_SHORT = _rx(rf"train_clock:(ms:{_NUM})")
 # The run header: train_gpt.py logs a separator line, then the interpreter's
 # version (the source's template has "{sys.version}", never a digit).
@@ -180,6 +185,10 @@ class RunLog:
     real_world_size: int | None = None
     grad_accum: int | None = None
     stop_step: int | None = None  # the step of the stopping_early line (the records' own logs' form too)
+    preset: str | None = None
+    settings: dict[str, str] = field(default_factory=dict)  # NAME -> value of each `setting NAME=value [source]` line
+    eval_total_s: float | None = None  # the evaluation_time line's total: the run's last line when it finished
+    error: str | None = None  # the one-line error a failed run's log ends with
 
     @property
     def train_steps(self) -> list[Step]:
@@ -259,6 +268,14 @@ def _parse_line(log: RunLog, line: str) -> None:
         log.train_clock = m.group(1)
         log.replay_world_size = log.real_world_size = log.grad_accum = None
         _count_once(log, "train_clock")
+    elif m := RX_SETTING.match(line):
+        log.settings[m.group(1)] = m.group(2)
+    elif m := RX_PRESET.match(line):
+        log.preset = m.group(1)
+    elif m := RX_EVAL_TOTAL.match(line):
+        log.eval_total_s = _num(m.group(2))
+    elif m := RX_ERROR.match(line):
+        log.error = m.group(0)
     elif m := RX_STOP_EARLY.match(line):
         log.stopped_early = True
         log.stop_step = int(m.group(2))

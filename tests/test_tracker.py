@@ -1,0 +1,247 @@
+"""TRACKER=wandb|tensorboard and scripts/compare_runs.py (issue 63): three tiny CPU runs (TINY_RUN: 2 layers of
+width 32 on 1,024 val tokens, well under a second each once the worker's zygote runs), made once for the module,
+serve both. Run `tb` logs to TensorBoard, `fail` is the same run whose tracker fails mid-run (TRACKER_PROJECT
+differs: W&B's project, read by nothing else), `wb` logs to W&B offline with another seed. The trackers' own
+readers give back the numbers the logs say; the failing tracker leaves the exact lines equal; compare_runs.py's
+table shows only the settings that differ."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+import launcher
+import train_gpt as tg
+from conftest import REPO, TINY_ENV, clean_environ, config_error, hide_modules, read_log, short_val_data
+
+sys.path.insert(0, str(REPO / "scripts"))
+import compare_runs  # noqa: E402
+import recordlib as rl  # noqa: E402
+
+HAS = {name: importlib.util.find_spec(name) is not None for name in ("wandb", "tensorboard")}
+
+
+def needs(name):
+    return pytest.mark.skipif(not HAS[name], reason=f"{name} is not installed (an optional extra: "
+                                                    f"pip install {name}; .ci/run installs it)")
+
+
+# W&B offline in the run's own process (its variables set there, so the runs share the worker's zygote), its files
+# and config under the run's folder; then train_gpt's main(), as `python3 train_gpt.py` runs it.
+RUN = """
+import os, sys
+os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONFIG_DIR=os.path.abspath("wandb_home"),
+                  WANDB_CACHE_DIR=os.path.abspath("wandb_home"), WANDB_DATA_DIR=os.path.abspath("wandb_home"))
+import train_gpt as tg
+if sys.argv[1:] == ["fail"]:  # the tracker fails when the log reaches step 3: as a full disk would
+    metrics = tg.Tracker.metrics
+    def failing(self, line):
+        if line.startswith("step:3/"):
+            raise OSError("No space left on device (forced by tests/test_tracker.py)")
+        return metrics(self, line)
+    tg.Tracker.metrics = failing
+sys.argv[1:] = []
+tg.main()
+"""
+# TINY_ENV made smaller still (as tests/test_kernels.py's TINY_KERNEL_RUN): every line the tracker sends (train and
+# val steps, the three scores with sliding window and TTT, evaluation times, bytes) at a fraction of TINY_ENV's cost.
+TINY_RUN = {**TINY_ENV, "NUM_LAYERS": "2", "MODEL_DIM": "32", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "VE_LAYERS": "1",
+            "XSA_LAST_N": "1", "TRAIN_SEQ_LEN": "64", "EVAL_SEQ_LEN": "64", "TRAIN_BATCH_TOKENS": "512",
+            "GRAD_ACCUM_STEPS": "1", "VAL_BATCH_SIZE": "4096", "TTT_CHUNK_TOKENS": "512", "EVAL_STRIDE": "32",
+            "DIAGNOSTIC_POST_EMA": "0"}
+RUNS = {
+    "tb": {"TRACKER": "tensorboard" if HAS["tensorboard"] else ""},
+    "fail": {"TRACKER": "tensorboard" if HAS["tensorboard"] else "", "TRACKER_PROJECT": "golf-b"},
+    "wb": {"TRACKER": "wandb" if HAS["wandb"] else "", "SEED": "42"},
+}
+
+
+def launch(cwd: Path, env: dict[str, str], *args: str):
+    return launcher.run(["-c", RUN, *args], {**clean_environ(), **env, "OMP_NUM_THREADS": "1"}, cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, sample_data) -> Path:
+    cwd = tmp_path_factory.mktemp("tracker")
+    (cwd / "val").mkdir()
+    data = short_val_data(sample_data, cwd / "val", 1025)
+    for run_id, extra in RUNS.items():
+        env = {**TINY_RUN, **data, "RUN_ID": run_id, **extra}
+        proc = launch(cwd, env, *(["fail"] if run_id == "fail" else []))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (cwd / f"{run_id}.stdout").write_text(proc.stdout)
+    return cwd
+
+
+def expected(log: rl.RunLog) -> dict[tuple[str, int], float]:
+    """What the tracker must hold, from recordlib's reading of the log: (name, step) -> number."""
+    out = {}
+    for s in log.steps:
+        out[(f"{s.kind}/{'train_loss' if s.kind == 'train' else 'val_loss'}", s.step)] = s.loss
+        out[(f"{s.kind}/step_avg_ms", s.step)] = s.step_avg_ms
+        if s.bpb is not None:
+            out[("val/val_bpb", s.step)] = s.bpb
+    last = log.final_step
+    for name, e in log.exact.items():
+        out[(f"eval/{rl.EVAL_PREFIXES[name]}_exact/val_bpb", last)] = e.val_bpb
+    out[("eval/evaluation_time/total_s", last)] = log.eval_total_s
+    out[("artifact/total_submission_size_int6_lzma_bytes", last)] = log.total_bytes
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- in process
+
+def test_metrics_of_each_kind_of_line():
+    t = object.__new__(tg.Tracker)
+    t.step = 0
+    assert t.metrics("step:3/9 train_loss:6.4258 train_time:974ms step_avg:324.77ms data_wait_ms:1.13") == {
+        "train/train_loss": 6.4258, "train/train_time_ms": 974.0, "train/step_avg_ms": 324.77,
+        "train/data_wait_ms": 1.13}
+    assert t.step == 3
+    assert t.metrics("legal_ttt_exact val_loss:6.89212363 val_bpb:3.80621768") == {
+        "eval/legal_ttt_exact/val_loss": 6.89212363, "eval/legal_ttt_exact/val_bpb": 3.80621768}
+    assert t.metrics("DIAGNOSTIC post_ema val_loss:nan val_bpb:3.8 eval_time:718ms")["eval/DIAGNOSTIC_post_ema/"
+                                                                                    "eval_time_ms"] == 718.0
+    assert t.metrics("evaluation_time: ttt_loop:7.3s total:10.2s") == {"eval/evaluation_time/ttt_loop_s": 7.3,
+                                                                        "eval/evaluation_time/total_s": 10.2}
+    assert t.metrics("Total submission size int6+lzma: 808898 bytes") == {
+        "artifact/total_submission_size_int6_lzma_bytes": 808898}
+    assert t.metrics("seed:1337") == {} and t.metrics("note: took 3: 4 bytes") == {} and t.step == 3
+
+
+def test_bad_tracker_settings_stop_at_start(monkeypatch, sample_data):
+    env = {**TINY_ENV, **sample_data}
+    assert "TRACKER='mlflow' must be wandb or tensorboard" in config_error({**env, "TRACKER": "mlflow"})
+    hide_modules(monkeypatch, "wandb")
+    assert config_error({**env, "TRACKER": "wandb"}).startswith("TRACKER=wandb needs the wandb package")
+    assert tg.Hyperparameters(env).tracker == ""  # default off
+
+
+@needs("wandb")
+def test_a_tracker_that_cannot_start_stops_the_run_in_one_line(tmp_path, sample_data):
+    env = {**TINY_ENV, **sample_data, "RUN_ID": "badproject", "TRACKER": "wandb", "TRACKER_PROJECT": "a/b"}
+    proc = launch(tmp_path, env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: TRACKER=wandb cannot start: UsageError: Invalid project name 'a/b'")
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""
+    assert not (tmp_path / "logs").exists()  # before any work: not even the log
+
+
+# ---------------------------------------------------------------------------------------------- the three runs
+
+@needs("tensorboard")
+def test_tensorboard_gives_back_the_log(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(runs / "runs" / "tb" / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    got = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    want = expected(rl.parse_log(runs / "logs" / "tb.txt"))
+    assert len(want) >= 15
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-7), key  # TensorBoard keeps float32
+    settings = acc.Tensors("settings/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "    TRACKER=tensorboard [env]" in settings and "    PRESET=record_0323 [default]" in settings
+
+
+def wandb_records(path: Path):
+    """The records of a W&B run file (run-ID.wandb): a 7-byte header (":W&B", magic, version), then blocks of 32 KiB
+    holding chunks, each with a 7-byte header (CRC-32C, length, type: 1 whole, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, parts = path.read_bytes(), 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        parts, pos = parts + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+@needs("wandb")
+def test_wandb_offline_gives_back_the_log(runs):
+    files = list((runs / "runs" / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    got, config = {}, {}
+    for r in wandb_records(files[0]):
+        kind = r.WhichOneof("record_type")
+        if kind == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+            got.update({(k, r.history.step.num): v for k, v in items.items() if not k.startswith("_")})
+        elif kind == "run":
+            assert (r.run.display_name, r.run.project) == ("wb", "parameter-golf")
+            config = {item.key: json.loads(item.value_json) for item in r.run.config.update}
+    want = expected(rl.parse_log(runs / "logs" / "wb.txt"))
+    assert {k: got[k] for k in want} == want  # W&B keeps the log's numbers exactly
+    assert config["SEED"] == {"value": 42, "source": "env"} and config["TRACKER_PROJECT"]["source"] == "default"
+
+
+@needs("tensorboard")
+def test_a_tracker_failing_mid_run_leaves_the_exact_lines(runs):
+    warning = ("warning: TRACKER=tensorboard failed (OSError: No space left on device (forced by "
+               "tests/test_tracker.py)); the run goes on without it")
+    out = (runs / "fail.stdout").read_text()
+    assert out.count("warning: TRACKER") == 1 and warning in out.splitlines()
+    assert out.splitlines().index(warning) == out.splitlines().index(next(
+        line for line in out.splitlines() if line.startswith("step:3/"))) + 1
+
+    def exact(text):
+        keep = ("step:", "Serialized model", "Code size", "Total submission")
+        return [line.split(" train_time:")[0] for line in text.splitlines()
+                if line.startswith(keep) or "_exact " in line]
+
+    assert exact(read_log(runs, "fail")) == exact(read_log(runs, "tb"))
+    assert len(exact(read_log(runs, "tb"))) == 13
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(runs / "runs" / "fail" / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/train_loss")] == [1, 2]  # nothing sent after the failure
+
+
+def test_compare_runs_table(runs, tmp_path, capsys, monkeypatch):
+    cut = tmp_path / "cut.txt"  # a log cut mid-line: its run still going, or stopped
+    text = read_log(runs, "wb")
+    cut.write_text(text[:text.index("step:3/4 train_loss:") + 16])
+    argv = [str(runs / "runs" / name) for name in ("tb", "wb", "fail")] + [str(cut), "--sort", "val_bpb"]
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # plot_logs closes its figure: keep it to count the curves
+    assert compare_runs.main(argv + ["--csv", str(tmp_path / "t.csv"), "--markdown", str(tmp_path / "t.md"),
+                                     "--plot", str(tmp_path / "c.png")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    with open(tmp_path / "t.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    trackers = ["TRACKER"] if HAS["wandb"] or HAS["tensorboard"] else []  # tensorboard, wandb (or "" without)
+    assert list(rows[0]) == ["run", "preset", "SEED", *trackers, "TRACKER_PROJECT", "steps", "step_ms", "val_bpb",
+                             "pre_ttt_bpb", "post_ttt_bpb", "eval_s", "bytes", "status"]
+    logs = {name: rl.parse_log(runs / "logs" / f"{name}.txt") for name in ("tb", "wb", "fail")}
+    order = sorted(logs, key=lambda n: (logs[n].exact["legal_ttt"].val_bpb, list(logs).index(n)))
+    assert [r["run"] for r in rows] == [*order, "cut"]
+    for r in rows[:3]:
+        log = logs[r["run"]]
+        assert (r["status"], r["steps"], r["preset"]) == ("finished", "4/4", "record_0323")
+        assert float(r["val_bpb"]) == float(r["post_ttt_bpb"]) == log.exact["legal_ttt"].val_bpb
+        assert float(r["pre_ttt_bpb"]) == log.exact["sliding"].val_bpb
+        assert (int(r["bytes"]), float(r["eval_s"])) == (log.total_bytes, log.eval_total_s)
+        assert r["SEED"] == ("42" if r["run"] == "wb" else "1337")
+        assert r["TRACKER_PROJECT"] == ("golf-b" if r["run"] == "fail" else "parameter-golf")
+    assert rows[3]["status"] == "unfinished (cut mid-line)" and rows[3]["post_ttt_bpb"] == ""
+    assert printed[0].split() == list(rows[0]) and printed[-2].startswith("cut ") and len(printed) == 6
+    md = (tmp_path / "t.md").read_text().splitlines()
+    assert md[0] == "| " + " | ".join(rows[0]) + " |" and len(md) == 6
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    curves = [len(ax.get_lines()) for ax in figures[0].axes]
+    assert curves == [4, 4, 3, 3]  # train loss: one curve a log; val bpb: the three finished ones (none in the cut)
