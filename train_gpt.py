@@ -900,10 +900,10 @@ class Hyperparameters:
              "rank's next training batches calibrate, as many from each")
         need(self.eval_stride <= self.eval_seq_len,
              f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
-        need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0 "
-             "or auto")
         need(self.phased_ttt_prefix_docs_max >= 0, f"PHASED_TTT_PREFIX_DOCS_MAX={self.phased_ttt_prefix_docs_max} must "
              "be >= 0 (0: every val document)")
+        need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0 "
+             "or auto")
         if self.phased_ttt_prefix_auto:
             need(self.ttt_mode == "lora", f"PHASED_TTT_PREFIX_DOCS=auto plans the global SGD phases of TTT_MODE=lora, "
                  f"not TTT_MODE={self.ttt_mode}")
