@@ -7176,8 +7176,9 @@ def fail(rt, message):
 def lost_peer(e):
     """gloo's words when another rank died, its node went away or it stopped answering (issue 62), naming the peer's
     address or the wait, without gloo's source path; None for any other error."""
-    found = re.search(r"(Connection (closed by|reset by|refused)|Timed out waiting)[^.]*", str(e))
-    return found and found.group(0)
+    found = re.search(r"Connection (closed by peer|reset by peer|refused)|Timed out waiting \d+ms[^.]*", str(e))
+    peer = re.search(r"\[[^\]/]+\]:\d+", str(e))
+    return found and found.group(0) + (f" (peer {peer.group(0)})" if peer else "")
 
 
 def help_text(environ):
