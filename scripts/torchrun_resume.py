@@ -61,8 +61,9 @@ def one_try(args: list[str], env: dict[str, str], stop: list) -> tuple[int, list
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False, usage="RUN_ID=NAME CHECKPOINT_EVERY=N "
-                                     "python3 scripts/torchrun_resume.py [--retries N] [--wait S] TORCHRUN_ARGS...")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                     usage="RUN_ID=NAME CHECKPOINT_EVERY=N python3 scripts/torchrun_resume.py "
+                                     "[--retries N] [--wait S] TORCHRUN_ARGS...")
     parser.add_argument("--retries", type=int, default=3, help="reruns at most (default 3)")
     parser.add_argument("--wait", type=float, default=2.0, help="seconds before each rerun (default 2)")
     ours, args = parser.parse_known_args(argv)

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 import launcher
-from conftest import REPO, SCRIPT, clean_environ, computed_once, read_log, run_file, shared_folder, shared_run, \
-    short_val_data
+from conftest import (REPO, SCRIPT, clean_environ, computed_once, read_log, run_file, shared_folder, shared_run,
+                      short_val_data)
 from test_checkpoint import DEFAULT, EXACT
 
 TIMEOUT = 120  # seconds for any one run here (a two-node tiny run takes ~12 s on 2 loaded cores)
@@ -185,8 +185,8 @@ def test_two_nodes_in_two_network_namespaces(env, reference, tmp_path, two_names
     artifact back for its evaluation, so the run's folder must be shared (a node of its own folder fails with
     `error: runs/ns/final_model.int6.ptz: artifact does not exist [rank 1]`)."""
     port = launcher.free_port()
-    procs = [start(static(r, port, "10.62.0.1"), tmp_path / "shared", {**env, "RUN_ID": "ns",
-                   "GLOO_SOCKET_IFNAME": dev}, ("ip", "netns", "exec", ns)) for r, (ns, dev) in enumerate(two_namespaces)]
+    procs = [start(static(r, port, "10.62.0.1"), tmp_path / "shared", {**env, "RUN_ID": "ns", "GLOO_SOCKET_IFNAME": dev},
+                   ("ip", "netns", "exec", ns)) for r, (ns, dev) in enumerate(two_namespaces)]
     for code, err in finish(procs):
         assert code == 0, err[-3000:]
     same_as_reference(tmp_path / "shared", "ns", reference)
