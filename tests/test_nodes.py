@@ -4,8 +4,8 @@
 its agent SIGKILLed) stops the survivor at once with one line naming the lost peer and nothing that looks finished,
 and both nodes rerun with RESUME=auto end as the run never stopped; where this machine has root and `ip netns`, the
 same two-node run in two network namespaces joined by a veth pair (no loopback shared; one folder, as a shared
-filesystem); scripts/torchrun_resume.py reruns a one-node run whose worker was killed and ends with the same exact lines,
-and reruns no refused input. These are real processes (torchrun's agents and workers, not the zygote's forks), each
+filesystem); scripts/torchrun_resume.py reruns a one-node run whose worker was killed and ends with the same exact
+lines, and reruns no refused input. These are real processes (torchrun's agents and workers, not the zygote's forks), each
 run bounded by a timeout, every process group killed at the end."""
 from __future__ import annotations
 
@@ -185,7 +185,8 @@ def test_two_nodes_in_two_network_namespaces(env, reference, tmp_path, two_names
     artifact back for its evaluation, so the run's folder must be shared (a node of its own folder fails with
     `error: runs/ns/final_model.int6.ptz: artifact does not exist [rank 1]`)."""
     port = launcher.free_port()
-    procs = [start(static(r, port, "10.62.0.1"), tmp_path / "shared", {**env, "RUN_ID": "ns", "GLOO_SOCKET_IFNAME": dev},
+    procs = [start(static(r, port, "10.62.0.1"), tmp_path / "shared", {**env, "RUN_ID": "ns",
+                                                                         "GLOO_SOCKET_IFNAME": dev},
                    ("ip", "netns", "exec", ns)) for r, (ns, dev) in enumerate(two_namespaces)]
     for code, err in finish(procs):
         assert code == 0, err[-3000:]
