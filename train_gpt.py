@@ -784,11 +784,14 @@ class Hyperparameters:
 
     @property
     def test_kill_step(self):
-        """TEST_KILL_AT_CHECKPOINT "STEP:when" as (STEP, when), () when unset, None when malformed."""
+        """TEST_KILL_AT_CHECKPOINT "STEP:when" as (STEP, when), () when unset, None when malformed; "STEP:after:R" and
+        "STEP:node:R" as (STEP, when, R): rank R alone dies (node: with its parent, torchrun's agent; issue 62)."""
         if not self.test_kill_at_checkpoint:
             return ()
-        step, _, when = self.test_kill_at_checkpoint.partition(":")
-        return (int(step), when) if step.isdigit() and int(step) > 0 and when in ("after", "during") else None
+        step, when, *rank = self.test_kill_at_checkpoint.split(":")
+        ok = step.isdigit() and int(step) > 0 and (when in ("after", "during") and not rank or when in ("after", "node")
+                                                   and len(rank) == 1 and rank[0].isdigit())
+        return (int(step), when, *map(int, rank)) if ok else None
 
     @property
     def max_wallclock_ms(self):
@@ -874,7 +877,7 @@ class Hyperparameters:
         need(not self.eval_only or os.path.isfile(self.eval_only), f"EVAL_ONLY={self.eval_only}: no such artifact file")
         need(not (self.eval_only and self.resume), f"RESUME={self.resume} and EVAL_ONLY both set: EVAL_ONLY trains nothing")
         need(self.test_kill_step is not None, f"TEST_KILL_AT_CHECKPOINT={self.test_kill_at_checkpoint!r} must be "
-             "STEP:after or STEP:during (a test hook), or empty")
+             "STEP:after, STEP:during, STEP:after:RANK or STEP:node:RANK (a test hook), or empty")
         need(self.profile_range is not None, f"PROFILE_STEPS={self.profile_steps!r} must be START:END, 0 < START < END")
         need(self.model_dim % self.num_heads == 0,
              f"NUM_HEADS={self.num_heads} must divide MODEL_DIM={self.model_dim}")
@@ -944,10 +947,10 @@ class Hyperparameters:
              "rank's next training batches calibrate, as many from each")
         need(self.eval_stride <= self.eval_seq_len,
              f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
-        need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0 "
-             "or auto")
         need(self.phased_ttt_prefix_docs_max >= 0, f"PHASED_TTT_PREFIX_DOCS_MAX={self.phased_ttt_prefix_docs_max} must "
              "be >= 0 (0: every val document)")
+        need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0 "
+             "or auto")
         if self.phased_ttt_prefix_auto:
             need(self.ttt_mode == "lora", f"PHASED_TTT_PREFIX_DOCS=auto plans the global SGD phases of TTT_MODE=lora, "
                  f"not TTT_MODE={self.ttt_mode}")
@@ -4505,10 +4508,14 @@ class Checkpointer:
             for stale in [*self.folder.glob(".tmp_step_*"), *self.folder.glob(".del_*")]:  # left by a kill
                 shutil.rmtree(stale, ignore_errors=True)
             rt.log(f"checkpoint_saved:{final} step:{step} bytes:{sum(size for size, _ in files.values())}")
-        if h.test_kill_step == (step, "after"):  # test hook: every rank dies right after this checkpoint
+        kill = h.test_kill_step
+        if kill[:1] == (step,) and kill[1] != "during":  # test hook: every rank (or rank R) dies after this checkpoint
             if rt.distributed:
                 dist.barrier()
-            os.kill(os.getpid(), signal.SIGKILL)
+            if kill[2:] in ((), (h.rank,)):
+                if kill[1] == "node":  # and its launcher: a node lost
+                    os.kill(os.getppid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def _discard(self, path):
         """Out of sight first (a rename), then deleted: a kill meanwhile leaves no half-deleted checkpoint."""
@@ -7280,6 +7287,14 @@ def fail(rt, message):
                 print(message, file=f)
 
 
+def lost_peer(e):
+    """gloo's words when another rank died, its node went away or it stopped answering (issue 62), naming the peer's
+    address or the wait, without gloo's source path; None for any other error."""
+    found = re.search(r"Connection (closed by peer|reset by peer|refused)|Timed out waiting \d+ms[^.]*", str(e))
+    peer = re.search(r"\[[^\]/]+\]:\d+", str(e))
+    return found and found.group(0) + (f" (peer {peer.group(0)})" if peer else "")
+
+
 def help_text(environ):
     """--help: every setting with its default and its value in one preset: the environment's PRESET (validated as a
     run would), or record_0409 when PRESET is unset or record_0323. Nothing else in the environment is read."""
@@ -7320,7 +7335,9 @@ def main():
     except Exception as e:  # anything else: one line naming the stage
         if h is not None and h.debug_traceback:
             traceback.print_exc()
-        message = (f"error: {_STAGE[0]} failed: {type(e).__name__}: {first_line(e)}"
+        lost = lost_peer(e) if rt is not None and rt.distributed else None
+        message = (f"error: {_STAGE[0]} failed: " + (f"lost a peer of the {h.world_size} ranks (a rank or its node died, "
+                   f"or stalled): {lost}" if lost else f"{type(e).__name__}: {first_line(e)}")
                    + ("" if h is not None and h.debug_traceback else " (DEBUG_TRACEBACK=1 shows the traceback)"))
         code = 1
     if message is not None:

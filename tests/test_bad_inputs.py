@@ -319,3 +319,12 @@ def test_a_zpaq_that_does_not_import_is_refused_at_start_in_one_line(monkeypatch
     assert str(err.value) == f"x.ptz: per-group artifacts need the zpaq module: {fix}"
     tg.Hyperparameters({"COMPRESSOR": "lzma"})
     assert tg.import_error("brotli") is None and tg.import_error("no_such_module_here") == ""
+
+
+# ---------------------------------------------------------------------------------------------- the auto prefix's cap
+
+def test_a_negative_prefix_cap_is_named_as_the_cap():
+    """PHASED_TTT_PREFIX_DOCS=auto takes its prefix from the cap, so a negative cap named the prefix (issue 62)."""
+    line = config_error({"PHASED_TTT_PREFIX_DOCS": "auto", "PHASED_TTT_PREFIX_DOCS_MAX": "-1"})
+    assert line == "PHASED_TTT_PREFIX_DOCS_MAX=-1 must be >= 0 (0: every val document)", line
+    assert config_error({"PHASED_TTT_PREFIX_DOCS": "-3"}) == "PHASED_TTT_PREFIX_DOCS=-3 must be >= 0 or auto"
