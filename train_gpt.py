@@ -2255,9 +2255,11 @@ IGNORE = -100  # a padding target: no loss (F.cross_entropy's ignore_index)
 
 class Outputs(NamedTuple):
     """GPT.outputs, for training's objective: hidden, the final hidden state (after the last RMSNorm, the head's input);
-    logits, the head's raw logits (before the softcap), for GPT.cross_entropy (the CE with its lse and scored mask)."""
+    logits, the head's raw logits (before the softcap), for GPT.cross_entropy (the CE with its lse and scored mask);
+    taps, {name: layer state} of the states the objective's pieces asked for (GPT.hidden's names), else empty."""
     hidden: Tensor
     logits: Tensor
+    taps: dict
 
 
 class CE(NamedTuple):
@@ -2547,8 +2549,9 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """x0 residual mix, then attention and a leaky-ReLU^2 MLP, each with a per-channel output scale.
-    w: the block's six bank slices (GPT.block_weights)."""
+    """One layer, the one forward of every layer kind the presets use (SPEC 4; SPEC-FRONTIER 5, 18): the x0 residual
+    mix, attention and a leaky-ReLU^2 MLP, each branch with a per-channel output scale, combined into the residual by
+    the layer's kind. w: the block's six bank slices (GPT.block_weights)."""
 
     def __init__(self, h, layer_idx):
         super().__init__()
@@ -2559,6 +2562,9 @@ class Block(nn.Module):
         self.resid_mix = nn.Parameter(torch.ones(2, d))  # the weights of x (1) and x0 (0)
         self.resid_mix.data[1] = 0.0
         self.ln_scale = 1.0 / math.sqrt(layer_idx + 1) if h.ln_scale else 1.0
+        self.index = layer_idx
+        # GPT-J parallel residual (SPEC-FRONTIER 5; the 04-09 record from PARALLEL_RESIDUAL_START=7)
+        self.parallel = h.parallel_mode == "gptj" and 0 <= h.parallel_residual_start <= layer_idx
 
     def mix_in(self, x, x0):
         mix = self.resid_mix.to(x.dtype)
@@ -2570,29 +2576,34 @@ class Block(nn.Module):
             return fused_leaky_relu2_mlp(x, up_w, down_w)
         return leaky_relu2_mlp(x, up_w, down_w)
 
-    def forward(self, x, x0, w, v_embed, rope, lora=None):
-        x = self.mix_in(x, x0)
-        x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x) * self.ln_scale, w[:4], v_embed, rope, lora)
-        n = rms_norm(x) * self.ln_scale
-        return x + self.mlp_scale.to(x.dtype) * lora_add(lora, "mlp", self.mlp(n, *w[4:]), n)
+    def forward(self, x, x0, w, v_embed, rope, lora=None, lanes=None):
+        """y = mix(x, x0), A = branch(attn_scale * Attn(RMS(y) * c)), M = branch(mlp_scale * MLP(RMS(u) * c)), c the
+        LN scale; the kinds differ only in u and how A and M join the residual. Sequential: u = y + A, returns u + M.
+        Parallel (GPT-J): u = y, returns y + A + M. Two lanes (lanes: GPT.lanes; x = (a, m), y = mix(a, x0)): u = m,
+        returns the lanes' routing of A and M (TwoLaneResidual)."""
+        y = self.mix_in(x if lanes is None else x[0], x0)
+        attn = self.attn(rms_norm(y) * self.ln_scale, w[:4], v_embed, rope, lora)
+        attn = self.branch("attn", self.attn_scale.to(y.dtype) * attn)
+        u = x[1] if lanes is not None else y if self.parallel else y + attn
+        n = rms_norm(u) * self.ln_scale
+        mlp = self.branch("mlp", self.mlp_scale.to(u.dtype) * lora_add(lora, "mlp", self.mlp(n, *w[4:]), n))
+        if lanes is not None:
+            return lanes(self.index, x, attn, mlp)
+        return (y + attn if self.parallel else u) + mlp
 
-
-class ParallelBlock(Block):
-    """GPT-J parallel residual (SPEC-FRONTIER 5; the 04-09 record from PARALLEL_RESIDUAL_START=7): attention and
-    MLP read the same normalised input and both add to it, x + a*Attn(n) + b*MLP(n). Same parameters as Block."""
-
-    def forward(self, x, x0, w, v_embed, rope, lora=None):
-        x = self.mix_in(x, x0)
-        n = rms_norm(x) * self.ln_scale
-        attn = self.attn(n, w[:4], v_embed, rope, lora)
-        mlp = lora_add(lora, "mlp", self.mlp(n, *w[4:]), n)
-        return x + self.attn_scale.to(x.dtype) * attn + self.mlp_scale.to(x.dtype) * mlp
+    def branch(self, name, out):
+        """A branch's output ("attn" or "mlp") on its way into the residual, in every layer kind: the one place a
+        per-block change goes. Each submodule that declares `block_branch = True` maps it, piece(name, out), in
+        the order they were assigned (docs/frontier.md "A per-layer scale that ships")."""
+        for piece in self.children():
+            if getattr(piece, "block_branch", False):
+                out = piece(name, out)
+        return out
 
 
 class TwoLaneResidual(nn.Module):
     """Two-lane parallel residuals (SPEC-FRONTIER 5, 18; the 04-27 record; PARALLEL_MODE=lanes): an attention lane a
-    and an MLP lane m. Layer l, from the lanes before its update (c = the block's LN scale):
-      A = attn_scale * Attn(RMS(mu0*a + mu1*x0) * c),  M = mlp_scale * MLP(RMS(m) * c)  (the MLP lane: no x0),
+    and an MLP lane m. Layer l, from the lanes before its update (Block.forward: A reads mix(a, x0), M reads m alone),
       a <- rho[l,0]*a + pi[l,0,0]*A + pi[l,1,0]*M,    m <- rho[l,1]*m + pi[l,0,1]*A + pi[l,1,1]*M.
     pi (routing, layers x 2 x 2) starts at 1, rho (lane residual, layers x 2) at 1.1, one row per physical layer."""
 
@@ -2601,12 +2612,8 @@ class TwoLaneResidual(nn.Module):
         self.post = nn.Parameter(torch.ones(num_layers, 2, 2, dtype=torch.float32))
         self.resid = nn.Parameter(torch.full((num_layers, 2), 1.1, dtype=torch.float32))
 
-    def forward(self, i, block, a, m, x0, w, v_embed, rope, lora=None):
-        attn = block.attn(rms_norm(block.mix_in(a, x0)) * block.ln_scale, w[:4], v_embed, rope, lora)
-        attn = block.attn_scale.to(a.dtype) * attn
-        n = rms_norm(m) * block.ln_scale
-        mlp = block.mlp_scale.to(m.dtype) * lora_add(lora, "mlp", block.mlp(n, *w[4:]), n)
-        post, resid = self.post[i].to(a.dtype), self.resid[i].to(a.dtype)
+    def forward(self, i, lanes, attn, mlp):
+        (a, m), post, resid = lanes, self.post[i].to(attn.dtype), self.resid[i].to(attn.dtype)
         return (resid[0] * a + post[0, 0] * attn + post[1, 0] * mlp,
                 resid[1] * m + post[0, 1] * attn + post[1, 1] * mlp)
 
@@ -2721,11 +2728,9 @@ class GPT(nn.Module):
         self.kv_bank = nn.Parameter(torch.empty(2 * n, kv, d))
         self.mlp_up_bank = nn.Parameter(torch.empty(n, h.mlp_hidden, d))
         self.mlp_down_bank = nn.Parameter(torch.empty(n, d, h.mlp_hidden))
-        start = h.parallel_residual_start  # -1: none
-        gptj = h.parallel_mode == "gptj"
-        self.blocks = nn.ModuleList([(ParallelBlock if gptj and 0 <= start <= i else Block)(h, i) for i in range(n)])
-        self.lanes = TwoLaneResidual(n) if not gptj and start >= 0 else None
-        self.lane_start = start
+        self.blocks = nn.ModuleList([Block(h, i) for i in range(n)])
+        self.lanes = TwoLaneResidual(n) if h.parallel_mode != "gptj" and h.parallel_residual_start >= 0 else None
+        self.lane_start = h.parallel_residual_start  # -1: none
         self.rope_dims, self.rope_base = h.rope_dims or h.head_dim, h.rope_base
         self.rope_train_len, self.rope_freqs_bf16 = h.rope_train_seq_len, h.rope_freqs_bf16
         self.ve_layers = list(h.ve_layers) if h.ve_enabled else []
@@ -2783,20 +2788,25 @@ class GPT(nn.Module):
     def forward_logits(self, ids, docs=None, lora=None):
         return softcap_logits(self.head(self.hidden(ids, docs, lora), lora), self.logit_softcap)
 
-    def outputs(self, ids, docs=None):
-        """What the model computes on (B, T) ids, for training's objective (training_loss): Outputs(hidden, logits)."""
-        x = self.hidden(ids, docs)
-        return Outputs(x, self.head(x))
+    def outputs(self, ids, docs=None, taps=()):
+        """What the model computes on (B, T) ids, for training's objective (training_loss): Outputs(hidden, logits,
+        taps), taps {name: state} of the layer states named (GPT.hidden)."""
+        x, tapped = self.hidden(ids, docs, taps=taps) if taps else (self.hidden(ids, docs), {})
+        return Outputs(x, self.head(x), tapped)
 
     def head(self, x, lora=None):
         """The output head's raw logits (before the softcap) of hidden states x: the tied embedding or lm_head."""
         logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.tok_emb.weight)
         return logits if lora is None else lora.add("head", 0, logits, x)
 
-    def hidden(self, ids, docs=None, lora=None):
+    def hidden(self, ids, docs=None, lora=None, taps=()):
         """The final hidden state of (B, T) ids, after the last RMSNorm; docs (DocBounds): packed rows whose documents
         do not attend to each other (RoPE positions stay the index within the row, as in the records); lora
-        (LoRAAdapters, TTT_MODE=lora): its slot k adapts the k-th virtual layer run, its head the logits."""
+        (LoRAAdapters, TTT_MODE=lora): its slot k adapts the k-th virtual layer run, its head the logits. taps (names;
+        then returns (state, {name: tapped state})): "runs.J", the residual after the J-th layer run of the current
+        order (encoder then decoder, from 0), and "blocks.I", after physical layer I's last run in it (the layer loop
+        runs a layer several times); with two lanes the state is their mean (a + m) / 2, as the final state; no final
+        RMSNorm. Only the names asked for are kept: none asked, nothing is done (eager and compiled alike)."""
         slots = itertools.count()
 
         def at():  # this virtual layer's adapters
@@ -2814,33 +2824,37 @@ class GPT(nn.Module):
                                         freqs_bf16=self.rope_freqs_bf16, pos0=None if docs is None else docs.pos0),
                          docs)
         encoder, decoder = self.orders[self.looping]
-        skips = []
-        for i in encoder:
+        skips, tapped = [], {}
+        for j, i in enumerate(encoder + decoder):
+            k = j - len(encoder)  # the decoder's step (< 0: an encoder step)
+            if k >= 0 and self.lanes is not None and not isinstance(x, tuple) and i >= self.lane_start:
+                x = (x, x)  # the two lanes (attention, MLP) from here to the end
+            if 0 <= k < len(self.skip_weights) and skips:  # with lanes the skip joins the attention lane only
+                x = (self._merge_skip(k, x[0], skips.pop()), x[1]) if isinstance(x, tuple) else \
+                    self._merge_skip(k, x, skips.pop())
             x = self._block(i, x, x0, ve, rope, at())
-            skips.append(x)
-        lanes = None  # (attention lane, MLP lane) once the two lanes have started
-        for j, i in enumerate(decoder):
-            if lanes is None and self.lanes is not None and i >= self.lane_start:
-                lanes = (x, x)
-            if lanes is None:
-                if j < len(self.skip_weights) and skips:
-                    x = self._merge_skip(j, x, skips.pop())
-                x = self._block(i, x, x0, ve, rope, at())
-                continue
-            a, m = lanes
-            if j < len(self.skip_weights) and skips:  # the skip joins the attention lane only
-                a = self._merge_skip(j, a, skips.pop())
-            lanes = self.lanes(i, self.blocks[i], a, m, x0, self.block_weights(i), self._value_embed(i, ve), rope,
-                               at())
-        if lanes is not None:
-            x = 0.5 * (lanes[0] + lanes[1])
-        return rms_norm(x)
+            if k < 0:
+                skips.append(x)
+            for name in (f"runs.{j}", f"blocks.{i}") if taps else ():
+                if name in taps:
+                    tapped[name] = 0.5 * (x[0] + x[1]) if isinstance(x, tuple) else x
+        if isinstance(x, tuple):
+            x = 0.5 * (x[0] + x[1])
+        if len(tapped) < len(taps):
+            raise ConfigError(f"no layer state {sorted(set(taps) - set(tapped))} in this model's order (GPT.hidden)")
+        return (rms_norm(x), tapped) if taps else rms_norm(x)
 
     def _value_embed(self, i, ve):
         return ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype) if i in self.ve_layers else None
 
     def _block(self, i, x, x0, ve, rope, lora=None):
-        return self.blocks[i](x, x0, self.block_weights(i), self._value_embed(i, ve), rope, lora)
+        """Layer i's run; x: the residual, or the two lanes (a, m)."""
+        lanes = self.lanes if isinstance(x, tuple) else None
+        return self.blocks[i](x, x0, self.block_weights(i), self._value_embed(i, ve), rope, lora, lanes)
+
+    def terms(self):
+        """The pieces whose term training's loss adds (training_loss): every module declaring `term_weight`."""
+        return [m for m in self.modules() if hasattr(m, "term_weight")]
 
     def _merge_skip(self, j, x, skip):
         """U-Net skip j: x + w*skip, or with SKIP_GATES the sigmoid-gated lerp s*x + (1-s)*(w*skip), s = sigmoid(g)
@@ -3745,12 +3759,16 @@ class StepTimer:
 
 def training_loss(h, model, ids, targets, docs=None, padded=False):
     """Training's objective (SPEC 3; SPEC-FRONTIER 18, item 7), what Trainer minimises: the mean cross-entropy, as
-    the scoring loss (GPT.forward, which evaluation and TTT use), nothing added. padded: targets may be IGNORE (a
-    packed row's piece). A term is added here, its settings read from h, reading model.outputs (docs/frontier.md
-    "Adding a technique"), e.g. z-loss: ce = model.cross_entropy(out.logits, targets, padded, lse=True), then
-    ce.mean + coef * (ce.lse.square() * ce.scored).sum() / ce.scored.sum()."""
-    out = model.outputs(ids, docs)
-    return model.cross_entropy(out.logits, targets, padded)
+    the scoring loss (GPT.forward, which evaluation and TTT use), plus each objective piece's term (GPT.terms: a module
+    declaring `term_weight`, its `taps` (names) and term(model, out, targets)), weighted; with none, the CE alone.
+    padded: targets may be IGNORE (a packed row's piece). A piece adds its term by declaration, not by editing this
+    (docs/frontier.md "Adding a technique"); the layer states its taps name are computed only then."""
+    terms = model.terms()
+    out = model.outputs(ids, docs, tuple(name for piece in terms for name in piece.taps))
+    loss = model.cross_entropy(out.logits, targets, padded)
+    for piece in terms:
+        loss = loss + piece.term_weight * piece.term(model, out, targets)
+    return loss
 
 
 class Trainer:
