@@ -2417,6 +2417,7 @@ class AttentionGate(nn.Module):
       output (04-16):        g = 2 * sigmoid(W_h . x_t[0:GATE_WINDOW]);
       dense (04-19):         g = sigmoid(W_h . x_t), W_h over the full width.
     W (heads x width) starts at zero (g = 0.5, 1, 0.5) or, with ATTN_GATE_INIT_STD > 0, N(0, std^2)."""
+    setting = "ATTN_GATE"
 
     def __init__(self, kind, num_heads, model_dim, window, scale, init_std):
         super().__init__()
@@ -2582,10 +2583,10 @@ class Block(nn.Module):
         Parallel (GPT-J): u = y, returns y + A + M. Two lanes (lanes: GPT.lanes; x = (a, m), y = mix(a, x0)): u = m,
         returns the lanes' routing of A and M (TwoLaneResidual)."""
         y = self.mix_in(x if lanes is None else x[0], x0)
-        attn = self.attn(rms_norm(y) * self.ln_scale, w[:4], v_embed, rope, lora)
-        attn = self.branch("attn", self.attn_scale.to(y.dtype) * attn)
+        n = rms_norm(y) * self.ln_scale
+        attn = self.branch("attn", self.attn_scale.to(y.dtype) * self.attn(n, w[:4], v_embed, rope, lora))
         u = x[1] if lanes is not None else y if self.parallel else y + attn
-        n = rms_norm(u) * self.ln_scale
+        n = n if u is y else rms_norm(u) * self.ln_scale  # parallel: both branches read one RMS (one backward)
         mlp = self.branch("mlp", self.mlp_scale.to(u.dtype) * lora_add(lora, "mlp", self.mlp(n, *w[4:]), n))
         if lanes is not None:
             return lanes(self.index, x, attn, mlp)
@@ -2606,6 +2607,7 @@ class TwoLaneResidual(nn.Module):
     and an MLP lane m. Layer l, from the lanes before its update (Block.forward: A reads mix(a, x0), M reads m alone),
       a <- rho[l,0]*a + pi[l,0,0]*A + pi[l,1,0]*M,    m <- rho[l,1]*m + pi[l,0,1]*A + pi[l,1,1]*M.
     pi (routing, layers x 2 x 2) starts at 1, rho (lane residual, layers x 2) at 1.1, one row per physical layer."""
+    setting = "PARALLEL_MODE"
 
     def __init__(self, num_layers):
         super().__init__()
@@ -2631,6 +2633,7 @@ def virtual_layers(num_layers, num_loops=0, loop_start=0, loop_end=-1):
 
 class BigramHash(nn.Module):
     """Embedding of a hash of (previous, current) token, projected to the model width."""
+    setting = "BIGRAM_VOCAB_SIZE"  # the setting that adds this piece (check_artifact_tensors names it)
 
     def __init__(self, buckets, dim, model_dim):
         super().__init__()
@@ -2653,6 +2656,7 @@ class BigramHash(nn.Module):
 
 class SmearGate(nn.Module):
     """Blend each position with its predecessor through a learned per-channel sigmoid gate."""
+    setting = "SMEAR_GATE"
 
     def __init__(self, dim):
         super().__init__()
@@ -2670,6 +2674,7 @@ class SmearGateBOS(nn.Module):
     * [ids_t != BOS_ID]. w (1 x window) and lam start at zero: the identity at init. The mask keeps the last token
     of one document out of the next document's BOS position in a packed row. bos_mask=False (SMEAR_GATE_BOS_FIX=0,
     #2135's run, SPEC-FRONTIER 20(e)1) drops the mask: e'_t = e_t + lam * sigmoid(...) * e_{t-1} at every t >= 1."""
+    setting = "SMEAR_GATE"
 
     def __init__(self, window, bos_id, bos_mask=True):
         super().__init__()
@@ -2691,6 +2696,7 @@ class SmearGateBOS(nn.Module):
 
 class ValueEmbedding(nn.Module):
     """A token embedding added to the attention values of selected layers."""
+    setting = "VE_ENABLED"  # the setting that adds this piece (check_artifact_tensors names it)
 
     def __init__(self, vocab, dim, kv_dim):
         super().__init__()
@@ -2925,17 +2931,21 @@ def artifact_state_dict(model):
     return state
 
 
+def meta_model(h):
+    """GPT(h) on the meta device: its tensors' names and shapes, no memory, no numbers."""
+    normal_, nn.init.normal_ = nn.init.normal_, lambda t, *a, **k: t  # its draws skipped: normal_ on meta tensors takes
+    try:  # a second the first time (torch loads its reference decompositions)
+        with torch.device("meta"):
+            return GPT(h)
+    finally:
+        nn.init.normal_ = normal_
+
+
 def model_params(h, model=None):
     """(name, shape, bytes per element, optimizer group, training-only) of each of GPT(h)'s parameters, read from
     `model` when it is built, else from the model built on the meta device (no memory, no numbers: absurd sizes are
     refused before any allocation)."""
-    if model is None:  # its draws skipped: normal_ on meta tensors takes a second the first time (torch loads its
-        normal_, nn.init.normal_ = nn.init.normal_, lambda t, *a, **k: t  # reference decompositions)
-        try:
-            with torch.device("meta"):
-                model = GPT(h)
-        finally:
-            nn.init.normal_ = normal_
+    model = meta_model(h) if model is None else model
     groups, skip = param_groups(model), marked(model, "training_only")
     return [(n, p.shape, 2 if n in EMBEDDING_NAMES else 4, groups[n], bool(skip.get(n)))
             for n, p in model.named_parameters()]
@@ -5002,13 +5012,13 @@ def lqer_corrections(flat, w, meta, h):
     return top
 
 
-def quantize_state_dict(flat, h=None, hessians=None):
-    """SPEC 6: small floats as fp16, attention/MLP matrices int6, other large matrices int8 (EMBED_BITS).
+def quantize_state_dict(flat, h=None, hessians=None, storage=None):
+    """SPEC 6: small floats as fp16, attention/MLP matrices int6, other large matrices int8 (EMBED_BITS); storage
+    ({name: "fp16" | "fp32" | "int6" | "int8"}, a piece's `artifact_storage`, artifact_storage()) overrides that rule.
     Beyond the record: QUANT=gptq rounds tensors with a Hessian by GPTQ; *_CLIP_SIGMAS > 0 pick scales by SDClip
     (per class: clip_sigmas_for); QUANT_GATE=1 stores gate tensors int8 per row; AWQ_LITE=1 promotes the most
     salient column groups; LQER_RANK > 0 adds low-rank corrections of the worst tensors."""
-    h, hessians = h or Hyperparameters({}), hessians or {}
-    e_max = 2 ** (h.embed_bits - 1) - 1
+    h, hessians, storage = h or Hyperparameters({}), hessians or {}, storage or {}
     promoted = awq_lite_groups(flat, hessians, h) if h.awq_lite else {}
     q_hi = 2 ** (h.awq_lite_bits - 1) - 1
     w, meta = {}, {}
@@ -5021,8 +5031,9 @@ def quantize_state_dict(flat, h=None, hessians=None):
             w[name + ".q"], w[name + ".scale"] = quantize_gate_rows(t)
             meta[name] = {"type": "gate_int8"}
             continue
-        if t.numel() <= PASSTHROUGH_MAX_NUMEL or t.ndim != 2:
-            w[name], meta[name] = t.to(torch.float16), "passthrough"
+        store = storage.get(name)
+        if store in ("fp16", "fp32") or store is None and (t.numel() <= PASSTHROUGH_MAX_NUMEL or t.ndim != 2):
+            w[name], meta[name] = t.to(torch.float32 if store == "fp32" else torch.float16), "passthrough"
             continue
         t32, H, sigmas = t.float(), hessians.get(name), clip_sigmas_for(name, h)
         awq = None
@@ -5031,13 +5042,14 @@ def quantize_state_dict(flat, h=None, hessians=None):
             for start in promoted[name]:
                 mask[start:start + h.awq_lite_group] = True
             awq = (mask, q_hi, sigmas)
-        if ".attn." in name or ".mlp." in name:
+        if store == "int6" or store is None and (".attn." in name or ".mlp." in name):
             kind = "int6"
             scales = [sdclip_scales(t32, sigmas, 31)] if sigmas > 0 else int6_candidate_scales(t32)
             q, s, *s_hi = quantize_rows(t32, 31, scales, H, awq)
         else:
             # one str object per kind: pickle stores repeats as references, so the bytes stay the record's
-            kind = sys.intern(f"int{h.embed_bits}")
+            bits = 8 if store == "int8" else h.embed_bits
+            kind, e_max = sys.intern(f"int{bits}"), 2 ** (bits - 1) - 1
             if H is None and sigmas == 0:
                 q, s = quantize_int8_rows(t32, e_max)
             else:
@@ -5358,7 +5370,9 @@ def save_artifact(path, model, late_qat, h=None, hessians=None, code_bytes=0, lo
     """Quantise, compress (with TARGET_BYTES, prune to fit), write; returns the size."""
     h = h or Hyperparameters({})
     t0 = time.perf_counter()
-    w, meta = quantize_state_dict(unbank_state_dict(artifact_state_dict(model), model.num_layers), h, hessians)
+    w, meta = quantize_state_dict(unbank_state_dict(artifact_state_dict(model), model.num_layers), h, hessians,
+                                  artifact_storage(model))
+    log("artifact_pieces: " + " ".join(f"{k}:{v}" for k, v in piece_bytes(w).items()))
     if hessians:
         log(f"gptq: {sum(not isinstance(meta[k], str) for k in hessians)} of {len(hessians)} tensors with a Hessian "
             f"quantised by GPTQ (the rest are small: fp16) "
@@ -5382,6 +5396,28 @@ def save_artifact(path, model, late_qat, h=None, hessians=None, code_bytes=0, lo
             log(f"pergroup: {len(blob)} bytes, serialized in {time.perf_counter() - t0:.1f}s")
     write_atomically(path, blob)
     return len(blob)
+
+
+def piece_name(name):
+    """The piece a stored tensor belongs to: its top module, a layer's by its part (blocks.3.attn.c_q.weight.q ->
+    blocks.*.attn)."""
+    parts = name.split(".")
+    return f"blocks.*.{parts[2]}" if parts[0] == "blocks" and len(parts) > 2 else parts[0]
+
+
+def piece_bytes(w):
+    """{piece: bytes it stores in the artifact before compression} (the size report's artifact_pieces line)."""
+    out = {}
+    for name, t in w.items():
+        key = piece_name(name)
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
+
+
+def artifact_storage(model):
+    """{unbanked name: storage} of the tensors whose piece declares `artifact_storage` ("fp16", "fp32", "int6",
+    "int8"); every other tensor follows quantize_state_dict's rule (docs/frontier.md "How a tensor ships")."""
+    return {k: v for k, v in marked(model, "artifact_storage").items() if v is not None}
 
 
 def quantiser_notes(meta, h):
@@ -5427,9 +5463,31 @@ def check_artifact_types(obj, path):
         raise ConfigError(f"{path}: artifact entry 'late_qat' has type {kind(obj['late_qat'])}, not bool")
 
 
-def load_artifact(path, h, model=None):
-    """The model of an artifact file: a fresh one, or `model` (same settings) with the artifact's weights copied into
-    its parameters in place (prepare_evaluation's, whose compiled graphs then serve it)."""
+def check_artifact_tensors(obj, model, path):
+    """One ConfigError line, before any work, when an artifact's tensors (names, shapes) are not the model's: each
+    piece that differs (piece_name) with the setting its module declares (`setting`) or the size settings."""
+    want = {k: tuple(t.shape) for k, t in unbank_state_dict(artifact_state_dict(model), model.num_layers).items()}
+    have = {k: tuple(obj["w"][k if isinstance(v, str) else k + ".q"].shape) for k, v in obj["m"].items()
+            if (k if isinstance(v, str) else k + ".q") in obj["w"]}
+    settings = {}
+    for prefix, m in model.named_modules():
+        for k in m.state_dict(prefix=prefix + "." if prefix else ""):
+            settings[k] = getattr(m, "setting", settings.get(k))
+    diffs = {}
+    for k in sorted(set(want) | set(have)):
+        if want.get(k) != have.get(k):
+            what = ("not in this model" if k not in want else "not in the artifact" if k not in have
+                    else f"shape {have[k]} in the artifact, {want[k]} here")
+            piece = re.sub(r"\.\d+(?=\.)", ".*", k.rsplit(".", 1)[0] if "." in k else k)
+            diffs.setdefault(piece, (what, settings.get(k) or ("a setting this run leaves off" if k not in want else
+                                                               "NUM_LAYERS, MODEL_DIM, MLP_MULT, NUM_KV_HEADS, VOCAB_SIZE")))
+    if diffs:
+        raise ConfigError(f"{path}: the artifact's tensors are not this model's: " + "; ".join(
+            f"{piece} {what} ({setting})" for piece, (what, setting) in diffs.items()))
+
+
+def read_artifact(path):
+    """An artifact file's payload {"w", "m", "late_qat"}, its types checked; one ConfigError line if unreadable."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -5448,7 +5506,15 @@ def load_artifact(path, h, model=None):
     if not isinstance(obj, dict) or "w" not in obj or "m" not in obj:
         raise ConfigError(f"{path}: not an int6 artifact (expected a dict with 'w' and 'm')")
     check_artifact_types(obj, path)
+    return obj
+
+
+def load_artifact(path, h, model=None):
+    """The model of an artifact file: a fresh one, or `model` (same settings) with the artifact's weights copied into
+    its parameters in place (prepare_evaluation's, whose compiled graphs then serve it)."""
+    obj = read_artifact(path)
     model = model if model is not None else build_model(h)
+    check_artifact_tensors(obj, model, path)
     flat = dequantize_state_dict(obj["w"], obj["m"], unbank_state_dict(artifact_state_dict(model), model.num_layers),
                                  path)  # every tensor but the training-only ones, which keep the model's own values
     model.load_state_dict({**model.state_dict(), **rebank_state_dict(flat, model.num_layers)}, strict=True)
@@ -7105,6 +7171,8 @@ def run(rt):
         for name in stale_outputs(h):  # nothing under its name looks finished
             os.remove(name)
             rt.log(f"removed {name} of the earlier run (OVERWRITE_RUN=1)")
+    if h.eval_only:  # before any work: the artifact's tensors against this run's model (built on meta: no weights)
+        check_artifact_tensors(read_artifact(h.eval_only), meta_model(h), h.eval_only)
     backend = select_attention_backend(rt.device, h.attention_backend)
     overrides = [name for name in PRESETS[h.preset] if h.effective[name][1] == "env"]
     rt.log(f"preset:{h.preset}" + (f" overridden_by_env:{','.join(overrides)}" if overrides else ""))
