@@ -2266,9 +2266,11 @@ IGNORE = -100  # a padding target: no loss (F.cross_entropy's ignore_index)
 
 class Outputs(NamedTuple):
     """GPT.outputs, for training's objective: hidden, the final hidden state (after the last RMSNorm, the head's input);
-    logits, the head's raw logits (before the softcap), for GPT.cross_entropy (the CE with its lse and scored mask)."""
+    logits, the head's raw logits (before the softcap), for GPT.cross_entropy (the CE with its lse and scored mask);
+    taps, {name: layer state} of the states the objective's pieces asked for (GPT.hidden's names), else empty."""
     hidden: Tensor
     logits: Tensor
+    taps: dict
 
 
 class CE(NamedTuple):
@@ -2426,6 +2428,7 @@ class AttentionGate(nn.Module):
       output (04-16):        g = 2 * sigmoid(W_h . x_t[0:GATE_WINDOW]);
       dense (04-19):         g = sigmoid(W_h . x_t), W_h over the full width.
     W (heads x width) starts at zero (g = 0.5, 1, 0.5) or, with ATTN_GATE_INIT_STD > 0, N(0, std^2)."""
+    setting = "ATTN_GATE"
 
     def __init__(self, kind, num_heads, model_dim, window, scale, init_std):
         super().__init__()
@@ -2558,8 +2561,9 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """x0 residual mix, then attention and a leaky-ReLU^2 MLP, each with a per-channel output scale.
-    w: the block's six bank slices (GPT.block_weights)."""
+    """One layer, the one forward of every layer kind the presets use (SPEC 4; SPEC-FRONTIER 5, 18): the x0 residual
+    mix, attention and a leaky-ReLU^2 MLP, each branch with a per-channel output scale, combined into the residual by
+    the layer's kind. w: the block's six bank slices (GPT.block_weights)."""
 
     def __init__(self, h, layer_idx):
         super().__init__()
@@ -2570,6 +2574,9 @@ class Block(nn.Module):
         self.resid_mix = nn.Parameter(torch.ones(2, d))  # the weights of x (1) and x0 (0)
         self.resid_mix.data[1] = 0.0
         self.ln_scale = 1.0 / math.sqrt(layer_idx + 1) if h.ln_scale else 1.0
+        self.index = layer_idx
+        # GPT-J parallel residual (SPEC-FRONTIER 5; the 04-09 record from PARALLEL_RESIDUAL_START=7)
+        self.parallel = h.parallel_mode == "gptj" and 0 <= h.parallel_residual_start <= layer_idx
 
     def mix_in(self, x, x0):
         mix = self.resid_mix.to(x.dtype)
@@ -2581,43 +2588,45 @@ class Block(nn.Module):
             return fused_leaky_relu2_mlp(x, up_w, down_w)
         return leaky_relu2_mlp(x, up_w, down_w)
 
-    def forward(self, x, x0, w, v_embed, rope, lora=None):
-        x = self.mix_in(x, x0)
-        x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x) * self.ln_scale, w[:4], v_embed, rope, lora)
-        n = rms_norm(x) * self.ln_scale
-        return x + self.mlp_scale.to(x.dtype) * lora_add(lora, "mlp", self.mlp(n, *w[4:]), n)
+    def forward(self, x, x0, w, v_embed, rope, lora=None, lanes=None):
+        """y = mix(x, x0), A = branch(attn_scale * Attn(RMS(y) * c)), M = branch(mlp_scale * MLP(RMS(u) * c)), c the
+        LN scale; the kinds differ only in u and how A and M join the residual. Sequential: u = y + A, returns u + M.
+        Parallel (GPT-J): u = y, returns y + A + M. Two lanes (lanes: GPT.lanes; x = (a, m), y = mix(a, x0)): u = m,
+        returns the lanes' routing of A and M (TwoLaneResidual)."""
+        y = self.mix_in(x if lanes is None else x[0], x0)
+        n = rms_norm(y) * self.ln_scale
+        attn = self.branch("attn", self.attn_scale.to(y.dtype) * self.attn(n, w[:4], v_embed, rope, lora))
+        u = x[1] if lanes is not None else y if self.parallel else y + attn
+        n = n if u is y else rms_norm(u) * self.ln_scale  # parallel: both branches read one RMS (one backward)
+        mlp = self.branch("mlp", self.mlp_scale.to(u.dtype) * lora_add(lora, "mlp", self.mlp(n, *w[4:]), n))
+        if lanes is not None:
+            return lanes(self.index, x, attn, mlp)
+        return (y + attn if self.parallel else u) + mlp
 
-
-class ParallelBlock(Block):
-    """GPT-J parallel residual (SPEC-FRONTIER 5; the 04-09 record from PARALLEL_RESIDUAL_START=7): attention and
-    MLP read the same normalised input and both add to it, x + a*Attn(n) + b*MLP(n). Same parameters as Block."""
-
-    def forward(self, x, x0, w, v_embed, rope, lora=None):
-        x = self.mix_in(x, x0)
-        n = rms_norm(x) * self.ln_scale
-        attn = self.attn(n, w[:4], v_embed, rope, lora)
-        mlp = lora_add(lora, "mlp", self.mlp(n, *w[4:]), n)
-        return x + self.attn_scale.to(x.dtype) * attn + self.mlp_scale.to(x.dtype) * mlp
+    def branch(self, name, out):
+        """A branch's output ("attn" or "mlp") on its way into the residual, in every layer kind: the one place a
+        per-block change goes. Each submodule that declares `block_branch = True` maps it, piece(name, out), in
+        the order they were assigned (docs/frontier.md "A per-layer scale that ships")."""
+        for piece in self.children():
+            if getattr(piece, "block_branch", False):
+                out = piece(name, out)
+        return out
 
 
 class TwoLaneResidual(nn.Module):
     """Two-lane parallel residuals (SPEC-FRONTIER 5, 18; the 04-27 record; PARALLEL_MODE=lanes): an attention lane a
-    and an MLP lane m. Layer l, from the lanes before its update (c = the block's LN scale):
-      A = attn_scale * Attn(RMS(mu0*a + mu1*x0) * c),  M = mlp_scale * MLP(RMS(m) * c)  (the MLP lane: no x0),
+    and an MLP lane m. Layer l, from the lanes before its update (Block.forward: A reads mix(a, x0), M reads m alone),
       a <- rho[l,0]*a + pi[l,0,0]*A + pi[l,1,0]*M,    m <- rho[l,1]*m + pi[l,0,1]*A + pi[l,1,1]*M.
     pi (routing, layers x 2 x 2) starts at 1, rho (lane residual, layers x 2) at 1.1, one row per physical layer."""
+    setting = "PARALLEL_MODE"
 
     def __init__(self, num_layers):
         super().__init__()
         self.post = nn.Parameter(torch.ones(num_layers, 2, 2, dtype=torch.float32))
         self.resid = nn.Parameter(torch.full((num_layers, 2), 1.1, dtype=torch.float32))
 
-    def forward(self, i, block, a, m, x0, w, v_embed, rope, lora=None):
-        attn = block.attn(rms_norm(block.mix_in(a, x0)) * block.ln_scale, w[:4], v_embed, rope, lora)
-        attn = block.attn_scale.to(a.dtype) * attn
-        n = rms_norm(m) * block.ln_scale
-        mlp = block.mlp_scale.to(m.dtype) * lora_add(lora, "mlp", block.mlp(n, *w[4:]), n)
-        post, resid = self.post[i].to(a.dtype), self.resid[i].to(a.dtype)
+    def forward(self, i, lanes, attn, mlp):
+        (a, m), post, resid = lanes, self.post[i].to(attn.dtype), self.resid[i].to(attn.dtype)
         return (resid[0] * a + post[0, 0] * attn + post[1, 0] * mlp,
                 resid[1] * m + post[0, 1] * attn + post[1, 1] * mlp)
 
@@ -2635,6 +2644,7 @@ def virtual_layers(num_layers, num_loops=0, loop_start=0, loop_end=-1):
 
 class BigramHash(nn.Module):
     """Embedding of a hash of (previous, current) token, projected to the model width."""
+    setting = "BIGRAM_VOCAB_SIZE"  # the setting that adds this piece (check_artifact_tensors names it)
 
     def __init__(self, buckets, dim, model_dim):
         super().__init__()
@@ -2657,6 +2667,7 @@ class BigramHash(nn.Module):
 
 class SmearGate(nn.Module):
     """Blend each position with its predecessor through a learned per-channel sigmoid gate."""
+    setting = "SMEAR_GATE"
 
     def __init__(self, dim):
         super().__init__()
@@ -2674,6 +2685,7 @@ class SmearGateBOS(nn.Module):
     * [ids_t != BOS_ID]. w (1 x window) and lam start at zero: the identity at init. The mask keeps the last token
     of one document out of the next document's BOS position in a packed row. bos_mask=False (SMEAR_GATE_BOS_FIX=0,
     #2135's run, SPEC-FRONTIER 20(e)1) drops the mask: e'_t = e_t + lam * sigmoid(...) * e_{t-1} at every t >= 1."""
+    setting = "SMEAR_GATE"
 
     def __init__(self, window, bos_id, bos_mask=True):
         super().__init__()
@@ -2695,6 +2707,7 @@ class SmearGateBOS(nn.Module):
 
 class ValueEmbedding(nn.Module):
     """A token embedding added to the attention values of selected layers."""
+    setting = "VE_ENABLED"  # the setting that adds this piece (check_artifact_tensors names it)
 
     def __init__(self, vocab, dim, kv_dim):
         super().__init__()
@@ -2732,11 +2745,9 @@ class GPT(nn.Module):
         self.kv_bank = nn.Parameter(torch.empty(2 * n, kv, d))
         self.mlp_up_bank = nn.Parameter(torch.empty(n, h.mlp_hidden, d))
         self.mlp_down_bank = nn.Parameter(torch.empty(n, d, h.mlp_hidden))
-        start = h.parallel_residual_start  # -1: none
-        gptj = h.parallel_mode == "gptj"
-        self.blocks = nn.ModuleList([(ParallelBlock if gptj and 0 <= start <= i else Block)(h, i) for i in range(n)])
-        self.lanes = TwoLaneResidual(n) if not gptj and start >= 0 else None
-        self.lane_start = start
+        self.blocks = nn.ModuleList([Block(h, i) for i in range(n)])
+        self.lanes = TwoLaneResidual(n) if h.parallel_mode != "gptj" and h.parallel_residual_start >= 0 else None
+        self.lane_start = h.parallel_residual_start  # -1: none
         self.rope_dims, self.rope_base = h.rope_dims or h.head_dim, h.rope_base
         self.rope_train_len, self.rope_freqs_bf16 = h.rope_train_seq_len, h.rope_freqs_bf16
         self.ve_layers = list(h.ve_layers) if h.ve_enabled else []
@@ -2794,20 +2805,25 @@ class GPT(nn.Module):
     def forward_logits(self, ids, docs=None, lora=None):
         return softcap_logits(self.head(self.hidden(ids, docs, lora), lora), self.logit_softcap)
 
-    def outputs(self, ids, docs=None):
-        """What the model computes on (B, T) ids, for training's objective (training_loss): Outputs(hidden, logits)."""
-        x = self.hidden(ids, docs)
-        return Outputs(x, self.head(x))
+    def outputs(self, ids, docs=None, taps=()):
+        """What the model computes on (B, T) ids, for training's objective (training_loss): Outputs(hidden, logits,
+        taps), taps {name: state} of the layer states named (GPT.hidden)."""
+        x, tapped = self.hidden(ids, docs, taps=taps) if taps else (self.hidden(ids, docs), {})
+        return Outputs(x, self.head(x), tapped)
 
     def head(self, x, lora=None):
         """The output head's raw logits (before the softcap) of hidden states x: the tied embedding or lm_head."""
         logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.tok_emb.weight)
         return logits if lora is None else lora.add("head", 0, logits, x)
 
-    def hidden(self, ids, docs=None, lora=None):
+    def hidden(self, ids, docs=None, lora=None, taps=()):
         """The final hidden state of (B, T) ids, after the last RMSNorm; docs (DocBounds): packed rows whose documents
         do not attend to each other (RoPE positions stay the index within the row, as in the records); lora
-        (LoRAAdapters, TTT_MODE=lora): its slot k adapts the k-th virtual layer run, its head the logits."""
+        (LoRAAdapters, TTT_MODE=lora): its slot k adapts the k-th virtual layer run, its head the logits. taps (names;
+        then returns (state, {name: tapped state})): "runs.J", the residual after the J-th layer run of the current
+        order (encoder then decoder, from 0), and "blocks.I", after physical layer I's last run in it (the layer loop
+        runs a layer several times); with two lanes the state is their mean (a + m) / 2, as the final state; no final
+        RMSNorm. Only the names asked for are kept: none asked, nothing is done (eager and compiled alike)."""
         slots = itertools.count()
 
         def at():  # this virtual layer's adapters
@@ -2825,33 +2841,37 @@ class GPT(nn.Module):
                                         freqs_bf16=self.rope_freqs_bf16, pos0=None if docs is None else docs.pos0),
                          docs)
         encoder, decoder = self.orders[self.looping]
-        skips = []
-        for i in encoder:
+        skips, tapped = [], {}
+        for j, i in enumerate(encoder + decoder):
+            k = j - len(encoder)  # the decoder's step (< 0: an encoder step)
+            if k >= 0 and self.lanes is not None and not isinstance(x, tuple) and i >= self.lane_start:
+                x = (x, x)  # the two lanes (attention, MLP) from here to the end
+            if 0 <= k < len(self.skip_weights) and skips:  # with lanes the skip joins the attention lane only
+                x = (self._merge_skip(k, x[0], skips.pop()), x[1]) if isinstance(x, tuple) else \
+                    self._merge_skip(k, x, skips.pop())
             x = self._block(i, x, x0, ve, rope, at())
-            skips.append(x)
-        lanes = None  # (attention lane, MLP lane) once the two lanes have started
-        for j, i in enumerate(decoder):
-            if lanes is None and self.lanes is not None and i >= self.lane_start:
-                lanes = (x, x)
-            if lanes is None:
-                if j < len(self.skip_weights) and skips:
-                    x = self._merge_skip(j, x, skips.pop())
-                x = self._block(i, x, x0, ve, rope, at())
-                continue
-            a, m = lanes
-            if j < len(self.skip_weights) and skips:  # the skip joins the attention lane only
-                a = self._merge_skip(j, a, skips.pop())
-            lanes = self.lanes(i, self.blocks[i], a, m, x0, self.block_weights(i), self._value_embed(i, ve), rope,
-                               at())
-        if lanes is not None:
-            x = 0.5 * (lanes[0] + lanes[1])
-        return rms_norm(x)
+            if k < 0:
+                skips.append(x)
+            for name in (f"runs.{j}", f"blocks.{i}") if taps else ():
+                if name in taps:
+                    tapped[name] = 0.5 * (x[0] + x[1]) if isinstance(x, tuple) else x
+        if isinstance(x, tuple):
+            x = 0.5 * (x[0] + x[1])
+        if len(tapped) < len(taps):
+            raise ConfigError(f"no layer state {sorted(set(taps) - set(tapped))} in this model's order (GPT.hidden)")
+        return (rms_norm(x), tapped) if taps else rms_norm(x)
 
     def _value_embed(self, i, ve):
         return ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype) if i in self.ve_layers else None
 
     def _block(self, i, x, x0, ve, rope, lora=None):
-        return self.blocks[i](x, x0, self.block_weights(i), self._value_embed(i, ve), rope, lora)
+        """Layer i's run; x: the residual, or the two lanes (a, m)."""
+        lanes = self.lanes if isinstance(x, tuple) else None
+        return self.blocks[i](x, x0, self.block_weights(i), self._value_embed(i, ve), rope, lora, lanes)
+
+    def terms(self):
+        """The pieces whose term training's loss adds (training_loss): every module declaring `term_weight`."""
+        return [m for m in self.modules() if hasattr(m, "term_weight")]
 
     def _merge_skip(self, j, x, skip):
         """U-Net skip j: x + w*skip, or with SKIP_GATES the sigmoid-gated lerp s*x + (1-s)*(w*skip), s = sigmoid(g)
@@ -2922,17 +2942,21 @@ def artifact_state_dict(model):
     return state
 
 
+def meta_model(h):
+    """GPT(h) on the meta device: its tensors' names and shapes, no memory, no numbers."""
+    normal_, nn.init.normal_ = nn.init.normal_, lambda t, *a, **k: t  # its draws skipped: normal_ on meta tensors takes
+    try:  # a second the first time (torch loads its reference decompositions)
+        with torch.device("meta"):
+            return GPT(h)
+    finally:
+        nn.init.normal_ = normal_
+
+
 def model_params(h, model=None):
     """(name, shape, bytes per element, optimizer group, training-only) of each of GPT(h)'s parameters, read from
     `model` when it is built, else from the model built on the meta device (no memory, no numbers: absurd sizes are
     refused before any allocation)."""
-    if model is None:  # its draws skipped: normal_ on meta tensors takes a second the first time (torch loads its
-        normal_, nn.init.normal_ = nn.init.normal_, lambda t, *a, **k: t  # reference decompositions)
-        try:
-            with torch.device("meta"):
-                model = GPT(h)
-        finally:
-            nn.init.normal_ = normal_
+    model = meta_model(h) if model is None else model
     groups, skip = param_groups(model), marked(model, "training_only")
     return [(n, p.shape, 2 if n in EMBEDDING_NAMES else 4, groups[n], bool(skip.get(n)))
             for n, p in model.named_parameters()]
@@ -3820,12 +3844,16 @@ class StepTimer:
 
 def training_loss(h, model, ids, targets, docs=None, padded=False):
     """Training's objective (SPEC 3; SPEC-FRONTIER 18, item 7), what Trainer minimises: the mean cross-entropy, as
-    the scoring loss (GPT.forward, which evaluation and TTT use), nothing added. padded: targets may be IGNORE (a
-    packed row's piece). A term is added here, its settings read from h, reading model.outputs (docs/frontier.md
-    "Adding a technique"), e.g. z-loss: ce = model.cross_entropy(out.logits, targets, padded, lse=True), then
-    ce.mean + coef * (ce.lse.square() * ce.scored).sum() / ce.scored.sum()."""
-    out = model.outputs(ids, docs)
-    return model.cross_entropy(out.logits, targets, padded)
+    the scoring loss (GPT.forward, which evaluation and TTT use), plus each objective piece's term (GPT.terms: a module
+    declaring `term_weight`, its `taps` (names) and term(model, out, targets)), weighted; with none, the CE alone.
+    padded: targets may be IGNORE (a packed row's piece). A piece adds its term by declaration, not by editing this
+    (docs/frontier.md "Adding a technique"); the layer states its taps name are computed only then."""
+    terms = model.terms()
+    out = model.outputs(ids, docs, tuple(name for piece in terms for name in piece.taps))
+    loss = model.cross_entropy(out.logits, targets, padded)
+    for piece in terms:
+        loss = loss + piece.term_weight * piece.term(model, out, targets)
+    return loss
 
 
 class Trainer:
@@ -5063,13 +5091,13 @@ def lqer_corrections(flat, w, meta, h):
     return top
 
 
-def quantize_state_dict(flat, h=None, hessians=None):
-    """SPEC 6: small floats as fp16, attention/MLP matrices int6, other large matrices int8 (EMBED_BITS).
+def quantize_state_dict(flat, h=None, hessians=None, storage=None):
+    """SPEC 6: small floats as fp16, attention/MLP matrices int6, other large matrices int8 (EMBED_BITS); storage
+    ({name: "fp16" | "fp32" | "int6" | "int8"}, a piece's `artifact_storage`, artifact_storage()) overrides that rule.
     Beyond the record: QUANT=gptq rounds tensors with a Hessian by GPTQ; *_CLIP_SIGMAS > 0 pick scales by SDClip
     (per class: clip_sigmas_for); QUANT_GATE=1 stores gate tensors int8 per row; AWQ_LITE=1 promotes the most
     salient column groups; LQER_RANK > 0 adds low-rank corrections of the worst tensors."""
-    h, hessians = h or Hyperparameters({}), hessians or {}
-    e_max = 2 ** (h.embed_bits - 1) - 1
+    h, hessians, storage = h or Hyperparameters({}), hessians or {}, storage or {}
     promoted = awq_lite_groups(flat, hessians, h) if h.awq_lite else {}
     q_hi = 2 ** (h.awq_lite_bits - 1) - 1
     w, meta = {}, {}
@@ -5082,8 +5110,9 @@ def quantize_state_dict(flat, h=None, hessians=None):
             w[name + ".q"], w[name + ".scale"] = quantize_gate_rows(t)
             meta[name] = {"type": "gate_int8"}
             continue
-        if t.numel() <= PASSTHROUGH_MAX_NUMEL or t.ndim != 2:
-            w[name], meta[name] = t.to(torch.float16), "passthrough"
+        store = storage.get(name)
+        if store in ("fp16", "fp32") or store is None and (t.numel() <= PASSTHROUGH_MAX_NUMEL or t.ndim != 2):
+            w[name], meta[name] = t.to(torch.float32 if store == "fp32" else torch.float16), "passthrough"
             continue
         t32, H, sigmas = t.float(), hessians.get(name), clip_sigmas_for(name, h)
         awq = None
@@ -5092,13 +5121,14 @@ def quantize_state_dict(flat, h=None, hessians=None):
             for start in promoted[name]:
                 mask[start:start + h.awq_lite_group] = True
             awq = (mask, q_hi, sigmas)
-        if ".attn." in name or ".mlp." in name:
+        if store == "int6" or store is None and (".attn." in name or ".mlp." in name):
             kind = "int6"
             scales = [sdclip_scales(t32, sigmas, 31)] if sigmas > 0 else int6_candidate_scales(t32)
             q, s, *s_hi = quantize_rows(t32, 31, scales, H, awq)
         else:
             # one str object per kind: pickle stores repeats as references, so the bytes stay the record's
-            kind = sys.intern(f"int{h.embed_bits}")
+            bits = 8 if store == "int8" else h.embed_bits
+            kind, e_max = sys.intern(f"int{bits}"), 2 ** (bits - 1) - 1
             if H is None and sigmas == 0:
                 q, s = quantize_int8_rows(t32, e_max)
             else:
@@ -5419,7 +5449,9 @@ def save_artifact(path, model, late_qat, h=None, hessians=None, code_bytes=0, lo
     """Quantise, compress (with TARGET_BYTES, prune to fit), write; returns the size."""
     h = h or Hyperparameters({})
     t0 = time.perf_counter()
-    w, meta = quantize_state_dict(unbank_state_dict(artifact_state_dict(model), model.num_layers), h, hessians)
+    w, meta = quantize_state_dict(unbank_state_dict(artifact_state_dict(model), model.num_layers), h, hessians,
+                                  artifact_storage(model))
+    log("artifact_pieces: " + " ".join(f"{k}:{v}" for k, v in piece_bytes(w).items()))
     if hessians:
         log(f"gptq: {sum(not isinstance(meta[k], str) for k in hessians)} of {len(hessians)} tensors with a Hessian "
             f"quantised by GPTQ (the rest are small: fp16) "
@@ -5443,6 +5475,28 @@ def save_artifact(path, model, late_qat, h=None, hessians=None, code_bytes=0, lo
             log(f"pergroup: {len(blob)} bytes, serialized in {time.perf_counter() - t0:.1f}s")
     write_atomically(path, blob)
     return len(blob)
+
+
+def piece_name(name):
+    """The piece a stored tensor belongs to: its top module, a layer's by its part (blocks.3.attn.c_q.weight.q ->
+    blocks.*.attn)."""
+    parts = name.split(".")
+    return f"blocks.*.{parts[2]}" if parts[0] == "blocks" and len(parts) > 2 else parts[0]
+
+
+def piece_bytes(w):
+    """{piece: bytes it stores in the artifact before compression} (the size report's artifact_pieces line)."""
+    out = {}
+    for name, t in w.items():
+        key = piece_name(name)
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
+
+
+def artifact_storage(model):
+    """{unbanked name: storage} of the tensors whose piece declares `artifact_storage` ("fp16", "fp32", "int6",
+    "int8"); every other tensor follows quantize_state_dict's rule (docs/frontier.md "How a tensor ships")."""
+    return {k: v for k, v in marked(model, "artifact_storage").items() if v is not None}
 
 
 def quantiser_notes(meta, h):
@@ -5488,9 +5542,31 @@ def check_artifact_types(obj, path):
         raise ConfigError(f"{path}: artifact entry 'late_qat' has type {kind(obj['late_qat'])}, not bool")
 
 
-def load_artifact(path, h, model=None):
-    """The model of an artifact file: a fresh one, or `model` (same settings) with the artifact's weights copied into
-    its parameters in place (prepare_evaluation's, whose compiled graphs then serve it)."""
+def check_artifact_tensors(obj, model, path):
+    """One ConfigError line, before any work, when an artifact's tensors (names, shapes) are not the model's: each
+    piece that differs (piece_name) with the setting its module declares (`setting`) or the size settings."""
+    want = {k: tuple(t.shape) for k, t in unbank_state_dict(artifact_state_dict(model), model.num_layers).items()}
+    have = {k: tuple(obj["w"][k if isinstance(v, str) else k + ".q"].shape) for k, v in obj["m"].items()
+            if (k if isinstance(v, str) else k + ".q") in obj["w"]}
+    settings = {}
+    for prefix, m in model.named_modules():
+        for k in m.state_dict(prefix=prefix + "." if prefix else ""):
+            settings[k] = getattr(m, "setting", settings.get(k))
+    diffs = {}
+    for k in sorted(set(want) | set(have)):
+        if want.get(k) != have.get(k):
+            what = ("not in this model" if k not in want else "not in the artifact" if k not in have
+                    else f"shape {have[k]} in the artifact, {want[k]} here")
+            piece = re.sub(r"\.\d+(?=\.)", ".*", k.rsplit(".", 1)[0] if "." in k else k)
+            diffs.setdefault(piece, (what, settings.get(k) or ("a setting this run leaves off" if k not in want else
+                                                               "NUM_LAYERS, MODEL_DIM, MLP_MULT, NUM_KV_HEADS, VOCAB_SIZE")))
+    if diffs:
+        raise ConfigError(f"{path}: the artifact's tensors are not this model's: " + "; ".join(
+            f"{piece} {what} ({setting})" for piece, (what, setting) in diffs.items()))
+
+
+def read_artifact(path):
+    """An artifact file's payload {"w", "m", "late_qat"}, its types checked; one ConfigError line if unreadable."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -5509,7 +5585,15 @@ def load_artifact(path, h, model=None):
     if not isinstance(obj, dict) or "w" not in obj or "m" not in obj:
         raise ConfigError(f"{path}: not an int6 artifact (expected a dict with 'w' and 'm')")
     check_artifact_types(obj, path)
+    return obj
+
+
+def load_artifact(path, h, model=None):
+    """The model of an artifact file: a fresh one, or `model` (same settings) with the artifact's weights copied into
+    its parameters in place (prepare_evaluation's, whose compiled graphs then serve it)."""
+    obj = read_artifact(path)
     model = model if model is not None else build_model(h)
+    check_artifact_tensors(obj, model, path)
     flat = dequantize_state_dict(obj["w"], obj["m"], unbank_state_dict(artifact_state_dict(model), model.num_layers),
                                  path)  # every tensor but the training-only ones, which keep the model's own values
     model.load_state_dict({**model.state_dict(), **rebank_state_dict(flat, model.num_layers)}, strict=True)
@@ -7166,6 +7250,8 @@ def run(rt):
         for name in stale_outputs(h):  # nothing under its name looks finished
             os.remove(name)
             rt.log(f"removed {name} of the earlier run (OVERWRITE_RUN=1)")
+    if h.eval_only:  # before any work: the artifact's tensors against this run's model (built on meta: no weights)
+        check_artifact_tensors(read_artifact(h.eval_only), meta_model(h), h.eval_only)
     backend = select_attention_backend(rt.device, h.attention_backend)
     overrides = [name for name in PRESETS[h.preset] if h.effective[name][1] == "env"]
     rt.log(f"preset:{h.preset}" + (f" overridden_by_env:{','.join(overrides)}" if overrides else ""))

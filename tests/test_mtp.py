@@ -23,29 +23,31 @@ import torch.nn.functional as F
 from conftest import REPO, SCRIPT, clean_environ
 
 DOC = REPO / "docs" / "frontier.md"
-WHERE = re.compile(r"# train_gpt\.py: (after|before|replacing): (.+)")
+WHERE = re.compile(r"# train_gpt\.py \((\w+)\): (after|before|replacing): (.+)")  # (example): how: anchor
 PATCHED = os.environ.get("MTP_SCRIPT")  # the patched copy, in the process test_mtp_head_in_a_fresh_process starts
 SMALL = {"MODEL_DIM": "32", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "VOCAB_SIZE": "64", "VE_LAYERS": "1",
          "NUM_LAYERS": "2", "XSA_LAST_N": "1", "TRAIN_SEQ_LEN": "24", "AUTOCAST_DTYPE": "fp32"}
 CPU = torch.device("cpu")
 
 
-def doc_blocks():
-    """The (how, anchor, lines) of each python block of the doc whose first line is `# train_gpt.py: HOW: ANCHOR`."""
+def doc_blocks(examples=("mtp",)):
+    """The (how, anchor, lines) of each python block of the doc whose first line is `# train_gpt.py (EXAMPLE): HOW:
+    ANCHOR`, for the examples named, in the doc's order."""
     text = DOC.read_text(encoding="utf-8")
     blocks = []
     for body in re.findall(r"```python\n(.*?)```", text, flags=re.S):
         lines = body.splitlines()
         where = WHERE.fullmatch(lines[0])
-        if where:
-            blocks.append((where[1], where[2], lines[1:]))
+        if where and where[1] in examples:
+            blocks.append((where[2], where[3], lines[1:]))
     return blocks
 
 
-def patched_source(src):
-    """train_gpt.py's text with the doc's blocks applied, each re-indented to its anchor line's indentation."""
+def patched_source(src, examples=("mtp",)):
+    """train_gpt.py's text with the doc's blocks of `examples` applied, each re-indented to its anchor line's
+    indentation."""
     lines = src.splitlines()
-    for how, anchor, block in doc_blocks():
+    for how, anchor, block in doc_blocks(examples):
         at = [i for i, line in enumerate(lines) if line.strip() == anchor]
         assert len(at) == 1, f"{anchor!r} is in train_gpt.py {len(at)} times, not once"
         i = at[0]
@@ -70,27 +72,37 @@ def enclosing(tree, lineno):
     return names[-1] if names else None
 
 
-def test_the_edits_touch_the_setting_the_piece_and_the_objective_only():
-    """The doc's 5 blocks: 4 edits inside Hyperparameters (its setting, read and checked), GPT.__init__ (its
-    switch) and training_loss (its term), 1 new class, and nothing else; the result parses as Python 3.10."""
+def touched_by(examples):
+    """The classes and functions (dotted) the examples' blocks change in the script (None: top-level lines), and the
+    blocks' count; the result parses as Python 3.10."""
     src = SCRIPT.read_text(encoding="utf-8")
-    new = patched_source(src)
+    new = patched_source(src, examples)
     tree = ast.parse(new, feature_version=(3, 10))
     touched = set()
     matcher = difflib.SequenceMatcher(a=src.splitlines(), b=new.splitlines(), autojunk=False)
     for op, _, _, j1, j2 in matcher.get_opcodes():
         if op != "equal":
             touched.update(enclosing(tree, line + 1) for line in range(j1, j2))
-    assert len(doc_blocks()) == 5
+    return touched, len(doc_blocks(examples))
+
+
+def test_the_edits_touch_the_setting_the_piece_and_its_switch_only():
+    """The doc's 4 blocks: 3 edits inside Hyperparameters (its setting, read and checked) and GPT.__init__ (its
+    switch), 1 new class, and nothing else: not training_loss (its term comes by declaration)."""
+    touched, blocks = touched_by(("mtp",))
+    assert blocks == 4
     assert touched == {"Hyperparameters.__init__", "Hyperparameters._validate", "MultiTokenHead",
-                       "MultiTokenHead.__init__", "MultiTokenHead.forward", "GPT.__init__", "training_loss", None}
+                       "MultiTokenHead.__init__", "MultiTokenHead.term", "GPT.__init__", None}
+    src = SCRIPT.read_text(encoding="utf-8")
     assert "MTP_WEIGHT" not in src and "MultiTokenHead" not in src  # an example: the script does not ship it
 
 
-def test_mtp_head_in_a_fresh_process(tmp_path):
-    """The test_patched_* tests below, on the patched copy, in a process started with TRITON_INTERPRET=1."""
+@pytest.mark.parametrize("examples", [("mtp",), ("mtp", "deep_sup", "layer_scale")], ids=["alone", "beside_others"])
+def test_mtp_head_in_a_fresh_process(tmp_path, examples):
+    """The test_patched_* tests below, on the patched copy (the MTP head alone, and beside the doc's other two worked
+    examples: a second technique does not break it), in a process started with TRITON_INTERPRET=1."""
     script = tmp_path / "train_gpt_mtp.py"
-    script.write_text(patched_source(SCRIPT.read_text(encoding="utf-8")), encoding="utf-8")
+    script.write_text(patched_source(SCRIPT.read_text(encoding="utf-8"), examples), encoding="utf-8")
     env = {**clean_environ(), "MTP_SCRIPT": str(script), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_patched",
                            __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

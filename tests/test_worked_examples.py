@@ -1,0 +1,261 @@
+"""Issue 61: one block path, named taps, objective terms that add up, shipped tensors declared; and docs/frontier.md's
+worked examples "Deep supervision from a named tap" and "A per-layer scale that ships", applied to a copy of
+train_gpt.py as tests/test_mtp.py applies the MTP head (alone, and the three examples together), their test_patched_*
+tests run on that copy in a process of its own (WORKED_SCRIPT: the copy)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt as tg
+from conftest import REPO, SCRIPT, clean_environ
+from test_mtp import batch, grads, patched_source, perturbed, touched_by
+
+PATCHED = os.environ.get("WORKED_SCRIPT")
+# Each preset at a small size; every layer kind among them: sequential (all), GPT-J parallel (record_0409, from
+# layer 3), two lanes (record_0427 on, from layer 3); the layer loop over layers 1-2.
+SIZES = {"NUM_LAYERS": "5", "MODEL_DIM": "32", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "VOCAB_SIZE": "64",
+         "XSA_LAST_N": "5", "VE_LAYERS": "3,4", "LOOP_START": "1", "LOOP_END": "2", "PARALLEL_RESIDUAL_START": "3",
+         "TRAIN_SEQ_LEN": "24", "AUTOCAST_DTYPE": "fp32"}
+
+
+def preset_model(tg_module, preset, **env):
+    h = tg_module.Hyperparameters({**SIZES, "PRESET": preset, **env})
+    return h, perturbed(tg_module.build_model(h))
+
+
+def layer_kinds(model):
+    """{physical layer: its kind} in the looped order (every layer runs in it)."""
+    kinds = {}
+    start = model.lane_start if model.lanes is not None else None
+    lanes = False
+    encoder, decoder = model.orders[True]
+    for k, i in enumerate(encoder + decoder):
+        lanes = lanes or (start is not None and k >= len(encoder) and i >= start)
+        kinds[i] = "lanes" if lanes else "parallel" if model.blocks[i].parallel else "sequential"
+    return kinds
+
+
+def bank_grads_by_layer(model, x, y):
+    """{physical layer: whether any of its six bank slices has a nonzero gradient} of the training loss, looped."""
+    model.looping = True
+    model.zero_grad()
+    tg.training_loss(None, model, x, y).backward()
+    return {i: any(bool(g.grad is not None and g.grad[j].abs().sum() > 0) for g, j in
+                   ((model.qo_bank, i), (model.qo_bank, model.num_layers + i), (model.kv_bank, i),
+                    (model.kv_bank, model.num_layers + i), (model.mlp_up_bank, i), (model.mlp_down_bank, i)))
+            for i in range(model.num_layers)}
+
+
+def test_a_change_in_block_branch_reaches_every_layer_of_every_preset(monkeypatch):
+    """Block.branch is the one place a per-block change goes: zeroing both branches there, once, leaves no bank slice
+    of any layer a gradient in any preset (a layer kind that bypassed it would keep its gradients), where without the
+    change every layer has them; the presets cover the three layer kinds."""
+    x, y = batch()
+    seen = set()
+    for preset in tg.PRESETS:
+        _, model = preset_model(tg, preset)
+        kinds = layer_kinds(model)
+        seen.update(kinds.values())
+        assert all(bank_grads_by_layer(model, x, y).values()), preset
+        with monkeypatch.context() as m:
+            m.setattr(tg.Block, "branch", lambda self, name, out: out * 0)
+            assert not any(bank_grads_by_layer(model, x, y).values()), (preset, kinds)
+    assert seen == {"sequential", "parallel", "lanes"}
+
+
+def traced_states(model, x):
+    """The residual after each layer run (the lanes' mean with two lanes), in order, and the run's physical layers."""
+    states, block = [], model._block
+
+    def traced(i, *args):
+        out = block(i, *args)
+        states.append((i, 0.5 * (out[0] + out[1]) if isinstance(out, tuple) else out))
+        return out
+    model._block = traced
+    try:
+        final = model.hidden(x)
+    finally:
+        del model._block
+    return final, states
+
+
+@pytest.mark.parametrize("preset", ["record_0323", "record_0409", "record_0427"])
+def test_taps_name_each_run_and_each_layers_last_run(preset):
+    """runs.J is the J-th run's state, blocks.I physical layer I's last run's (looped: layer 1 and 2 run twice), the
+    lanes' mean with two lanes; asking for taps changes nothing else, asking for none returns no dict; an unknown name
+    is refused in one line."""
+    _, model = preset_model(tg, preset, NUM_LOOPS="1")
+    model.looping = True
+    x, _ = batch()
+    with torch.no_grad():
+        final, states = traced_states(model, x)
+        names = [f"runs.{j}" for j in range(len(states))] + [f"blocks.{i}" for i in range(model.num_layers)]
+        hidden, taps = model.hidden(x, taps=tuple(names))
+        out = model.outputs(x)
+    assert [i for i, _ in states].count(1) == 2
+    assert torch.equal(hidden, final) and torch.equal(out.hidden, final) and out.taps == {}
+    for j, (i, state) in enumerate(states):
+        assert torch.equal(taps[f"runs.{j}"], state)
+    for i in range(model.num_layers):
+        assert torch.equal(taps[f"blocks.{i}"], [s for k, s in states if k == i][-1])
+    with pytest.raises(tg.ConfigError, match=r"^no layer state \['blocks\.9'\]"):
+        model.hidden(x, taps=("blocks.9",))
+
+
+def test_terms_add_up_without_editing_training_loss():
+    """Two pieces declaring terms, each asking for a tap, on one model: training's loss is the CE plus each weight
+    times its term, the taps they asked for handed to them."""
+    h, model = preset_model(tg, "record_0427")
+    x, y = batch()
+    seen = []
+
+    class Term(torch.nn.Module):
+        def __init__(self, weight, tap):
+            super().__init__()
+            self.term_weight, self.taps = weight, (tap,)
+
+        def term(self, model, out, targets):
+            seen.append(sorted(out.taps))
+            return out.taps[self.taps[0]].square().mean()
+    model.t1, model.t2 = Term(0.5, "blocks.1"), Term(0.25, "runs.2")
+    with torch.no_grad():
+        got = tg.training_loss(h, model, x, y)
+        _, taps = model.hidden(x, taps=("blocks.1", "runs.2"))
+        ce = model.cross_entropy(model.outputs(x).logits, y)
+    assert seen == [["blocks.1", "runs.2"]] * 2
+    assert torch.equal(got, ce + 0.5 * taps["blocks.1"].square().mean() + 0.25 * taps["runs.2"].square().mean())
+
+
+def test_a_piece_declares_how_its_tensors_ship_and_a_differing_artifact_is_named(tmp_path):
+    """artifact_storage overrides the rule (fp32 kept, int8 of a small matrix); the size line names each piece; an
+    artifact of other settings is refused in one line naming the piece and its setting."""
+    h, model = preset_model(tg, "record_0427")
+    flat = tg.unbank_state_dict(tg.artifact_state_dict(model), model.num_layers)
+    w, meta = tg.quantize_state_dict(flat, h, storage={"lanes.post": "fp32", "blocks.0.attn.c_q.weight": "int8"})
+    assert w["lanes.post"].dtype == torch.float32 and meta["blocks.0.attn.c_q.weight"]["type"] == "int8"
+    assert w["lanes.resid"].dtype == torch.float16 and meta["blocks.1.attn.c_q.weight"] == "passthrough"  # the rule: small
+    lines = []
+    path = str(tmp_path / "a.ptz")
+    tg.save_artifact(path, model, False, h, log=lines.append)
+    pieces = [line for line in lines if line.startswith("artifact_pieces: ")]
+    assert len(pieces) == 1 and " lanes:" in pieces[0] and " blocks.*.attn:" in pieces[0]
+    _, other = preset_model(tg, "record_0427", PARALLEL_MODE="gptj")
+    with pytest.raises(tg.ConfigError, match=r"a\.ptz: the artifact's tensors are not this model's: lanes not in this "
+                                             r"model \(a setting this run leaves off\)$"):
+        tg.load_artifact(path, h, other)
+    tg.save_artifact(path, other, False, h, log=lines.append)
+    with pytest.raises(tg.ConfigError, match=r"lanes not in the artifact \(PARALLEL_MODE\)$"):
+        tg.load_artifact(path, h, model)
+
+
+# ---- the worked examples on copies of the script
+
+@pytest.mark.parametrize("example, want", [
+    ("deep_sup", {"DeepSupervision", "DeepSupervision.__init__", "DeepSupervision.term"}),
+    ("layer_scale", {"LayerScale", "LayerScale.__init__", "LayerScale.forward", "Block.__init__"}),
+])
+def test_each_example_touches_its_setting_its_piece_and_one_switch(example, want):
+    touched, _ = touched_by((example,))
+    switch = {"deep_sup": "GPT.__init__", "layer_scale": "Block.__init__"}[example]
+    setting = {"Hyperparameters.__init__"} | ({"Hyperparameters._validate"} if example == "deep_sup" else set())
+    assert touched == want | setting | {switch, None}
+
+
+@pytest.mark.parametrize("examples", [("deep_sup",), ("layer_scale",), ("mtp", "deep_sup", "layer_scale")],
+                         ids=["deep_sup", "layer_scale", "all_three"])
+def test_worked_examples_in_a_fresh_process(tmp_path, examples):
+    script = tmp_path / "train_gpt_worked.py"
+    script.write_text(patched_source(SCRIPT.read_text(encoding="utf-8"), examples), encoding="utf-8")
+    env = {**clean_environ(), "WORKED_SCRIPT": str(script), "WORKED_EXAMPLES": ",".join(examples),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_patched",
+                           __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+    assert "skipped" not in proc.stdout or "deselected" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def worked():
+    if PATCHED is None:
+        pytest.skip("runs in test_worked_examples_in_a_fresh_process (WORKED_SCRIPT: the patched copy)")
+    spec = importlib.util.spec_from_file_location("train_gpt_worked", PATCHED)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_gpt_worked"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def needs(example):
+    if example not in os.environ.get("WORKED_EXAMPLES", "").split(","):
+        pytest.skip(f"{example} is not applied to this copy")
+
+
+def same_model_and_loss(plain, h0, patched, h1, x, y, tg_module):
+    assert list(plain.state_dict()) == list(patched.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), patched.state_dict().values()))
+    want = grads(plain, tg.training_loss(h0, plain, x, y))
+    got = grads(patched, tg_module.training_loss(h1, patched, x, y))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("preset", ["record_0323", "record_0427"])
+def test_patched_deep_sup_off_is_the_default_and_on_adds_its_formula(worked, preset):
+    """DEEP_SUP_WEIGHT=0: the unpatched model and loss bit for bit. > 0: the loss is the CE plus weight x the CE of
+    head(W RMS(state after layer 2's last run)), W the identity at first; not in the artifact."""
+    needs("deep_sup")
+    x, y = batch()
+    h0, plain = preset_model(tg, preset)
+    h1, off = preset_model(worked, preset)
+    assert off.deep_sup is None
+    same_model_and_loss(plain, h0, off, h1, x, y, worked)
+    h2, on = preset_model(worked, preset, DEEP_SUP_WEIGHT="0.5", DEEP_SUP_LAYER="2")
+    assert "deep_sup.weight" not in worked.artifact_state_dict(on)
+    on.looping = True
+    with torch.no_grad():
+        on.deep_sup.weight.copy_(torch.eye(32) + 0.01)
+        _, states = traced_states(on, x)
+        state = [s for i, s in states if i == 2][-1]
+        xn = worked.rms_norm(state)
+        ahead = on.head(torch.nn.functional.linear(xn, on.deep_sup.weight.to(xn.dtype)))
+        want = on.cross_entropy(on.outputs(x).logits, y) + 0.5 * on.cross_entropy(ahead, y)
+        assert torch.allclose(worked.training_loss(h2, on, x, y), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("preset", list(tg.PRESETS))
+def test_patched_layer_scale_reaches_every_layer_and_ships(worked, preset, tmp_path):
+    """LAYER_SCALE=0: the unpatched model and loss bit for bit. 1: ones change nothing; zeros leave no layer's banks
+    a gradient (every layer kind); the scales ship as fp32 and load back exactly; an artifact without them is refused
+    naming the piece and LAYER_SCALE."""
+    needs("layer_scale")
+    x, y = batch()
+    h0, plain = preset_model(tg, preset)
+    h1, off = preset_model(worked, preset)
+    same_model_and_loss(plain, h0, off, h1, x, y, worked)
+    h2, on = preset_model(worked, preset, LAYER_SCALE="1")
+    assert on.load_state_dict(off.state_dict(), strict=False).missing_keys == [
+        f"blocks.{i}.layer_scale.scale" for i in range(5)]  # off's weights (perturbed drew the scales too)
+    with torch.no_grad():
+        for b in on.blocks:
+            b.layer_scale.scale.fill_(1.0)
+        assert torch.equal(on.forward_logits(x), off.forward_logits(x))
+        for b in on.blocks:
+            b.layer_scale.scale.zero_()
+    assert not any(bank_grads_by_layer(on, x, y).values())
+    with torch.no_grad():
+        for i, b in enumerate(on.blocks):
+            b.layer_scale.scale.copy_(torch.linspace(0.5, 1.5, 32) + i / 3)
+    path = str(tmp_path / "scaled.ptz")
+    worked.save_artifact(path, on, False, h2, log=lambda line: None)
+    _, again = preset_model(worked, preset, LAYER_SCALE="1")
+    again = worked.load_artifact(path, h2, again)
+    assert all(torch.equal(a.layer_scale.scale, b.layer_scale.scale) for a, b in zip(on.blocks, again.blocks))
+    worked.save_artifact(path, off, False, h1, log=lambda line: None)
+    with pytest.raises(worked.ConfigError, match=r"blocks\.\*\.layer_scale not in the artifact \(LAYER_SCALE\)"):
+        worked.load_artifact(path, h2, again)
