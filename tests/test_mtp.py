@@ -1,18 +1,19 @@
 """The MTP head of docs/frontier.md "A piece with weights" (issue 54), the test to copy for a piece that owns weights.
 
 The doc's code blocks are applied to a copy of train_gpt.py (each block's first line says where: after, before or
-replacing a line found exactly once); test_the_edits_touch_the_setting_the_piece_and_the_objective_only checks where
-they land, and test_mtp_head_in_a_fresh_process runs the test_patched_* tests on that copy in a process of its own
-with TRITON_INTERPRET=1 (a second copy of the script registers the fused kernels' ops again, and the interpreter
-must be on before Triton is imported), importing the copy as `train_gpt_mtp` beside this checkout's `train_gpt`."""
+replacing a line found exactly once); test_the_edits_touch_the_setting_the_piece_and_its_switch_only checks where
+they land. The test_patched_* tests run in this process on one copy with the doc's three worked examples applied
+(worked_copy: written once for the session, imported once per process as `train_gpt_worked` beside this checkout's
+`train_gpt`), the MTP head switched on by its setting and the other two left off: the head beside a second technique.
+The fused half of the loss formula runs in a child of the tests' launcher started with TRITON_INTERPRET=1 (the
+interpreter must be on before Triton is imported)."""
 from __future__ import annotations
 
 import ast
 import difflib
+import hashlib
 import importlib.util
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,14 +21,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, SCRIPT, clean_environ
+import launcher
+from conftest import REPO, SCRIPT, clean_environ, computed_once, shared_folder
 
 DOC = REPO / "docs" / "frontier.md"
 WHERE = re.compile(r"# train_gpt\.py \((\w+)\): (after|before|replacing): (.+)")  # (example): how: anchor
-PATCHED = os.environ.get("MTP_SCRIPT")  # the patched copy, in the process test_mtp_head_in_a_fresh_process starts
+EXAMPLES = ("mtp", "deep_sup", "layer_scale")  # the doc's worked examples
 SMALL = {"MODEL_DIM": "32", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "VOCAB_SIZE": "64", "VE_LAYERS": "1",
          "NUM_LAYERS": "2", "XSA_LAST_N": "1", "TRAIN_SEQ_LEN": "24", "AUTOCAST_DTYPE": "fp32"}
 CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
 
 
 def doc_blocks(examples=("mtp",)):
@@ -97,30 +101,57 @@ def test_the_edits_touch_the_setting_the_piece_and_its_switch_only():
     assert "MTP_WEIGHT" not in src and "MultiTokenHead" not in src  # an example: the script does not ship it
 
 
-@pytest.mark.parametrize("examples", [("mtp",), ("mtp", "deep_sup", "layer_scale")], ids=["alone", "beside_others"])
-def test_mtp_head_in_a_fresh_process(tmp_path, examples):
-    """The test_patched_* tests below, on the patched copy (the MTP head alone, and beside the doc's other two worked
-    examples: a second technique does not break it), in a process started with TRITON_INTERPRET=1."""
-    script = tmp_path / "train_gpt_mtp.py"
-    script.write_text(patched_source(SCRIPT.read_text(encoding="utf-8"), examples), encoding="utf-8")
-    env = {**clean_environ(), "MTP_SCRIPT": str(script), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_patched",
-                           __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
-    assert "5 passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+def import_copy(path, name, keep_ops=True):
+    """The script copy at `path` imported as module `name`. keep_ops: this process's custom ops (pgolf::*, registered
+    by train_gpt) stay as they are; registering the copy's would make its kernels and its _FUSED serve every later
+    test of this process. The copy's calls to them reach train_gpt's kernels, the same code (no example touches
+    them)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    importlib.import_module("train_gpt")  # registers the ops first
+
+    class Kept:
+        def register_fake(self, fn):
+            return fn
+
+        def register_autograd(self, *args, **kwargs):
+            pass
+    custom_op = torch.library.custom_op
+    if keep_ops:
+        torch.library.custom_op = lambda op, *a, **k: Kept() if op.startswith("pgolf::") else custom_op(op, *a, **k)
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    finally:
+        torch.library.custom_op = custom_op
+    return module
 
 
-# ---- on the patched copy (MTP_SCRIPT set)
+def copy_path(tmp_path_factory, examples=EXAMPLES):
+    """train_gpt.py with the doc's blocks of `examples` applied, written once for the session (every xdist worker
+    reads the same file); keyed by the script's and the doc's bytes."""
+    key = hashlib.sha256(SCRIPT.read_bytes() + DOC.read_bytes() + repr(examples).encode()).hexdigest()[:16]
+    name = "train_gpt_" + "_".join(examples)
+
+    def build(folder):
+        (folder / f"{name}.py").write_text(patched_source(SCRIPT.read_text(encoding="utf-8"), examples),
+                                           encoding="utf-8")
+    return computed_once(shared_folder(tmp_path_factory) / f"{name}_{key}", build) / f"{name}.py"
+
+
+def worked_copy(tmp_path_factory):
+    """The copy with the three worked examples applied, imported in this process (once) as `train_gpt_worked`."""
+    return import_copy(copy_path(tmp_path_factory), "train_gpt_worked")
+
 
 @pytest.fixture(scope="module")
-def mtp():
-    if PATCHED is None:
-        pytest.skip("runs in test_mtp_head_in_a_fresh_process (MTP_SCRIPT: the patched copy)")
-    spec = importlib.util.spec_from_file_location("train_gpt_mtp", PATCHED)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_gpt_mtp"] = module
-    spec.loader.exec_module(module)
-    return module
+def mtp(tmp_path_factory):
+    return worked_copy(tmp_path_factory)
 
 
 def built(tg, weight, **env):
@@ -219,9 +250,8 @@ def mtp_formula(model, x, y, weight):
             + weight * F.cross_entropy(ahead.reshape(-1, 64), y[:, 1:].reshape(-1)))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
-def test_patched_mtp_loss_is_the_formula_eager_and_fused(mtp, fused):
-    """The Trainer's objective with the head: the loss and every gradient of the formula written out, eagerly and
+def check_loss_formula(mtp, fused):
+    """The Trainer's objective with the head: the loss and every gradient of the formula written out, eagerly or
     through the fused CE and MLP kernels (Triton's interpreter), and the head's term is weight x its own CE."""
     h, model = built(mtp, 0.5, FUSED_CE=str(int(fused)), FUSED_MLP=str(int(fused)))
     rt = mtp.Runtime(h, CPU, False, True, None)
@@ -240,3 +270,25 @@ def test_patched_mtp_loss_is_the_formula_eager_and_fused(mtp, fused):
     for g, w in zip(got[1:], want[1:]):  # to fp32 reassociation; the bf16 embedding's gradient to its rounding
         tol = 1e-5 if w.dtype == torch.float32 else 2 ** -8
         assert float((g - w).abs().max()) <= tol * float(w.abs().max()), (w.shape, w.dtype)
+
+
+def test_patched_mtp_loss_is_the_formula_eagerly(mtp):
+    check_loss_formula(mtp, fused=False)
+
+
+FUSED_CHECK = """import sys
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+import test_mtp
+test_mtp.check_loss_formula(test_mtp.import_copy(sys.argv[1], "train_gpt_worked", keep_ops=False), fused=True)
+print("fused formula: ok")
+"""
+
+
+def test_patched_mtp_loss_is_the_formula_through_the_fused_kernels(tmp_path_factory, tmp_path):
+    """check_loss_formula with FUSED_CE=1 FUSED_MLP=1 on the same copy, in a child of the launcher's zygote for
+    TRITON_INTERPRET=1 (the kernel runs' own: conftest.run_training's environment); there the copy registers its
+    ops (the child is its own process)."""
+    env = {**clean_environ(), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = launcher.run(["-c", FUSED_CHECK, str(copy_path(tmp_path_factory)), str(REPO / "tests"), str(REPO)], env,
+                        tmp_path, timeout=300)
+    assert proc.returncode == 0 and "fused formula: ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
