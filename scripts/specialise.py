@@ -385,10 +385,11 @@ class Analysis:
                 stores.setdefault(name, []).append((None, None, UNKNOWN))
             elif isinstance(node, ast.ClassDef):
                 for stmt in node.body:
-                    if isinstance(stmt, ast.Assign):
-                        for t in stmt.targets:
-                            if isinstance(t, ast.Name):
-                                stores.setdefault(t.id, []).append((node.name, None, UNKNOWN))
+                    targets = stmt.targets if isinstance(stmt, ast.Assign) else \
+                        [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+                    for t in targets:
+                        if isinstance(t, ast.Name):
+                            stores.setdefault(t.id, []).append((node.name, None, UNKNOWN))
         self.attr_stores = stores
         self.attr_consts = {}  # (family root, attr) -> value
         self.families = self._class_families()
@@ -1045,10 +1046,19 @@ def apply_edits(text, edits):
 # ---------------------------------------------------------------------------------------------------- definitions
 
 
-def names_in(node):
-    """Names loaded and attribute names read anywhere in node, and the strings it holds."""
+def names_in(node, lazy_annotations=True):
+    """Names loaded and attribute names read anywhere in node, and the strings it holds; with
+    `from __future__ import annotations` (lazy_annotations) annotations are strings nothing evaluates: not read."""
     names, attrs, strings = set(), set(), set()
+    skip = set()
+    if lazy_annotations:
+        for n in ast.walk(node):
+            for ann in ([n.annotation] if isinstance(n, (ast.AnnAssign, ast.arg)) and n.annotation is not None else []) + \
+                    ([n.returns] if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns else []):
+                skip.update(id(x) for x in ast.walk(ann))
     for n in ast.walk(node):
+        if id(n) in skip:
+            continue
         if isinstance(n, ast.Name):
             names.add(n.id)
         elif isinstance(n, ast.Attribute):
@@ -1073,6 +1083,8 @@ def dead_definitions(src: Source, table, fixed_names):
                 defs.setdefault(t.id, []).append(stmt)
         else:
             roots.append(stmt)
+    lazy = any(isinstance(s, ast.ImportFrom) and s.module == "__future__" and any(a.name == "annotations" for a in s.names)
+               for s in tree.body)
     live_names, live_attrs, live_strings = set(), set(), set()
     live_defs, methods_seen = set(), set()
     pending = list(roots)
@@ -1081,14 +1093,14 @@ def dead_definitions(src: Source, table, fixed_names):
         if isinstance(node, ast.ClassDef) and skip_methods:
             n, a, s = set(), set(), set()
             for part in node.bases + node.keywords + node.decorator_list:
-                x = names_in(part)
+                x = names_in(part, lazy)
                 n |= x[0]; a |= x[1]; s |= x[2]
             for stmt in node.body:
                 if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    x = names_in(stmt)
+                    x = names_in(stmt, lazy)
                     n |= x[0]; a |= x[1]; s |= x[2]
             return n, a, s
-        return names_in(node)
+        return names_in(node, lazy)
 
     changed = True
     while changed:

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Re-measure the packed train_gpt.py and rewrite every place that quotes its size, the guard included.
 
-    python3 scripts/update_packed_size.py [--check] [--date YYYY-MM-DD]
+    python3 scripts/update_packed_size.py [--check] [--date YYYY-MM-DD] [--presets]
 
 Measures the readable train_gpt.py and its packed form (scripts/pack_code.py: minified, ZPAQ_METHOD, 7 bits a byte),
 sets the guard of tests/test_pack_code.py to the packed size plus 200 bytes rounded up to a multiple of 100, and
 rewrites the current numbers in QUOTES (docs/submitting.md, docs/log_format.md, tests/test_pack_code.py); the dated
 history paragraphs of docs/submitting.md are left as they were. Each quote must be found exactly once (else one line
 naming it and exit 1). --check writes nothing and exits 1 when a quote is stale. Prints what it measured and each
-file it changed.
+file it changed. --presets also specialises train_gpt.py to each preset (scripts/specialise.py) and rewrites
+docs/submitting.md's table of the specialised files' sizes (beside each record's own code and model) and the guards
+of tests/test_specialise.py (each preset's packed size plus 200 bytes, rounded up to a multiple of 100).
 """
 from __future__ import annotations
 
@@ -71,11 +73,79 @@ def rewrite(path, text, numbers):
     return text
 
 
+# Each preset's record: its own logged code bytes and model bytes (the log's "Code size" / "Serialized model ..." lines;
+# the seed-42 logs of ../shared/anchors/frontier, the 2026-03-23 record's seed-1337 log of ../shared/anchors)
+PRESET_RECORDS = {"record_0323": (89_458, 15_887_928, "seed 1337"), "record_0409": (16_630, 15_975_300, "seed 42"),
+                  "record_0427": (31_999, 15_865_260, "seed 42"), "record_0430": (38_134, 15_943_811, "seed 42"),
+                  "record_0501": (37_155, 15_910_335, "seed 42")}
+TABLE_BEGIN, TABLE_END = "<!-- specialised sizes: scripts/update_packed_size.py -->\n", "<!-- end of specialised sizes -->"
+GUARD_LINE = re.compile(r"^SPECIALISED_PACKED_GUARD = \{.*\}  # scripts/update_packed_size\.py$", re.M)
+
+
+def specialised_sizes(texts):
+    """{preset: (lines, readable, minified, packed bytes)} of the presets' specialised files, from their readable
+    sources {preset: text} (scripts/specialise.py; the default run of each preset)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import pack_code
+    return {p: (len(t.splitlines()), len(t.encode()), len(pack_code.minify(t).encode()),
+                len(pack_code.pack(t).encode())) for p, t in texts.items()}
+
+
+def specialise_presets():
+    """{preset: specialised readable source} of train_gpt.py for each preset's own settings."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import specialise
+    src = (REPO / "train_gpt.py").read_text(encoding="utf-8")
+    return {p: specialise.specialise(src, {"PRESET": p}).text for p in PRESET_RECORDS}
+
+
+def sizes_table(sizes, date):
+    """docs/submitting.md's table of the specialised files beside each record's own code and model."""
+    rows = [f"Measured {date} (`python3 scripts/update_packed_size.py`):\n",
+            "| preset | lines | readable | minified | packed | record's own code | record's model | packed + model "
+            "| room under 16,000,000 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p, (lines, readable, minified, packed) in sizes.items():
+        code, model, log = PRESET_RECORDS[p]
+        rows.append(f"| `{p}` | {lines:,} | {readable:,} | {minified:,} | {packed:,} | {code:,} | {model:,} ({log}) "
+                    f"| {packed + model:,} | {16_000_000 - packed - model:,} |")
+    return "\n".join(rows) + "\n"
+
+
+def guard_line(sizes):
+    return ("SPECIALISED_PACKED_GUARD = {" + ", ".join(f'"{p}": {math.ceil((s[3] + 200) / 100) * 100:_}'
+                                                       for p, s in sizes.items()) + "}  # scripts/update_packed_size.py")
+
+
+def rewrite_specialised(docs, test, sizes, date):
+    """(docs/submitting.md, tests/test_specialise.py) with the table and the guard replaced."""
+    a, b = docs.index(TABLE_BEGIN) + len(TABLE_BEGIN), docs.index(TABLE_END)
+    docs = docs[:a] + sizes_table(sizes, date) + docs[b:]
+    if len(GUARD_LINE.findall(test)) != 1:
+        raise ValueError("tests/test_specialise.py: the SPECIALISED_PACKED_GUARD line is not there exactly once")
+    return docs, GUARD_LINE.sub(guard_line(sizes), test)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a quote is stale")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
+    ap.add_argument("--presets", action="store_true",
+                    help="also specialise train_gpt.py to each preset (scripts/specialise.py) and rewrite the table of "
+                         "their sizes in docs/submitting.md and the guards of tests/test_specialise.py")
     args = ap.parse_args(argv)
+    if args.presets:
+        sizes = specialised_sizes(specialise_presets())
+        for p, (lines, readable, minified, packed) in sizes.items():
+            print(f"{p}: specialised {lines:,} lines, readable {readable:,}, minified {minified:,}, packed {packed:,} "
+                  f"bytes")
+        docs_path, test_path = REPO / "docs" / "submitting.md", REPO / "tests" / "test_specialise.py"
+        docs, test = rewrite_specialised(docs_path.read_text(encoding="utf-8"), test_path.read_text(encoding="utf-8"),
+                                         sizes, args.date)
+        if not args.check:
+            docs_path.write_text(docs, encoding="utf-8")
+            test_path.write_text(test, encoding="utf-8")
+            print("updated docs/submitting.md's table and tests/test_specialise.py's guards")
     readable, packed = measure()
     numbers = values(readable, packed, args.date)
     print(f"train_gpt.py: readable {numbers['readable']} bytes, packed {numbers['packed']} bytes "

@@ -212,3 +212,27 @@ def test_the_record_tools_know_a_specialised_submission(tmp_path, tmp_path_facto
                                                   encoding="utf-8")
     ok, line = check_record.check_specialisation(folder, SCRIPT)
     assert not ok and line.startswith("FAIL: ") and "it differs from " in line and "\n" not in line
+
+
+SPECIALISED_PACKED_GUARD = {"record_0323": 40_000, "record_0409": 41_100, "record_0427": 46_300, "record_0430": 46_800, "record_0501": 47_500}  # scripts/update_packed_size.py
+
+
+def test_each_presets_specialised_size_is_guarded_and_documented(tmp_path_factory):
+    """Each preset's file specialised to its own settings (PRESET=NAME alone): its packed size within its guard, and
+    docs/submitting.md's table as scripts/update_packed_size.py --presets writes it from these measurements."""
+    import update_packed_size as ups
+
+    def build(out: Path) -> None:
+        for preset, text in ups.specialise_presets().items():
+            (out / f"{preset}.py").write_text(text, encoding="utf-8")
+
+    key = hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:12]
+    folder = computed_once(shared_folder(tmp_path_factory) / f"specialised_presets_{key}", build)
+    sizes = ups.specialised_sizes({p: (folder / f"{p}.py").read_text(encoding="utf-8") for p in ups.PRESET_RECORDS})
+    for preset, (lines, readable, minified, packed) in sizes.items():
+        assert packed <= SPECIALISED_PACKED_GUARD[preset], (preset, packed)
+    docs = (REPO / "docs" / "submitting.md").read_text(encoding="utf-8")
+    table = docs[docs.index(ups.TABLE_BEGIN) + len(ups.TABLE_BEGIN):docs.index(ups.TABLE_END)]
+    date = re.match(r"Measured (\S+) ", table).group(1)
+    assert table == ups.sizes_table(sizes, date), "stale: python3 scripts/update_packed_size.py --presets"
+
