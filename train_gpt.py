@@ -5552,16 +5552,19 @@ def check_artifact_tensors(obj, model, path):
     for prefix, m in model.named_modules():
         for k in m.state_dict(prefix=prefix + "." if prefix else ""):
             settings[k] = getattr(m, "setting", settings.get(k))
-    diffs = {}
-    for k in sorted(set(want) | set(have)):
+    diffs, blocks = {}, (count_blocks(have), count_blocks(want))
+    extra = {k for k in set(want) | set(have) if k.startswith("blocks.") and int(k.split(".")[1]) >= min(blocks)}
+    for k in sorted((set(want) | set(have)) - extra):  # the blocks one side lacks: said once, by NUM_LAYERS
         if want.get(k) != have.get(k):
             what = ("not in this model" if k not in want else "not in the artifact" if k not in have
                     else f"shape {have[k]} in the artifact, {want[k]} here")
             piece = re.sub(r"\.\d+(?=\.)", ".*", k.rsplit(".", 1)[0] if "." in k else k)
             diffs.setdefault(piece, (what, settings.get(k) or ("a setting this run leaves off" if k not in want else
                                                                "NUM_LAYERS, MODEL_DIM, MLP_MULT, NUM_KV_HEADS, VOCAB_SIZE")))
-    if diffs:
-        raise ConfigError(f"{path}: the artifact's tensors are not this model's: " + "; ".join(
+    if diffs or extra:
+        raise ConfigError(f"{path}: the artifact's tensors are not this model's" + (
+            f" (other model settings: the artifact has {blocks[0]} blocks, NUM_LAYERS={blocks[1]} here)"
+            if blocks[0] != blocks[1] else "") + ": " + "; ".join(
             f"{piece} {what} ({setting})" for piece, (what, setting) in diffs.items()))
 
 
