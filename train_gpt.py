@@ -609,7 +609,8 @@ class Hyperparameters:
                "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
                "truth": lambda a, b: bool(a)}
         kinds = {"bool": bool, "int": int, "str": str}
-        inverse = {"<": ">=", "<=": ">", ">": "<=", ">=": "<"}
+        inverse = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "==", "in": "not in",
+                   "not in": "in", "is": "is not", "is not": "is"}
         for name, conditions in SPECIALISED.get("conditions", {}).items():
             if name in SPECIALISED["unread"]:  # no code reads it any more: only the environment can give another value
                 raw = self._environ.get(name, "").strip()
@@ -621,9 +622,14 @@ class Hyperparameters:
             for op, lit, want in conditions:
                 if ops[op](v, lit) != want:
                     ran = SPECIALISED["values"][name]  # the value of the run the file was made for
-                    rule = (f"{name} {op if want else inverse[op]} {lit!r} (its run's {self._text(ran)})"
-                            if op in inverse and op not in ("==", "!=", "in", "not in", "is", "is not") else
-                            f"{name}={self._text(ran)}")
+                    if op == "truth" and isinstance(ran, bool):
+                        rule = f"{name}={int(want)}"
+                    elif op == "==" and want:
+                        rule = f"{name}={self._text(lit)}"
+                    else:
+                        test = ("set" if want else "unset") if op == "truth" else \
+                            f"{op if want else inverse[op]} {lit!r}"
+                        rule = f"{name} {test} (its run's {self._text(ran)})"
                     raise ConfigError(f"{name}={self._text(v)}: this file is specialised to {rule} (made for "
                                       f"{' '.join(f'{k}={x}' for k, x in SPECIALISED['run'].items())}); the full "
                                       "train_gpt.py runs other values")

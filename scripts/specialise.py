@@ -1375,10 +1375,21 @@ def run_from_environ(text, environ):
     return run
 
 
+_RESULTS = {}  # (source sha256, run, the analysis) -> Specialised: one process specialises a run once
+_MODULES = {}  # source sha256 -> its loaded module
+
+
 def specialise(text, run, path="train_gpt.py", max_rounds=60):
     """The source `text` specialised to the run (a dict: PRESET and VAR=VALUE strings)."""
     sha = hashlib.sha256(text.encode()).hexdigest()
     run = {"PRESET": run.get("PRESET", "record_0323"), **{k: v for k, v in run.items() if k != "PRESET"}}
+    key = (sha, tuple(run.items()), Analysis.__init__, Folder.run)
+    if key not in _RESULTS:
+        _RESULTS[key] = _specialise(text, run, path, max_rounds, sha)
+    return _RESULTS[key]
+
+
+def _specialise(text, run, path, max_rounds, sha):
     src = Source(text)
     table, machine = settings_table(src.tree)
     if not table:
@@ -1389,7 +1400,9 @@ def specialise(text, run, path="train_gpt.py", max_rounds=60):
             raise SpecialiseError(f"{name} is not a setting of {path} (python3 train_gpt.py --help lists them)")
         if name in machine:
             raise SpecialiseError(f"{name} describes the machine, not the run: it stays open in a specialised file")
-    module = load_module(text, path)
+    if sha not in _MODULES:
+        _MODULES[sha] = load_module(text, path)
+    module = _MODULES[sha]
     h = run_settings(module, run)
     preset = dict(module.PRESETS[h.preset])
     values = {**preset, **{k: v for k, v in run.items() if k != "PRESET"}}
@@ -1397,11 +1410,10 @@ def specialise(text, run, path="train_gpt.py", max_rounds=60):
     rounds = 0
     for rounds in range(1, max_rounds + 1):
         analysis = Analysis(src, table, machine, h, conditions)
-        edits = Folder(analysis).run()
-        if not edits:
-            dead, dead_methods, _ = dead_definitions(src, table, set(conditions))
-            stmts = dead + [m for _, m in dead_methods] + dead_settings(src, table, set(conditions), machine)
-            edits = removal_edits(src, stmts)
+        edits = Folder(analysis).run()  # first: it records the conditions the removals below rely on
+        dead, dead_methods, _ = dead_definitions(src, table, set(conditions))
+        stmts = dead + [m for _, m in dead_methods] + dead_settings(src, table, set(conditions), machine)
+        edits += removal_edits(src, stmts)  # a removal wins over a fold inside it (apply_edits)
         if not edits:
             break
         new_text, n = apply_edits(src.text, edits)

@@ -10,7 +10,7 @@ history paragraphs of docs/submitting.md are left as they were. Each quote must 
 naming it and exit 1). --check writes nothing and exits 1 when a quote is stale. Prints what it measured and each
 file it changed. --presets also specialises train_gpt.py to each preset (scripts/specialise.py) and rewrites
 docs/submitting.md's table of the specialised files' sizes (beside each record's own code and model) and the guards
-of tests/test_specialise.py (each preset's packed size plus 200 bytes, rounded up to a multiple of 100).
+of tests/test_specialise_tools.py (each preset's packed size plus 200 bytes, rounded up to a multiple of 100).
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ PRESET_RECORDS = {"record_0323": (89_458, 15_887_928, "seed 1337"), "record_0409
                   "record_0427": (31_999, 15_865_260, "seed 42"), "record_0430": (38_134, 15_943_811, "seed 42"),
                   "record_0501": (37_155, 15_910_335, "seed 42")}
 TABLE_BEGIN, TABLE_END = "<!-- specialised sizes: scripts/update_packed_size.py -->\n", "<!-- end of specialised sizes -->"
-GUARD_LINE = re.compile(r"^SPECIALISED_PACKED_GUARD = \{.*\}  # scripts/update_packed_size\.py$", re.M)
+GUARD_LINE = re.compile(r"^SPECIALISED_PACKED_GUARD = \{  # scripts/update_packed_size\.py\n.*?^\}$", re.M | re.S)
 
 
 def specialised_sizes(texts):
@@ -112,18 +112,28 @@ def sizes_table(sizes, date):
     return "\n".join(rows) + "\n"
 
 
+LINES_BEGIN, LINES_END = "<!-- preset lines: scripts/update_packed_size.py -->\n", "<!-- end of preset lines -->"
+
+
+def lines_table(sizes, total):
+    """docs/presets.md's lines of each preset's specialised file."""
+    rows = ["| preset | lines of its specialised file | of the full `train_gpt.py` |", "|---|---:|---:|"]
+    rows += [f"| `{p}` | {s[0]:,} | {s[0] / total:.0%} |" for p, s in sizes.items()]
+    return "\n".join(rows) + f"\n\nThe full `train_gpt.py`: {total:,} lines.\n"
+
+
 def guard_line(sizes):
-    return ("SPECIALISED_PACKED_GUARD = {" + ", ".join(f'"{p}": {math.ceil((s[3] + 200) / 100) * 100:_}'
-                                                       for p, s in sizes.items()) + "}  # scripts/update_packed_size.py")
+    return ("SPECIALISED_PACKED_GUARD = {  # scripts/update_packed_size.py\n" + "".join(
+        f'    "{p}": {math.ceil((s[3] + 200) / 100) * 100:_},\n' for p, s in sizes.items()) + "}")
 
 
 def rewrite_specialised(docs, test, sizes, date):
-    """(docs/submitting.md, tests/test_specialise.py) with the table and the guard replaced."""
+    """(docs/submitting.md, tests/test_specialise_tools.py) with the table and the guard replaced."""
     a, b = docs.index(TABLE_BEGIN) + len(TABLE_BEGIN), docs.index(TABLE_END)
     docs = docs[:a] + sizes_table(sizes, date) + docs[b:]
     if len(GUARD_LINE.findall(test)) != 1:
-        raise ValueError("tests/test_specialise.py: the SPECIALISED_PACKED_GUARD line is not there exactly once")
-    return docs, GUARD_LINE.sub(guard_line(sizes), test)
+        raise ValueError("tests/test_specialise_tools.py: the SPECIALISED_PACKED_GUARD line is not there exactly once")
+    return docs, GUARD_LINE.sub(lambda m: guard_line(sizes), test)
 
 
 def main(argv=None):
@@ -132,20 +142,26 @@ def main(argv=None):
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--presets", action="store_true",
                     help="also specialise train_gpt.py to each preset (scripts/specialise.py) and rewrite the table of "
-                         "their sizes in docs/submitting.md and the guards of tests/test_specialise.py")
+                         "their sizes in docs/submitting.md and the guards of tests/test_specialise_tools.py")
     args = ap.parse_args(argv)
     if args.presets:
         sizes = specialised_sizes(specialise_presets())
         for p, (lines, readable, minified, packed) in sizes.items():
             print(f"{p}: specialised {lines:,} lines, readable {readable:,}, minified {minified:,}, packed {packed:,} "
                   f"bytes")
-        docs_path, test_path = REPO / "docs" / "submitting.md", REPO / "tests" / "test_specialise.py"
+        docs_path, test_path = REPO / "docs" / "submitting.md", REPO / "tests" / "test_specialise_tools.py"
         docs, test = rewrite_specialised(docs_path.read_text(encoding="utf-8"), test_path.read_text(encoding="utf-8"),
                                          sizes, args.date)
+        presets_path = REPO / "docs" / "presets.md"
+        presets = presets_path.read_text(encoding="utf-8")
+        a, b = presets.index(LINES_BEGIN) + len(LINES_BEGIN), presets.index(LINES_END)
+        total = len((REPO / "train_gpt.py").read_text(encoding="utf-8").splitlines())
+        presets = presets[:a] + lines_table(sizes, total) + presets[b:]
         if not args.check:
             docs_path.write_text(docs, encoding="utf-8")
             test_path.write_text(test, encoding="utf-8")
-            print("updated docs/submitting.md's table and tests/test_specialise.py's guards")
+            presets_path.write_text(presets, encoding="utf-8")
+            print("updated docs/submitting.md and docs/presets.md tables and tests/test_specialise_tools.py guards")
     readable, packed = measure()
     numbers = values(readable, packed, args.date)
     print(f"train_gpt.py: readable {numbers['readable']} bytes, packed {numbers['packed']} bytes "

@@ -183,8 +183,8 @@ def one_torch_thread():
 # The suite's longest files (measured with --durations on a 2-core AVX2 EPYC, 2026-11-26), longest first: collected
 # first, so that `-n 2 --dist loadfile` starts them at once on both workers and the many short files fill in after,
 # instead of one long file running alone at the end.
-LONGEST_FIRST = ("test_compile_presets.py", "test_compile_ranks.py", "test_checkpoint.py", "test_nodes.py",
-                 "test_preflight.py",
+LONGEST_FIRST = ("test_specialise.py", "test_compile_presets.py", "test_compile_ranks.py", "test_specialise_tools.py",
+                 "test_checkpoint.py", "test_nodes.py", "test_preflight.py",
                  "test_artifact_eval.py", "test_artifact_0427.py", "test_compile.py", "test_record_loop.py",
                  "test_bench_gpu.py", "test_model_0427.py", "test_gptq.py", "test_kernels.py")
 

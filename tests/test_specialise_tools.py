@@ -1,0 +1,124 @@
+"""A specialised file's tools (issue 60): each preset's refuses a changed fixed setting in one line; the record tools
+know a specialised submission; each preset's specialised size is guarded and documented. The runs that check a
+specialised file against the full script are tests/test_specialise.py's (a file of their own: pytest-xdist puts
+each file on one worker)."""
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SCRIPT, computed_once, shared_folder
+from test_compile import PRESET_ENV
+from test_specialise import PRESETS, run_settings, specialised_files
+
+sys.path.insert(0, str(REPO / "scripts"))
+import check_record  # noqa: E402
+import make_record  # noqa: E402
+
+
+def specialised_module(path: Path):
+    """A specialised file's definitions, loaded in this process (nothing below `if __name__ == "__main__"` runs)."""
+    module = types.ModuleType(f"specialised_{path.parent.parent.name}")
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+    return module
+
+
+# Per preset, a setting its file fixes, given another value
+REFUSED = {"record_0323": ("TTT_MODE", "lora", "TTT_MODE=lora: this file is specialised to TTT_MODE != 'lora' "
+                                               "(its run's sgd)"),
+           "record_0409": ("TRAIN_LOADER", "stream",
+                           "TRAIN_LOADER=stream: this file is specialised to TRAIN_LOADER=shuffled"),
+           "record_0427": ("PARALLEL_MODE", "gptj", "PARALLEL_MODE=gptj: this file is specialised to PARALLEL_MODE != "
+                                                    "'gptj' (its run's lanes)"),
+           "record_0430": ("AWQ_LITE", "0", "AWQ_LITE=0: this file is specialised to AWQ_LITE=1"),
+           "record_0501": ("NGRAM_TILT", "0", "NGRAM_TILT=0: this file is specialised to NGRAM_TILT=1")}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_changed_fixed_setting_is_refused_in_one_line(preset, tmp_path_factory, sample_data):
+    """Each preset's specialised file refuses a fixed setting given another value, in one line naming the setting,
+    its fixed value and the run the file was made for, before any work; the run's own values and the values that
+    select no code (sizes, paths, rates) are accepted."""
+    readable, _ = specialised_files(tmp_path_factory, preset, run_settings(preset))
+    module = specialised_module(readable)
+    name, value, message = REFUSED[preset]
+    base = {**PRESET_ENV[preset], "PRESET": preset, "DATA_PATH": sample_data["DATA_PATH"]}
+    module.Hyperparameters(base)
+    module.Hyperparameters({**base, "MATRIX_LR": "0.031", "SEED": "7", "NUM_LAYERS": "4"})
+    with pytest.raises(module.ConfigError) as err:
+        module.Hyperparameters({**base, name: value})
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(message), text
+    assert f"(made for PRESET={preset} " in text and "the full train_gpt.py runs other values" in text
+    with pytest.raises(module.ConfigError, match=f"^PRESET='?record_0501x'?(: this file is specialised to PRESET=| must "
+                                                 f"be ){preset}"):  # the preset's name: its PRESETS holds no other
+        module.Hyperparameters({**base, "PRESET": "record_0501x"})
+
+
+def test_the_record_tools_know_a_specialised_submission(tmp_path, tmp_path_factory):
+    """make_record.py writes what a specialised packed file was made from into submission.json's code_specialised;
+    check_record.py refuses a submission.json that says otherwise, and with --full-script derives the specialisation
+    again from the full script (one line: SPECIALISED or FAIL), refusing a changed readable file or another script."""
+    readable, packed = specialised_files(tmp_path_factory, "record_0323", run_settings("record_0323"))
+    folder = tmp_path / "record"
+    folder.mkdir()
+    shutil.copy(packed, folder / "train_gpt.py")
+    shutil.copy(readable, folder / "train_gpt_readable.py")
+    fields = make_record.code_source(folder)
+    sha = hashlib.sha256(SCRIPT.read_bytes()).hexdigest()
+    assert fields["code_specialised"] == {"source_sha256": sha, "run": {**run_settings("record_0323")}}
+    assert check_record.check_packed_code(folder) == []
+    ok, line = check_record.check_specialisation(folder, SCRIPT)
+    assert ok and line.startswith("SPECIALISED: train_gpt_readable.py is ") and "PRESET=record_0323 " in line, line
+    other = tmp_path / "train_gpt.py"
+    other.write_text(SCRIPT.read_text(encoding="utf-8") + "# changed\n", encoding="utf-8")
+    ok, line = check_record.check_specialisation(folder, other)
+    assert not ok and f"it was specialised from a script with sha256 {sha}, not {other}" in line
+    text = readable.read_text(encoding="utf-8")
+    (folder / "train_gpt_readable.py").write_text(text.replace("def rms_norm(x):", "def rms_norm(x):  # edited"),
+                                                  encoding="utf-8")
+    ok, line = check_record.check_specialisation(folder, SCRIPT)
+    assert not ok and line.startswith("FAIL: ") and "it differs from " in line and "\n" not in line
+
+
+SPECIALISED_PACKED_GUARD = {  # scripts/update_packed_size.py
+    "record_0323": 40_100,
+    "record_0409": 41_200,
+    "record_0427": 46_400,
+    "record_0430": 46_900,
+    "record_0501": 47_600,
+}
+
+
+def test_each_presets_specialised_size_is_guarded_and_documented(tmp_path_factory):
+    """Each preset's file specialised to its own settings (PRESET=NAME alone): its packed size within its guard, and
+    docs/submitting.md's table as scripts/update_packed_size.py --presets writes it from these measurements."""
+    import update_packed_size as ups
+
+    def build(out: Path) -> None:
+        for preset, text in ups.specialise_presets().items():
+            (out / f"{preset}.py").write_text(text, encoding="utf-8")
+
+    key = hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:12]
+    folder = computed_once(shared_folder(tmp_path_factory) / f"specialised_presets_{key}", build)
+    sizes = ups.specialised_sizes({p: (folder / f"{p}.py").read_text(encoding="utf-8") for p in ups.PRESET_RECORDS})
+    for preset, (lines, readable, minified, packed) in sizes.items():
+        assert packed <= SPECIALISED_PACKED_GUARD[preset], (preset, packed)
+    docs = (REPO / "docs" / "submitting.md").read_text(encoding="utf-8")
+    table = docs[docs.index(ups.TABLE_BEGIN) + len(ups.TABLE_BEGIN):docs.index(ups.TABLE_END)]
+    date = re.match(r"Measured (\S+) ", table).group(1)
+    assert table == ups.sizes_table(sizes, date), "stale: python3 scripts/update_packed_size.py --presets"
+    presets = (REPO / "docs" / "presets.md").read_text(encoding="utf-8")
+    lines = presets[presets.index(ups.LINES_BEGIN) + len(ups.LINES_BEGIN):presets.index(ups.LINES_END)]
+    assert lines == ups.lines_table(sizes, len(SCRIPT.read_text(encoding="utf-8").splitlines())), "stale (--presets)"
+
