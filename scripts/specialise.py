@@ -39,11 +39,9 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
-import io
 import operator
 import os
 import sys
-import tokenize
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,11 +94,13 @@ class Source:
     @property
     def string_lines(self):
         """Lines inside a multi-line string token (never re-indented)."""
-        if self._string_lines is None:
+        if self._string_lines is None:  # from the AST: a string constant (or f-string) over several lines; lines of
+            # implicitly joined literals count too, which only keeps their indentation (they sit inside brackets)
             self._string_lines = set()
-            for tok in tokenize.generate_tokens(io.StringIO(self.text).readline):
-                if tok.type == tokenize.STRING and tok.end[0] > tok.start[0]:
-                    self._string_lines.update(range(tok.start[0] + 1, tok.end[0] + 1))
+            for node in ast.walk(self.tree):
+                if isinstance(node, (ast.Constant, ast.JoinedStr)) and node.end_lineno > node.lineno \
+                        and (isinstance(node, ast.JoinedStr) or isinstance(node.value, (str, bytes))):
+                    self._string_lines.update(range(node.lineno + 1, node.end_lineno + 1))
         return self._string_lines
 
     def offset(self, lineno, col):
