@@ -21,23 +21,12 @@ from test_presets import caseops_run_data  # noqa: F401 (fixture)
 
 sys.path.insert(0, str(REPO / "scripts"))
 import pack_code as pc  # noqa: E402
+from test_pack_code import _result_lines as result_lines  # noqa: E402
 import specialise as sp  # noqa: E402
 
 PRESETS = tuple(PRESET_ENV)
 # what the file reads from the machine at run time, never given to the specialiser
 RUNTIME_ONLY = set(tg.MACHINE_SETTINGS) | {"DATA_PATH", "TOKENIZER_PATH"}
-
-
-def result_lines(log: str) -> list[str]:
-    """The run's loss and score lines without their timings, and its artifact's size lines."""
-    out = []
-    for line in log.splitlines():
-        if re.match(r"^step:\d+/\d+ (train|val)_loss:", line):
-            out.append(" ".join(f for f in line.split() if not f.startswith(("train_time:", "step_avg:",
-                                                                              "data_wait_ms:"))))
-        elif re.match(r"^(\w+_exact|DIAGNOSTIC post_ema|Serialized model)", line):
-            out.append(re.sub(r" eval_time:\S+", "", line))
-    return out
 
 
 def settings_of(env: dict[str, str]) -> dict[str, str]:
