@@ -114,15 +114,11 @@ class Source:
         a, b = self.span(node)
         return self.text[a:b]
 
-    def line_span(self, first, last):
-        """Whole lines first..last (1-based, inclusive) as a string span."""
-        return self.starts[first - 1], self.starts[last]
-
     def indent(self, lineno):
         line = self.lines[lineno - 1]
         return len(line) - len(line.lstrip(" "))
 
-    def dedented(self, first, last, by, to=None):
+    def dedented(self, first, last, by):
         """Lines first..last with `by` leading spaces removed (lines inside multi-line strings kept as they are)."""
         out = []
         for n in range(first, last + 1):
@@ -174,7 +170,8 @@ def settings_table(tree):
 
 
 def load_module(text, path):
-    """The full script's module (its definitions only: nothing runs below `if __name__ == '__main__'`)."""
+    """A script's module (its definitions only: nothing runs below `if __name__ == '__main__'`): the full script's, to
+    read a run's settings, or a specialised file's."""
     name = "_specialise_source"
     mod = types.ModuleType(name)
     mod.__file__ = str(path)
@@ -214,7 +211,6 @@ class Analysis:
     def __init__(self, src: Source, table, machine, h, conditions):
         self.src, self.table, self.h = src, table, h
         self.conditions = conditions  # NAME -> {(op, literal): result}, accumulated over passes
-        self.edits = []
         tree = src.tree
         self.classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
         self.functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
@@ -237,13 +233,12 @@ class Analysis:
                         stores_init[target.attr] = stores_init.get(target.attr, 0) + 1
                     elif self._is_settings_base(target.value, node):
                         stores_out.add(target.attr)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
-                stores_out.add("*")  # setattr on a settings object: checked below by its literal name, if any
-                if len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
-                    stores_out.add(node.args[1].value)
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+                stores_out.add(node.args[1].value)  # setattr(obj, "name", ...): a store of that name
         self.init_nodes = init_nodes
         self.multi_init = {a for a, n in stores_init.items() if n > 1}
-        dynamic = "*" in stores_out and self._setattr_on_settings(tree)
+        dynamic = self._setattr_on_settings()
         self.foldable = {}  # attr -> (NAME, kind): settings whose predicates fold
         for attr, (name, kind) in table.items():
             if name in machine or kind in ("float", "list", "local") or attr in stores_out or dynamic:
@@ -277,18 +272,11 @@ class Analysis:
             out.extend(x for x in ast.walk(t) if isinstance(x, (ast.Attribute, ast.Name, ast.Subscript)))
         return out
 
-    def _setattr_on_settings(self, tree):
-        """setattr(obj, name, ...) with a computed name, where obj looks like a settings object."""
-        for node in self.all_nodes:
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
-                    and len(node.args) > 1 and not isinstance(node.args[1], ast.Constant)):
-                base = node.args[0]
-                if self._is_settings_base(base, node):
-                    # Hyperparameters' own `setattr` (none today) or a settings object: unsafe
-                    fn = self.enclosing(node, (ast.FunctionDef,))
-                    if fn is None or fn.name not in ("restore_real",):
-                        return True
-        return False
+    def _setattr_on_settings(self):
+        """Whether some setattr(obj, name, ...) with a computed name may set a setting (obj a settings object)."""
+        return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                   and len(node.args) > 1 and not isinstance(node.args[1], ast.Constant)
+                   and self._is_settings_base(node.args[0], node) for node in self.all_nodes)
 
     def _index(self, node, fn, cls):
         """parents; for each node its innermost function, and the class whose method it is in (`self`'s class)."""
@@ -317,14 +305,6 @@ class Analysis:
                 self.parents[child] = node
                 stack.append((child, inner_fn, inner_cls))
 
-    def enclosing(self, node, kinds):
-        if kinds == (ast.FunctionDef, ast.AsyncFunctionDef) or kinds == (ast.FunctionDef,):
-            return self.fn_of.get(node)
-        while node in self.parents:
-            node = self.parents[node]
-            if isinstance(node, kinds):
-                return node
-        return None
 
     def enclosing_class(self, node):
         return self.cls_of.get(node)
@@ -619,7 +599,7 @@ class Analysis:
         if pred is not None:
             return self.record(*pred)
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-            fn = self.enclosing(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            fn = self.fn_of.get(node)
             if fn is not None:
                 consts = self.local_consts(fn)
                 if node.id in consts:
@@ -925,7 +905,7 @@ class Folder:
         """A local set to a literal that nothing reads (its reads were folded)."""
         if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name):
             return False
-        fn = self.a.enclosing(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
+        fn = self.a.fn_of.get(stmt)
         if fn is None or self.a.parents.get(stmt) is not fn:
             return False
         name = stmt.targets[0].id
@@ -952,10 +932,6 @@ class Folder:
     def is_elif(self, stmt):
         return self.src.lines[stmt.lineno - 1][self.src.offset(stmt.lineno, stmt.col_offset)
                                                 - self.src.starts[stmt.lineno - 1]:].startswith("elif")
-
-    def body_lines(self, stmt, body, header_last):
-        """(first, last) lines of a body, comments directly after the header included."""
-        return header_last + 1, body[-1].end_lineno
 
     def if_statement(self, stmt):
         src = self.src
@@ -1068,7 +1044,7 @@ def names_in(node, lazy_annotations=True):
     return names, attrs, strings
 
 
-def dead_definitions(src: Source, table, fixed_names):
+def dead_definitions(src: Source):
     """Spans of module-level definitions, methods and settings that no kept code reaches."""
     tree = src.tree
     defs = {}  # name -> [stmt]
@@ -1140,7 +1116,7 @@ def dead_definitions(src: Source, table, fixed_names):
                 for m in methods:
                     if id(m) not in methods_seen:
                         dead_methods.append((d, m))
-    return dead, dead_methods, live_attrs
+    return dead, dead_methods
 
 
 def method_live(m, attrs, strings):
@@ -1245,15 +1221,6 @@ def drop_unread_fixed(src: Source, table, fixed_names):
         return src, {}
     text, _ = apply_edits(src.text, removal_edits(src, gone))
     return Source(text), dict(sorted(unread.items()))
-
-
-def walk_statements(body):
-    for stmt in body:
-        yield stmt
-        for field_name in ("body", "orelse", "finalbody"):
-            inner = getattr(stmt, field_name, None)
-            if isinstance(inner, list) and not isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
-                yield from walk_statements(inner)
 
 
 def removal_edits(src: Source, stmts):
@@ -1411,7 +1378,7 @@ def _specialise(text, run, path, max_rounds, sha):
     for rounds in range(1, max_rounds + 1):
         analysis = Analysis(src, table, machine, h, conditions)
         edits = Folder(analysis).run()  # first: it records the conditions the removals below rely on
-        dead, dead_methods, _ = dead_definitions(src, table, set(conditions))
+        dead, dead_methods = dead_definitions(src)
         stmts = dead + [m for _, m in dead_methods] + dead_settings(src, table, set(conditions), machine)
         edits += removal_edits(src, stmts)  # a removal wins over a fold inside it (apply_edits)
         if not edits:

@@ -8,7 +8,6 @@ import hashlib
 import re
 import shutil
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -19,18 +18,13 @@ from test_specialise import PRESETS, run_settings, specialised_files
 
 sys.path.insert(0, str(REPO / "scripts"))
 import check_record  # noqa: E402
+import specialise as sp  # noqa: E402
 import make_record  # noqa: E402
 
 
 def specialised_module(path: Path):
     """A specialised file's definitions, loaded in this process (nothing below `if __name__ == "__main__"` runs)."""
-    module = types.ModuleType(f"specialised_{path.parent.parent.name}")
-    sys.modules[module.__name__] = module
-    try:
-        exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), module.__dict__)
-    finally:
-        del sys.modules[module.__name__]
-    return module
+    return sp.load_module(path.read_text(encoding="utf-8"), path)
 
 
 # Per preset, a setting its file fixes, given another value
