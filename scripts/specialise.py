@@ -90,6 +90,29 @@ class Source:
         for line in self.lines:
             self.starts.append(self.starts[-1] + len(line))
         self._string_lines = None
+        self._nodes = None
+        self._owners = None
+
+    @property
+    def nodes(self):
+        """Every node of the tree (ast.walk's order), walked once."""
+        if self._nodes is None:
+            self._nodes = list(ast.walk(self.tree))
+        return self._nodes
+
+    @property
+    def owners(self):
+        """id(statement) -> (the node whose statement list holds it, that list's field name)."""
+        if self._owners is None:
+            self._owners, todo = {}, [self.tree]
+            while todo:  # statements only: expressions hold no statement lists
+                node = todo.pop()
+                for field_name in ("body", "orelse", "finalbody", "handlers"):
+                    children = getattr(node, field_name, None)
+                    for child in children if isinstance(children, list) else ():
+                        self._owners[id(child)] = (node, field_name)
+                        todo.append(child)
+        return self._owners
 
     @property
     def string_lines(self):
@@ -97,7 +120,7 @@ class Source:
         if self._string_lines is None:  # from the AST: a string constant (or f-string) over several lines; lines of
             # implicitly joined literals count too, which only keeps their indentation (they sit inside brackets)
             self._string_lines = set()
-            for node in ast.walk(self.tree):
+            for node in self.nodes:
                 if isinstance(node, (ast.Constant, ast.JoinedStr)) and node.end_lineno > node.lineno \
                         and (isinstance(node, ast.JoinedStr) or isinstance(node.value, (str, bytes))):
                     self._string_lines.update(range(node.lineno + 1, node.end_lineno + 1))
@@ -1026,21 +1049,26 @@ def names_in(node, lazy_annotations=True):
     """Names loaded and attribute names read anywhere in node, and the strings it holds; with
     `from __future__ import annotations` (lazy_annotations) annotations are strings nothing evaluates: not read."""
     names, attrs, strings = set(), set(), set()
-    skip = set()
-    if lazy_annotations:
-        for n in ast.walk(node):
-            for ann in ([n.annotation] if isinstance(n, (ast.AnnAssign, ast.arg)) and n.annotation is not None else []) + \
-                    ([n.returns] if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns else []):
-                skip.update(id(x) for x in ast.walk(ann))
-    for n in ast.walk(node):
-        if id(n) in skip:
-            continue
+    todo = [node]
+    while todo:
+        n = todo.pop()
         if isinstance(n, ast.Name):
             names.add(n.id)
         elif isinstance(n, ast.Attribute):
             attrs.add(n.attr)
         elif isinstance(n, ast.Constant) and isinstance(n.value, str):
             strings.add(n.value)
+        skip = ()
+        if lazy_annotations:  # the annotation fields of a parameter, an annotated assignment or a function
+            skip = ("annotation",) if isinstance(n, (ast.AnnAssign, ast.arg)) else \
+                ("returns",) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) else ()
+        for name, value in ast.iter_fields(n):
+            if name in skip:
+                continue
+            if isinstance(value, ast.AST):
+                todo.append(value)
+            elif isinstance(value, list):
+                todo.extend(x for x in value if isinstance(x, ast.AST))
     return names, attrs, strings
 
 
@@ -1144,7 +1172,7 @@ def dead_settings(src: Source, table, fixed_names, machine):
             if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
                     and node.value.id == "self"):
                 stored.add(node.attr)
-    read_elsewhere = {node.attr for node in ast.walk(tree)
+    read_elsewhere = {node.attr for node in src.nodes
                       if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and id(node) not in own}
     keep = {attr for attr, (name, _) in table.items() if name in fixed_names or name in machine or name == "PRESET"}
     dead = stored - read_elsewhere - keep - {"settings", "effective", "_environ", "_preset", "real"}
@@ -1206,7 +1234,7 @@ def drop_unread_fixed(src: Source, table, fixed_names):
     by_attr = {attr: (name, kind) for attr, (name, kind) in table.items() if name in fixed_names
                and kind in ("bool", "int", "str") and name != "PRESET"}
     reads = {}
-    for node in ast.walk(src.tree):
+    for node in src.nodes:
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in by_attr:
             reads[node.attr] = reads.get(node.attr, 0) + 1
     gone, unread = [], {}
@@ -1225,16 +1253,10 @@ def drop_unread_fixed(src: Source, table, fixed_names):
 
 def removal_edits(src: Source, stmts):
     """Edits removing whole statements (with their comments and decorators); a block left empty gets `pass`."""
-    parents = {}
-    for node in ast.walk(src.tree):
-        for field_name in ("body", "orelse", "finalbody", "handlers"):
-            children = getattr(node, field_name, None)
-            for child in children if isinstance(children, list) else ():
-                parents[id(child)] = (node, field_name)
     gone = {id(s) for s in stmts}
     edits = []
     for stmt in stmts:
-        owner, fname = parents.get(id(stmt), (None, None))
+        owner, fname = src.owners.get(id(stmt), (None, None))
         a = src.starts[src.comments_above(stmt_first_line(stmt)) - 1]
         b = src.starts[stmt.end_lineno]
         text = ""
