@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SCRIPT, computed_once, shared_folder
-from test_compile import PRESET_ENV
-from test_specialise import PRESETS, run_settings, specialised_files
+from test_specialise import PRESETS
 
 sys.path.insert(0, str(REPO / "scripts"))
 import check_record  # noqa: E402
+import pack_code  # noqa: E402
 import specialise as sp  # noqa: E402
 import make_record  # noqa: E402
 
@@ -38,22 +38,34 @@ REFUSED = {"record_0323": ("TTT_MODE", "lora", "TTT_MODE=lora: this file is spec
            "record_0501": ("NGRAM_TILT", "0", "NGRAM_TILT=0: this file is specialised to NGRAM_TILT=1")}
 
 
+def preset_files(tmp_path_factory) -> Path:
+    """A folder of each preset's submission file, train_gpt.py specialised to PRESET=NAME alone (readable, as
+    scripts/update_packed_size.py --presets makes them), made once for the session."""
+    import update_packed_size as ups
+
+    def build(out: Path) -> None:
+        for preset, text in ups.specialise_presets().items():
+            (out / f"{preset}.py").write_text(text, encoding="utf-8")
+
+    key = hashlib.sha256(SCRIPT.read_bytes() + (REPO / "scripts" / "specialise.py").read_bytes()).hexdigest()[:12]
+    return computed_once(shared_folder(tmp_path_factory) / f"specialised_presets_{key}", build)
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_changed_fixed_setting_is_refused_in_one_line(preset, tmp_path_factory, sample_data):
-    """Each preset's specialised file refuses a fixed setting given another value, in one line naming the setting,
-    its fixed value and the run the file was made for, before any work; the run's own values and the values that
-    select no code (sizes, paths, rates) are accepted."""
-    readable, _ = specialised_files(tmp_path_factory, preset, run_settings(preset))
-    module = specialised_module(readable)
+    """Each preset's submission file (specialised to PRESET=NAME alone) refuses a fixed setting given another value,
+    in one line naming the setting, its fixed value and the run the file was made for, before any work; the run's
+    own values and the values that select no code (sizes, paths, rates, the seed) are accepted."""
+    module = specialised_module(preset_files(tmp_path_factory) / f"{preset}.py")
     name, value, message = REFUSED[preset]
-    base = {**PRESET_ENV[preset], "PRESET": preset, "DATA_PATH": sample_data["DATA_PATH"]}
+    base = {"PRESET": preset, "DATA_PATH": sample_data["DATA_PATH"]}
     module.Hyperparameters(base)
-    module.Hyperparameters({**base, "MATRIX_LR": "0.031", "SEED": "7", "NUM_LAYERS": "4"})
+    module.Hyperparameters({**base, "MATRIX_LR": "0.031", "SEED": "7", "NUM_LAYERS": "12"})
     with pytest.raises(module.ConfigError) as err:
         module.Hyperparameters({**base, name: value})
     text = str(err.value)
     assert "\n" not in text and text.startswith(message), text
-    assert f"(made for PRESET={preset} " in text and "the full train_gpt.py runs other values" in text
+    assert f"(made for PRESET={preset}); " in text and "the full train_gpt.py runs other values" in text
     with pytest.raises(module.ConfigError, match=f"^PRESET='?record_0501x'?(: this file is specialised to PRESET=| must "
                                                  f"be ){preset}"):  # the preset's name: its PRESETS holds no other
         module.Hyperparameters({**base, "PRESET": "record_0501x"})
@@ -63,17 +75,17 @@ def test_the_record_tools_know_a_specialised_submission(tmp_path, tmp_path_facto
     """make_record.py writes what a specialised packed file was made from into submission.json's code_specialised;
     check_record.py refuses a submission.json that says otherwise, and with --full-script derives the specialisation
     again from the full script (one line: SPECIALISED or FAIL), refusing a changed readable file or another script."""
-    readable, packed = specialised_files(tmp_path_factory, "record_0323", run_settings("record_0323"))
+    readable = preset_files(tmp_path_factory) / "record_0323.py"  # the default preset's submission file
     folder = tmp_path / "record"
     folder.mkdir()
-    shutil.copy(packed, folder / "train_gpt.py")
+    (folder / "train_gpt.py").write_text(pack_code.pack(readable.read_text(encoding="utf-8")), encoding="utf-8")
     shutil.copy(readable, folder / "train_gpt_readable.py")
     fields = make_record.code_source(folder)
     sha = hashlib.sha256(SCRIPT.read_bytes()).hexdigest()
-    assert fields["code_specialised"] == {"source_sha256": sha, "run": {**run_settings("record_0323")}}
+    assert fields["code_specialised"] == {"source_sha256": sha, "run": {"PRESET": "record_0323"}}
     assert check_record.check_packed_code(folder) == []
     ok, line = check_record.check_specialisation(folder, SCRIPT)
-    assert ok and line.startswith("SPECIALISED: train_gpt_readable.py is ") and "PRESET=record_0323 " in line, line
+    assert ok and line.startswith("SPECIALISED: train_gpt_readable.py is ") and line.endswith("specialised to PRESET=record_0323"), line
     other = tmp_path / "train_gpt.py"
     other.write_text(SCRIPT.read_text(encoding="utf-8") + "# changed\n", encoding="utf-8")
     ok, line = check_record.check_specialisation(folder, other)
@@ -99,12 +111,7 @@ def test_each_presets_specialised_size_is_guarded_and_documented(tmp_path_factor
     docs/submitting.md's table as scripts/update_packed_size.py --presets writes it from these measurements."""
     import update_packed_size as ups
 
-    def build(out: Path) -> None:
-        for preset, text in ups.specialise_presets().items():
-            (out / f"{preset}.py").write_text(text, encoding="utf-8")
-
-    key = hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:12]
-    folder = computed_once(shared_folder(tmp_path_factory) / f"specialised_presets_{key}", build)
+    folder = preset_files(tmp_path_factory)
     sizes = ups.specialised_sizes({p: (folder / f"{p}.py").read_text(encoding="utf-8") for p in ups.PRESET_RECORDS})
     for preset, (lines, readable, minified, packed) in sizes.items():
         assert packed <= SPECIALISED_PACKED_GUARD[preset], (preset, packed)
