@@ -65,8 +65,9 @@ MACHINE_SETTINGS = ("DEVICE", "COMPILE", "COMPILE_BACKEND", "AUTOCAST_DTYPE", "A
                     "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
                     "DIST_TIMEOUT_SECONDS", "TRAIN_PREFETCH", "TRAIN_PREFETCH_QUEUE", "TRAIN_COPY_STREAM", "VAL_PREFETCH",
                     "VAL_COPY_STREAM", "VAL_BYTECOUNT_DEVICE", "MICRO_BATCH_SPLIT")
-# A specialised file (scripts/pack_code.py --for) records here the full script's sha256, the run it was made for and
-# each condition on a setting it folded ((op, literal, result) by name); empty in the full script (docs/submitting.md)
+# A specialised file (scripts/pack_code.py --for) records here the full script's sha256, the run it was made for, the
+# run's value of each setting it fixed and, for those it did not fold to that value outright, the conditions it folded
+# ((op, literal, result) by name); empty in the full script (docs/submitting.md)
 SPECIALISED = {}
 
 
@@ -602,26 +603,25 @@ class Hyperparameters:
             self._rehearse()
 
     def _check_specialised(self):
-        """A specialised file runs the values it was made for: a setting for which a folded condition would change is
-        refused (the code for it is gone; the full train_gpt.py runs it)."""
+        """A specialised file runs the values it was made for (SPECIALISED): a setting whose every read was folded to
+        the run's value must keep it, and one with folded conditions their outcomes; another value is refused (the code
+        for it is gone; the full train_gpt.py runs it)."""
         ops = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "in": lambda a, b: a in b,
                "not in": lambda a, b: a not in b, "is": lambda a, b: a is b, "is not": lambda a, b: a is not b,
                "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
                "truth": lambda a, b: bool(a)}
-        kinds = {"bool": bool, "int": int, "str": str}
         inverse = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "==", "in": "not in",
                    "not in": "in", "is": "is not", "is not": "is"}
-        for name, conditions in SPECIALISED.get("conditions", {}).items():
-            if name in SPECIALISED["unread"]:  # no code reads it any more: only the environment can give another value
+        for name, ran in SPECIALISED.get("values", {}).items():  # ran: the value of the run the file was made for
+            if name in self.effective:
+                v = getattr(self, self._attr(name))
+            else:  # no code reads it any more: only the environment can give another value
                 raw = self._environ.get(name, "").strip()
                 if raw == "":
                     continue
-                v = self._parse(name, raw, kinds[SPECIALISED["unread"][name]])
-            else:
-                v = getattr(self, self._attr(name))
-            for op, lit, want in conditions:
+                v = self._parse(name, raw, type(ran))
+            for op, lit, want in SPECIALISED["conditions"].get(name, [("==", ran, True)]):
                 if ops[op](v, lit) != want:
-                    ran = SPECIALISED["values"][name]  # the value of the run the file was made for
                     if op == "truth" and isinstance(ran, bool):
                         rule = f"{name}={int(want)}"
                     elif op == "==" and want:
@@ -4603,7 +4603,8 @@ def train(rt, model, val_tokens, luts):
     trainer = Trainer(rt, model)
     model.set_qat(h.qat_enabled)
     model.looping = h.num_loops > 0 and h.enable_looping_at == 0
-    resumed = load_checkpoint(rt) if rt.resume is not None else None
+    # rt.resume is set only with RESUME set (find_resume); tested first, so that a specialised file sees it
+    resumed = load_checkpoint(rt) if h.resume and rt.resume is not None else None
     position = None if resumed is None else resumed[1]["loader"]
     stage("warmup (every training graph)")
     loader = warmup_and_restore(rt, trainer, position) if h.warmup_steps > 0 else make_train_loader(rt, position)
@@ -7267,7 +7268,7 @@ def run(rt):
     if SPECIALISED:  # scripts/pack_code.py --for: the code of one run (docs/submitting.md)
         rt.log(f"specialised: from train_gpt.py sha256:{SPECIALISED['source_sha256']} for "
                + " ".join(f"{k}={v}" for k, v in SPECIALISED["run"].items())
-               + f" ({len(SPECIALISED['conditions'])} settings fixed)")
+               + f" ({len(SPECIALISED['values'])} settings fixed)")
     rt.log(h.dump(), console=False)
     rt.log(f"seed:{h.seed}")
     rt.log(f"device:{rt.device} world_size:{h.world_size} grad_accum_steps:{h.grad_accum_steps} "

@@ -316,7 +316,7 @@ class Analysis:
             elif isinstance(node, (ast.Global, ast.Nonlocal, ast.arg)) and fn is not None:
                 c = self.stores_in.setdefault(fn, {})
                 for n in (node.names if not isinstance(node, ast.arg) else [node.arg]):
-                    c[n] = 99
+                    c[n] = c.get(n, 0) + 99
             inner_fn, inner_cls = fn, cls
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 parent = self.parents.get(node)
@@ -551,6 +551,59 @@ class Analysis:
                     out[stmt.targets[0].id] = v
         return out
 
+    def calls_of(self, name):
+        """The calls of module function `name` in the file, or None where its name is read other than as a call's
+        function (passed on, stored, decorated: its callers unknown)."""
+        calls = self.__dict__.setdefault("_calls", None)
+        if calls is None:
+            calls = self._calls = {}
+            for node in self.all_nodes:
+                if isinstance(node, ast.Name) and node.id in self.functions:
+                    parent = self.parents.get(node)
+                    if isinstance(node.ctx, ast.Load) and isinstance(parent, ast.Call) and parent.func is node \
+                            and calls.get(node.id, []) is not None:
+                        calls.setdefault(node.id, []).append(parent)
+                    else:
+                        calls[node.id] = None
+        return calls.get(name)
+
+    def param_consts(self, fn):
+        """Parameters of module function `fn` that every call in the file gives the same literal (its default where a
+        call leaves it out) and that `fn` never rebinds: {name: literal}."""
+        memo = self.__dict__.setdefault("_params", {})
+        if fn in memo:
+            return memo[fn]
+        memo[fn] = {}  # while it is worked out (a call inside a call's argument): nothing known
+        a = fn.args
+        calls = self.calls_of(fn.name) if self.functions.get(fn.name) is fn and not fn.decorator_list else None
+        if not calls or a.vararg or a.kwarg or a.posonlyargs or any(
+                isinstance(x, ast.Starred) for c in calls for x in c.args) or any(k.arg is None for c in calls
+                                                                                 for k in c.keywords):
+            return memo[fn]
+        counts = self._store_counts(fn)
+        positional = [x.arg for x in a.args]
+        defaults = dict(zip(positional[len(positional) - len(a.defaults):], a.defaults))
+        defaults.update((x.arg, d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None)
+        out = {}
+        for name in positional + [x.arg for x in a.kwonlyargs]:
+            if counts.get(name) != 99:  # rebound in fn, or a name of a nested function too
+                continue
+            values = []
+            for call in calls:
+                i = positional.index(name) if name in positional else None
+                given = [k.value for k in call.keywords if k.arg == name]
+                node = call.args[i] if i is not None and i < len(call.args) else given[0] if given else \
+                    defaults.get(name)
+                v = self.value(node) if node is not None else UNKNOWN
+                if v is UNKNOWN or v is NOT_NONE or not is_literal(v):
+                    break
+                values.append(v)
+            else:
+                if len({(type(v), v) for v in values}) == 1:
+                    out[name] = values[0]
+        memo[fn] = out
+        return out
+
     # -- values
 
     def predicate(self, node):
@@ -627,6 +680,9 @@ class Analysis:
                 consts = self.local_consts(fn)
                 if node.id in consts:
                     return consts[node.id]
+                params = self.param_consts(fn) if isinstance(fn, ast.FunctionDef) else {}
+                if node.id in params:
+                    return params[node.id]
                 if self._bound_in(fn, node.id):
                     return UNKNOWN
             return self.global_consts.get(node.id, UNKNOWN)
@@ -1226,13 +1282,16 @@ class _Again(Exception):
     """dead_settings: an attribute turned out to be read; start over."""
 
 
-def drop_unread_fixed(src: Source, table, fixed_names):
-    """The reads (`self.X = self._env(...)`) of fixed settings that no code reads any more go: {NAME: kind} of them,
-    which the specialised file checks in the environment instead (Hyperparameters._check_specialised)."""
+def drop_unread_fixed(src: Source, table, values):
+    """The reads (`self.X = self._env(...)`) of fixed settings ({NAME: the run's value}) that no code reads any more
+    go: the specialised file checks them in the environment instead, parsed as their run's value's type
+    (Hyperparameters._check_specialised); so only those whose value is of their kind (bool, int, str). Returns the
+    new source and {NAME: kind} of those gone."""
     hp = next((n for n in src.tree.body if isinstance(n, ast.ClassDef) and n.name == "Hyperparameters"), None)
     init = next(f for f in hp.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
-    by_attr = {attr: (name, kind) for attr, (name, kind) in table.items() if name in fixed_names
-               and kind in ("bool", "int", "str") and name != "PRESET"}
+    kinds = {"bool": bool, "int": int, "str": str}
+    by_attr = {attr: (name, kind) for attr, (name, kind) in table.items() if name in values and name != "PRESET"
+               and kind in kinds and type(values[name]) is kinds[kind]}
     reads = {}
     for node in src.nodes:
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in by_attr:
@@ -1416,10 +1475,14 @@ def _specialise(text, run, path, max_rounds, sha):
         raise SpecialiseError(f"no fixed point after {max_rounds} rounds")
     conds = {name: sorted(((op, lit, res) for (op, lit), res in c.items()), key=repr)
              for name, c in sorted(conditions.items())}
-    src, unread = drop_unread_fixed(src, table, set(conds))
     by_name = {name: attr for attr, (name, _) in table.items()}
-    record = repr({"source_sha256": sha, "run": run, "conditions": conds,
-                   "values": {k: getattr(h, by_name[k]) for k in conds}, "unread": unread})
+    fixed = {k: getattr(h, by_name[k]) for k in conds}
+    src, _ = drop_unread_fixed(src, table, fixed)
+    # a setting folded to its value outright (a bool, or one recorded equal to a literal: every read became it) is
+    # checked for that value alone; the others' conditions are recorded
+    outright = {k for k, c in conds.items() if table[by_name[k]][1] == "bool" or any(op == "==" and res for op, _, res in c)}
+    record = repr({"source_sha256": sha, "run": run, "values": fixed,
+                   "conditions": {k: c for k, c in conds.items() if k not in outright}})
     read = {n.args[0].value for n in ast.walk(src.tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
             and n.func.attr in ("_env", "_env_int_list") and n.args and isinstance(n.args[0], ast.Constant)}
     values = {k: v for k, v in values.items() if k in read}  # the preset's values of settings the file still reads

@@ -27,11 +27,10 @@ def specialised_module(path: Path):
     return sp.load_module(path.read_text(encoding="utf-8"), path)
 
 
-# Per preset, a setting its file fixes, given another value
-REFUSED = {"record_0323": ("TTT_MODE", "lora", "TTT_MODE=lora: this file is specialised to TTT_MODE != 'lora' "
-                                               "(its run's sgd)"),
-           "record_0409": ("TRAIN_LOADER", "stream",
-                           "TRAIN_LOADER=stream: this file is specialised to TRAIN_LOADER=shuffled"),
+# Per preset, a setting its file fixes, given another value: one folded to its value outright (a mode, a switch), or
+# one whose folded conditions are recorded (an int tested against 0)
+REFUSED = {"record_0323": ("TTT_MODE", "lora", "TTT_MODE=lora: this file is specialised to TTT_MODE=sgd"),
+           "record_0409": ("NUM_LOOPS", "0", "NUM_LOOPS=0: this file is specialised to NUM_LOOPS > 0 (its run's 2)"),
            "record_0427": ("PARALLEL_MODE", "gptj", "PARALLEL_MODE=gptj: this file is specialised to PARALLEL_MODE != "
                                                     "'gptj' (its run's lanes)"),
            "record_0430": ("AWQ_LITE", "0", "AWQ_LITE=0: this file is specialised to AWQ_LITE=1"),
