@@ -13,12 +13,15 @@ What is removed comes from an analysis of the source, repeated until nothing cha
   here. MACHINE_SETTINGS (the source's own list: the world size, the device, compile, the attention kernel...) stay
   open. A predicate is folded to the constant it has for the run, and the condition is recorded: the specialised
   file refuses at start any value for which a recorded condition changes (SPECIALISED, Hyperparameters), so a
-  folded branch is never silently wrong. A bool setting, or one tested equal to a literal, is known outright: its
+  folded branch is never silently wrong (SPECIALISED records each fixed setting's value, and the conditions of those
+  not folded to it outright). A bool setting, or one tested equal to a literal, is known outright: its
   every read becomes the literal. Predicates on an attribute that something other than Hyperparameters.__init__
   assigns are not folded (its value at the test is not its value at start); in __init__ itself only those whose
   attribute is assigned once.
 - Constants. Conditions whose value is known fold (`not`, and/or, comparisons of literals, conditional
-  expressions); a local assigned once at its function's top level to a literal, a module global assigned once to
+  expressions); a local assigned once at its function's top level to a literal, a parameter of a module function
+  that every call in the file gives the same literal (its default where a call leaves it out; none when the
+  function's name is read other than as a call) and that it never rebinds, a module global assigned once to
   one, and an attribute `self.a` that every assignment in the file (one class family, all through `self`) sets to
   the same literal (or to None, or always to a new object: `is None` is known) are replaced by it.
 - Statements. An `if`/`elif`/`while` whose test is known keeps only the branch taken (dedented); statements after a
