@@ -2228,18 +2228,23 @@ def _ce_backward(ctx, g, g_lse):
     return torch.ops.pgolf.softcapped_ce_backward(g, *ctx.saved_tensors, ctx.softcap, g_lse), None, None
 
 
-_register_op("fused_mlp", "(Tensor x, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor)",
-             _fused_mlp_impl, _fused_mlp_fake).register_autograd(
-    lambda ctx, g, _g_pre, _g_post: torch.ops.pgolf.fused_mlp_backward(g, *ctx.saved_tensors),
-    setup_context=_save_mlp)
-_register_op("fused_mlp_backward",
-             "(Tensor g, Tensor x, Tensor w1, Tensor w2, Tensor pre, Tensor post) -> (Tensor, Tensor, Tensor)",
-             _fused_mlp_backward_impl, _fused_mlp_backward_fake)
-_register_op("softcapped_ce", "(Tensor logits, Tensor targets, float softcap) -> (Tensor, Tensor)",
-             _softcapped_ce_impl, _softcapped_ce_fake).register_autograd(_ce_backward, setup_context=_save_ce)
-_register_op("softcapped_ce_backward",
-             "(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float softcap, Tensor? grad_lse=None) -> Tensor",
-             _softcapped_ce_backward_impl, _softcapped_ce_backward_fake)
+def register_fused_ops():
+    """The kernels as the custom ops torch.ops.pgolf.*, registered once per process, when select_fused_kernels first
+    switches one on: a run with both off (or a file specialised to one) registers none. A copy of this file imported
+    in the same process (the tests' worked examples) finds them registered and uses them."""
+    if hasattr(torch.ops.pgolf, "softcapped_ce_backward"):  # the last one: all four are there
+        return
+    _register_op("fused_mlp", "(Tensor x, Tensor w1, Tensor w2) -> (Tensor, Tensor, Tensor)",
+                 _fused_mlp_impl, _fused_mlp_fake).register_autograd(
+        lambda ctx, g, _g_pre, _g_post: torch.ops.pgolf.fused_mlp_backward(g, *ctx.saved_tensors),
+        setup_context=_save_mlp)
+    _register_op("fused_mlp_backward",
+                 "(Tensor g, Tensor x, Tensor w1, Tensor w2, Tensor pre, Tensor post) -> (Tensor, Tensor, Tensor)",
+                 _fused_mlp_backward_impl, _fused_mlp_backward_fake)
+    _register_op("softcapped_ce", "(Tensor logits, Tensor targets, float softcap) -> (Tensor, Tensor)",
+                 _softcapped_ce_impl, _softcapped_ce_fake).register_autograd(_ce_backward, setup_context=_save_ce)
+    _register_op("softcapped_ce_backward", "(Tensor grad, Tensor logits, Tensor targets, Tensor lse, float softcap, "
+                 "Tensor? grad_lse=None) -> Tensor", _softcapped_ce_backward_impl, _softcapped_ce_backward_fake)
 
 
 def fused_ready(t):
@@ -2340,19 +2345,21 @@ def select_fused_kernels(h, device, dtype):
     """FUSED_MLP / FUSED_CE: switch the kernels on where they run (CUDA, or Triton's interpreter on CPU) for the
     compute dtype `dtype`; returns one log line per kernel saying whether it runs, or why it falls back."""
     _FUSED.update(mlp=False, ce=False, dtype=dtype, interpret=False)
+    if not (h.fused_mlp or h.fused_ce):
+        return ["fused_mlp: eager (FUSED_MLP=0)", "fused_ce: eager (FUSED_CE=0)"]
+    register_fused_ops()
     reason = None
-    if h.fused_mlp or h.fused_ce:
-        try:
-            triton_kernels()
-        except ImportError:
-            reason = "Triton is not installed (pip install triton)"
-        except Exception as e:  # e.g. no source to read (code exec'd from a string without it in linecache)
-            reason = f"Triton cannot build the kernels ({type(e).__name__}: {first_line(e)})"
-        _FUSED["interpret"] = reason is None and triton_interpreting()
-        if reason is None and device.type != "cuda" and not _FUSED["interpret"]:
-            reason = "no CUDA device (on CPU the kernels run only in Triton's interpreter, TRITON_INTERPRET=1)"
-        if reason is None and dtype not in FUSED_DTYPES:
-            reason = f"unsupported dtype {dtype}"
+    try:
+        triton_kernels()
+    except ImportError:
+        reason = "Triton is not installed (pip install triton)"
+    except Exception as e:  # e.g. no source to read (code exec'd from a string without it in linecache)
+        reason = f"Triton cannot build the kernels ({type(e).__name__}: {first_line(e)})"
+    _FUSED["interpret"] = reason is None and triton_interpreting()
+    if reason is None and device.type != "cuda" and not _FUSED["interpret"]:
+        reason = "no CUDA device (on CPU the kernels run only in Triton's interpreter, TRITON_INTERPRET=1)"
+    if reason is None and dtype not in FUSED_DTYPES:
+        reason = f"unsupported dtype {dtype}"
     where = "Triton interpreter on CPU, TRITON_INTERPRET=1" if device.type != "cuda" else "CUDA"
     lines = []
     for name, on in (("mlp", h.fused_mlp), ("ce", h.fused_ce)):

@@ -102,33 +102,23 @@ def test_the_edits_touch_the_setting_the_piece_and_its_switch_only():
 
 
 def import_copy(path, name, keep_ops=True):
-    """The script copy at `path` imported as module `name`. keep_ops: this process's custom ops (pgolf::*, registered
-    by train_gpt) stay as they are; registering the copy's would make its kernels and its _FUSED serve every later
-    test of this process. The copy's calls to them reach train_gpt's kernels, the same code (no example touches
-    them)."""
+    """The script copy at `path` imported as module `name`. keep_ops: this process's custom ops (pgolf::*, train_gpt's)
+    serve the copy: they are registered first, so the copy's select_fused_kernels finds them and registers none
+    (register_fused_ops); registering the copy's would make its kernels and its _FUSED serve every later test of this
+    process. The copy's calls to them reach train_gpt's kernels, the same code (no example touches them)."""
     if name in sys.modules:
         return sys.modules[name]
-    importlib.import_module("train_gpt")  # registers the ops first
-
-    class Kept:
-        def register_fake(self, fn):
-            return fn
-
-        def register_autograd(self, *args, **kwargs):
-            pass
-    custom_op = torch.library.custom_op
+    tg = importlib.import_module("train_gpt")
     if keep_ops:
-        torch.library.custom_op = lambda op, *a, **k: Kept() if op.startswith("pgolf::") else custom_op(op, *a, **k)
+        tg.register_fused_ops()
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
         spec.loader.exec_module(module)
     except BaseException:
         sys.modules.pop(name, None)
         raise
-    finally:
-        torch.library.custom_op = custom_op
     return module
 
 
