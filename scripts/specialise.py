@@ -399,8 +399,44 @@ class Analysis:
         self.attr_stores = stores
         self.attr_consts = {}  # (family root, attr) -> value
         self.families = self._class_families()
-        if "*" in stores:
-            return
+        self.cell_consts = {}
+        if "*" not in stores:
+            self._collect_attr_consts(stores)
+        self._collect_cell_consts(assigned, declared_global)
+
+    def _collect_cell_consts(self, assigned, declared_global):
+        """Module cells: `NAME = [literal]` assigned once, and NAME only ever read or stored as NAME[0], every store
+        of NAME[0] the same literal (e.g. _PREFLIGHT's None where the run has no rehearsal): NAME[0] is it."""
+        cells = {}
+        for name, nodes in assigned.items():
+            node = nodes[0]
+            if (len(nodes) == 1 and name not in declared_global and isinstance(node, ast.Assign)
+                    and len(node.targets) == 1 and isinstance(node.value, ast.List) and len(node.value.elts) == 1
+                    and isinstance(node.value.elts[0], ast.Constant) and is_literal(node.value.elts[0].value)):
+                cells[name] = (node.value.elts[0].value, node.targets[0])
+        stores = {name: [] for name in cells}
+        for node in self.all_nodes:
+            if not (isinstance(node, ast.Name) and node.id in cells) or node is cells[node.id][1]:
+                continue
+            sub = self.parents.get(node)
+            if not (isinstance(sub, ast.Subscript) and sub.value is node and isinstance(sub.slice, ast.Constant)
+                    and sub.slice.value == 0 and isinstance(node.ctx, ast.Load)):
+                stores[node.id] = None  # used otherwise: passed on, rebound, sliced
+            elif isinstance(sub.ctx, ast.Store) and stores[node.id] is not None:
+                stmt = self.parents.get(sub)
+                stores[node.id].append(stmt.value if isinstance(stmt, ast.Assign) and sub in stmt.targets else None)
+            elif not isinstance(sub.ctx, (ast.Load, ast.Store)):
+                stores[node.id] = None
+        for name, values in stores.items():
+            if values is None:
+                continue
+            first = cells[name][0]
+            got = [self.value(v) if v is not None else UNKNOWN for v in values]
+            if all(v is not UNKNOWN and v is not NOT_NONE and is_literal(v) and (type(v), v) == (type(first), first)
+                   for v in got):
+                self.cell_consts[name] = first
+
+    def _collect_attr_consts(self, stores):
         for attr, entries in stores.items():
             fams = {self.families.get(cls) for cls, _, _ in entries}
             if len(fams) != 1 or None in fams:
@@ -547,11 +583,15 @@ class Analysis:
         out = {}
         cache[fn] = out
         for stmt in fn.body:
-            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                    and counts.get(stmt.targets[0].id) == 1):
-                v = self.value(stmt.value)
-                if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
-                    out[stmt.targets[0].id] = v
+            for target in stmt.targets if isinstance(stmt, ast.Assign) else ():  # `a = b = v`, `a, b = v, w` too
+                pairs = [(target, stmt.value)] if isinstance(target, ast.Name) else \
+                    list(zip(target.elts, stmt.value.elts)) if isinstance(target, ast.Tuple) and \
+                    isinstance(stmt.value, ast.Tuple) and len(target.elts) == len(stmt.value.elts) else []
+                for name, value in pairs:
+                    if isinstance(name, ast.Name) and counts.get(name.id) == 1:
+                        v = self.value(value)
+                        if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
+                            out[name.id] = v
         return out
 
     def calls_of(self, name):
@@ -689,6 +729,14 @@ class Analysis:
                 if self._bound_in(fn, node.id):
                     return UNKNOWN
             return self.global_consts.get(node.id, UNKNOWN)
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and self._is_settings_base(node.value, node)
+                and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+            # h.a, rt.h.a: an attribute Hyperparameters always sets to the same literal (e.g. h.clock)
+            return self.attr_consts.get((self.families.get("Hyperparameters"), node.attr), UNKNOWN)
+        if (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
+                and node.value.id in self.cell_consts and isinstance(node.slice, ast.Constant) and node.slice.value == 0):
+            fn = self.fn_of.get(node)
+            return UNKNOWN if fn is not None and self._bound_in(fn, node.value.id) else self.cell_consts[node.value.id]
         if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
                 and node.value.id == "self"):
             cls = in_class or self.enclosing_class(node)
