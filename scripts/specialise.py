@@ -497,7 +497,50 @@ class Analysis:
                     attr = self.setting_of(stmt.value)
                     if attr is not None:
                         cache[fn][stmt.targets[0].id] = attr
+            cache[fn].update(self.param_aliases(fn))
         return cache[fn]
+
+    def call_arguments(self, fn):
+        """{parameter: [the node each call in the file gives it (its default where a call leaves it out; None: no
+        value)]} of module function `fn`, for the parameters it never rebinds; {} where its callers are not all known
+        (its name read other than as a call, *args or **kwargs anywhere)."""
+        memo = self.__dict__.setdefault("_arguments", {})
+        if fn in memo:
+            return memo[fn]
+        memo[fn] = {}
+        a = fn.args
+        calls = self.calls_of(fn.name) if self.functions.get(fn.name) is fn and not fn.decorator_list else None
+        if not calls or a.vararg or a.kwarg or a.posonlyargs or any(
+                isinstance(x, ast.Starred) for c in calls for x in c.args) or any(k.arg is None for c in calls
+                                                                                 for k in c.keywords):
+            return memo[fn]
+        counts = self._store_counts(fn)
+        positional = [x.arg for x in a.args]
+        defaults = dict(zip(positional[len(positional) - len(a.defaults):], a.defaults))
+        defaults.update((x.arg, d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None)
+        for name in positional + [x.arg for x in a.kwonlyargs]:
+            if counts.get(name) != 99:  # rebound in fn, or a name of a nested function too
+                continue
+            i = positional.index(name) if name in positional else None
+            nodes = []
+            for call in calls:
+                given = [k.value for k in call.keywords if k.arg == name]
+                nodes.append(call.args[i] if i is not None and i < len(call.args) else given[0] if given else
+                             defaults.get(name))
+            memo[fn][name] = nodes
+        return memo[fn]
+
+    def param_aliases(self, fn):
+        """Parameters of module function `fn` that every call gives the same foldable setting (compress(blob,
+        h.compressor)): a predicate on one is a predicate on that setting."""
+        if not isinstance(fn, ast.FunctionDef):
+            return {}
+        out = {}
+        for name, nodes in self.call_arguments(fn).items():
+            attrs = {self.setting_of(n) if n is not None else None for n in nodes}
+            if len(attrs) == 1 and None not in attrs:
+                out[name] = attrs.pop()
+        return out
 
     def _store_counts(self, fn):
         """{name: times bound} in fn and the functions nested in it (parameters, globals, nonlocals: 99)."""
@@ -594,6 +637,21 @@ class Analysis:
                             out[name.id] = v
         return out
 
+    def local_truths(self, fn):
+        """Locals of `fn` assigned once, at its top level, to an expression whose truth is known though its value is
+        not (`clip = h.grad_clip_norm > 0 and h.grad_clip_scope == "reduced"`): {name: truth}, for conditions only."""
+        cache = self.__dict__.setdefault("_truths", {})
+        if fn not in cache:
+            cache[fn] = {}
+            counts, consts = self._store_counts(fn), self.local_consts(fn)
+            for stmt in fn.body:
+                if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                        and counts.get(stmt.targets[0].id) == 1 and stmt.targets[0].id not in consts):
+                    v = self.value(stmt.value, cond=True)
+                    if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
+                        cache[fn][stmt.targets[0].id] = bool(v)
+        return cache[fn]
+
     def calls_of(self, name):
         """The calls of module function `name` in the file, or None where its name is read other than as a call's
         function (passed on, stored, decorated: its callers unknown)."""
@@ -617,33 +675,12 @@ class Analysis:
         if fn in memo:
             return memo[fn]
         memo[fn] = {}  # while it is worked out (a call inside a call's argument): nothing known
-        a = fn.args
-        calls = self.calls_of(fn.name) if self.functions.get(fn.name) is fn and not fn.decorator_list else None
-        if not calls or a.vararg or a.kwarg or a.posonlyargs or any(
-                isinstance(x, ast.Starred) for c in calls for x in c.args) or any(k.arg is None for c in calls
-                                                                                 for k in c.keywords):
-            return memo[fn]
-        counts = self._store_counts(fn)
-        positional = [x.arg for x in a.args]
-        defaults = dict(zip(positional[len(positional) - len(a.defaults):], a.defaults))
-        defaults.update((x.arg, d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None)
         out = {}
-        for name in positional + [x.arg for x in a.kwonlyargs]:
-            if counts.get(name) != 99:  # rebound in fn, or a name of a nested function too
-                continue
-            values = []
-            for call in calls:
-                i = positional.index(name) if name in positional else None
-                given = [k.value for k in call.keywords if k.arg == name]
-                node = call.args[i] if i is not None and i < len(call.args) else given[0] if given else \
-                    defaults.get(name)
-                v = self.value(node) if node is not None else UNKNOWN
-                if v is UNKNOWN or v is NOT_NONE or not is_literal(v):
-                    break
-                values.append(v)
-            else:
-                if len({(type(v), v) for v in values}) == 1:
-                    out[name] = values[0]
+        for name, nodes in self.call_arguments(fn).items():
+            values = [self.value(n) if n is not None else UNKNOWN for n in nodes]
+            if all(v is not UNKNOWN and v is not NOT_NONE and is_literal(v) for v in values) \
+                    and len({(type(v), v) for v in values}) == 1:
+                out[name] = values[0]
         memo[fn] = out
         return out
 
@@ -726,6 +763,8 @@ class Analysis:
                 params = self.param_consts(fn) if isinstance(fn, ast.FunctionDef) else {}
                 if node.id in params:
                     return params[node.id]
+                if cond and node.id in self.local_truths(fn):
+                    return self.local_truths(fn)[node.id]
                 if self._bound_in(fn, node.id):
                     return UNKNOWN
             return self.global_consts.get(node.id, UNKNOWN)
