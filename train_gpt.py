@@ -3420,11 +3420,12 @@ def available_memory(device):
 
 
 def size_culprit(h, need):
-    """'NAME=value' of the size setting whose return to its default shrinks `need(h)` the most."""
+    """'NAME=value' of the size setting whose return to its default shrinks `need(h)` the most (in a specialised file,
+    of those it leaves open: it would refuse another value of a fixed one, and folded code reads the run's)."""
     default, best = Hyperparameters({}), (1.0, "the model's sizes")
     for name in SIZE_SETTINGS:
         attr = name.lower()
-        if getattr(h, attr) != getattr(default, attr):
+        if getattr(h, attr) != getattr(default, attr) and name not in SPECIALISED.get("values", {}):
             alt = copy.copy(h)
             setattr(alt, attr, getattr(default, attr))
             best = max(best, (need(h) / max(need(alt), 1), f"{name}={h.effective[name][0]}"))
