@@ -23,7 +23,10 @@ What is removed comes from an analysis of the source, repeated until nothing cha
   that every call in the file gives the same literal (its default where a call leaves it out; none when the
   function's name is read other than as a call) and that it never rebinds, a module global assigned once to
   one, and an attribute `self.a` that every assignment in the file (one class family, all through `self`) sets to
-  the same literal (or to None, or always to a new object: `is None` is known) are replaced by it.
+  the same literal (or to None, or always to a new object: `is None` is known; none of a family that a setattr with
+  a computed name may write) are replaced by it; so are a module cell `NAME = [literal]` used only as NAME[0] with
+  every store that literal, a parameter that every call gives the same read of a setting (it is that setting), and,
+  in conditions, a local whose truth is known though its value is not.
 - Statements. An `if`/`elif`/`while` whose test is known keeps only the branch taken (dedented); statements after a
   `return`/`raise`/`continue`/`break` in the same block go; a local that nothing reads any more and that was set to
   a literal goes.
@@ -376,7 +379,8 @@ class Analysis:
                     and isinstance(node.value, ast.Constant) and is_literal(node.value.value)):
                 self.global_consts[name] = node.value.value
         # attributes: every store of `.a` in the file
-        stores = {}
+        self.families = self._class_families()
+        stores, blocked = {}, set()  # blocked: families a computed-name setattr may write ("*": any)
         for node in self.all_nodes:
             if isinstance(node, ast.Assign):
                 for t in node.targets:
@@ -387,8 +391,11 @@ class Analysis:
                     if isinstance(t, ast.Attribute) and isinstance(t.ctx, (ast.Store, ast.Del)):
                         stores.setdefault(t.attr, []).append((None, None, UNKNOWN))
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
-                name = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else "*"
-                stores.setdefault(name, []).append((None, None, UNKNOWN))
+                if len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+                    stores.setdefault(node.args[1].value, []).append((None, None, UNKNOWN))
+                else:  # a computed name: any attribute of the object's class family, of every family if not known
+                    blocked.add(self.families.get("Hyperparameters") if len(node.args) > 1
+                                and self._settings_object(node.args[0], node) else "*")
             elif isinstance(node, ast.ClassDef):
                 for stmt in node.body:
                     targets = stmt.targets if isinstance(stmt, ast.Assign) else \
@@ -398,11 +405,27 @@ class Analysis:
                             stores.setdefault(t.id, []).append((node.name, None, UNKNOWN))
         self.attr_stores = stores
         self.attr_consts = {}  # (family root, attr) -> value
-        self.families = self._class_families()
         self.cell_consts = {}
-        if "*" not in stores:
-            self._collect_attr_consts(stores)
+        if "*" not in blocked:
+            self._collect_attr_consts(stores, blocked)
         self._collect_cell_consts(assigned, declared_global)
+
+    def _settings_object(self, node, at):
+        """Whether `node` is a settings object: h, rt.h, self in Hyperparameters, or a local of its function assigned
+        once from copy.copy of one (size_culprit's alternative settings)."""
+        if self._is_settings_base(node, at):
+            return True
+        fn = self.fn_of.get(at)
+        if not (isinstance(node, ast.Name) and fn is not None and self._store_counts(fn).get(node.id) == 1):
+            return False
+        for stmt in ast.walk(fn):
+            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                    and stmt.targets[0].id == node.id):
+                v = stmt.value
+                return (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "copy"
+                        and isinstance(v.func.value, ast.Name) and v.func.value.id == "copy" and len(v.args) == 1
+                        and self._is_settings_base(v.args[0], stmt))
+        return False
 
     def _collect_cell_consts(self, assigned, declared_global):
         """Module cells: `NAME = [literal]` assigned once, and NAME only ever read or stored as NAME[0], every store
@@ -436,10 +459,12 @@ class Analysis:
                    for v in got):
                 self.cell_consts[name] = first
 
-    def _collect_attr_consts(self, stores):
+    def _collect_attr_consts(self, stores, blocked):
+        """attr_consts: an attribute every store in the file (one class family, all through `self`) sets alike; none
+        for a family some computed-name setattr may write (`blocked`)."""
         for attr, entries in stores.items():
             fams = {self.families.get(cls) for cls, _, _ in entries}
-            if len(fams) != 1 or None in fams:
+            if len(fams) != 1 or None in fams or fams & blocked:
                 continue
             values = []
             for cls, value_node, hint in entries:
