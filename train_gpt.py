@@ -622,9 +622,7 @@ class Hyperparameters:
                 v = self._parse(name, raw, type(ran))
             for op, lit, want in SPECIALISED["conditions"].get(name, [("==", ran, True)]):
                 if ops[op](v, lit) != want:
-                    if op == "truth" and isinstance(ran, bool):
-                        rule = f"{name}={int(want)}"
-                    elif op == "==" and want:
+                    if op == "==" and want:  # a setting folded outright (a bool, a mode): its run's value
                         rule = f"{name}={self._text(lit)}"
                     else:
                         test = ("set" if want else "unset") if op == "truth" else \

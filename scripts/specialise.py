@@ -510,18 +510,31 @@ class Analysis:
                     parent[root(name)] = root(b.id)
         return {name: root(name) for name in self.classes}
 
+    def assigned_once(self, fn, plain=False):
+        """(name, value) of the locals of `fn` bound once, by an assignment at its top level: `a = v`, and unless
+        `plain`, `a = b = v` and `a, b = v, w` (a tuple of as many values)."""
+        cache = self.__dict__.setdefault("_once", {})
+        if fn not in cache:
+            counts, cache[fn] = self._store_counts(fn), []
+            for stmt in fn.body:
+                for target in stmt.targets if isinstance(stmt, ast.Assign) else ():
+                    pairs = [(target, stmt.value)] if isinstance(target, ast.Name) else \
+                        list(zip(target.elts, stmt.value.elts)) if isinstance(target, ast.Tuple) and \
+                        isinstance(stmt.value, ast.Tuple) and len(target.elts) == len(stmt.value.elts) else []
+                    cache[fn] += [(t.id, v, len(stmt.targets) == 1 and t is target) for t, v in pairs
+                                  if isinstance(t, ast.Name) and counts.get(t.id) == 1]
+        return [(name, value) for name, value, single in cache[fn] if single or not plain]
+
     def local_aliases(self, fn):
-        """Locals of `fn` assigned once, at its top level, from a foldable setting (e.g. `text = h.train_clock`)."""
+        """Locals of `fn` assigned once, at its top level, from a foldable setting (e.g. `text = h.train_clock`), and
+        its parameters that every call gives one (param_aliases)."""
         cache = self.__dict__.setdefault("_aliases", {})
         if fn not in cache:
             cache[fn] = {}
-            counts = self._store_counts(fn)
-            for stmt in fn.body:
-                if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                        and counts.get(stmt.targets[0].id) == 1 and isinstance(stmt.value, ast.Attribute)):
-                    attr = self.setting_of(stmt.value)
-                    if attr is not None:
-                        cache[fn][stmt.targets[0].id] = attr
+            for name, value in self.assigned_once(fn, plain=True):
+                attr = self.setting_of(value) if isinstance(value, ast.Attribute) else None
+                if attr is not None:
+                    cache[fn][name] = attr
             cache[fn].update(self.param_aliases(fn))
         return cache[fn]
 
@@ -647,19 +660,12 @@ class Analysis:
             cache = self._locals = {}
         if fn in cache:
             return cache[fn]
-        counts = self._store_counts(fn)
         out = {}
         cache[fn] = out
-        for stmt in fn.body:
-            for target in stmt.targets if isinstance(stmt, ast.Assign) else ():  # `a = b = v`, `a, b = v, w` too
-                pairs = [(target, stmt.value)] if isinstance(target, ast.Name) else \
-                    list(zip(target.elts, stmt.value.elts)) if isinstance(target, ast.Tuple) and \
-                    isinstance(stmt.value, ast.Tuple) and len(target.elts) == len(stmt.value.elts) else []
-                for name, value in pairs:
-                    if isinstance(name, ast.Name) and counts.get(name.id) == 1:
-                        v = self.value(value)
-                        if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
-                            out[name.id] = v
+        for name, value in self.assigned_once(fn):
+            v = self.value(value)
+            if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
+                out[name] = v
         return out
 
     def local_truths(self, fn):
@@ -668,13 +674,11 @@ class Analysis:
         cache = self.__dict__.setdefault("_truths", {})
         if fn not in cache:
             cache[fn] = {}
-            counts, consts = self._store_counts(fn), self.local_consts(fn)
-            for stmt in fn.body:
-                if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                        and counts.get(stmt.targets[0].id) == 1 and stmt.targets[0].id not in consts):
-                    v = self.value(stmt.value, cond=True)
-                    if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
-                        cache[fn][stmt.targets[0].id] = bool(v)
+            consts = self.local_consts(fn)
+            for name, value in self.assigned_once(fn, plain=True):
+                v = self.value(value, cond=True) if name not in consts else UNKNOWN
+                if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
+                    cache[fn][name] = bool(v)
         return cache[fn]
 
     def calls_of(self, name):
@@ -788,8 +792,9 @@ class Analysis:
                 params = self.param_consts(fn) if isinstance(fn, ast.FunctionDef) else {}
                 if node.id in params:
                     return params[node.id]
-                if cond and node.id in self.local_truths(fn):
-                    return self.local_truths(fn)[node.id]
+                truths = self.local_truths(fn) if cond else {}
+                if node.id in truths:
+                    return truths[node.id]
                 if self._bound_in(fn, node.id):
                     return UNKNOWN
             return self.global_consts.get(node.id, UNKNOWN)
@@ -1401,28 +1406,18 @@ def drop_unread_fixed(src: Source, table, values):
     """The reads (`self.X = self._env(...)`) of fixed settings ({NAME: the run's value}) that no code reads any more
     go: the specialised file checks them in the environment instead, parsed as their run's value's type
     (Hyperparameters._check_specialised); so only those whose value is of their kind (bool, int, str). Returns the
-    new source and {NAME: kind} of those gone."""
+    new source."""
     hp = next((n for n in src.tree.body if isinstance(n, ast.ClassDef) and n.name == "Hyperparameters"), None)
     init = next(f for f in hp.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
     kinds = {"bool": bool, "int": int, "str": str}
-    by_attr = {attr: (name, kind) for attr, (name, kind) in table.items() if name in values and name != "PRESET"
-               and kind in kinds and type(values[name]) is kinds[kind]}
-    reads = {}
-    for node in src.nodes:
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in by_attr:
-            reads[node.attr] = reads.get(node.attr, 0) + 1
-    gone, unread = [], {}
-    for stmt in init.body:
-        if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Attribute)
-                and stmt.targets[0].attr in by_attr and not reads.get(stmt.targets[0].attr)
-                and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute)
-                and stmt.value.func.attr == "_env"):
-            gone.append(stmt)
-            unread[by_attr[stmt.targets[0].attr][0]] = by_attr[stmt.targets[0].attr][1]
-    if not gone:
-        return src, {}
-    text, _ = apply_edits(src.text, removal_edits(src, gone))
-    return Source(text), dict(sorted(unread.items()))
+    fixed = {attr for attr, (name, kind) in table.items() if name in values and name != "PRESET"
+             and kind in kinds and type(values[name]) is kinds[kind]}
+    read = {node.attr for node in src.nodes if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)}
+    gone = [stmt for stmt in init.body
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Attribute)
+            and stmt.targets[0].attr in fixed - read and isinstance(stmt.value, ast.Call)
+            and isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr == "_env"]
+    return Source(apply_edits(src.text, removal_edits(src, gone))[0]) if gone else src
 
 
 def removal_edits(src: Source, stmts):
@@ -1592,10 +1587,11 @@ def _specialise(text, run, path, max_rounds, sha):
              for name, c in sorted(conditions.items())}
     by_name = {name: attr for attr, (name, _) in table.items()}
     fixed = {k: getattr(h, by_name[k]) for k in conds}
-    src, _ = drop_unread_fixed(src, table, fixed)
+    src = drop_unread_fixed(src, table, fixed)
     # a setting folded to its value outright (a bool, or one recorded equal to a literal: every read became it) is
     # checked for that value alone; the others' conditions are recorded
-    outright = {k for k, c in conds.items() if table[by_name[k]][1] == "bool" or any(op == "==" and res for op, _, res in c)}
+    outright = {k for k, c in conds.items()
+                if table[by_name[k]][1] == "bool" or any(op == "==" and res for op, _, res in c)}
     record = repr({"source_sha256": sha, "run": run, "values": fixed,
                    "conditions": {k: c for k, c in conds.items() if k not in outright}})
     read = {n.args[0].value for n in ast.walk(src.tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
