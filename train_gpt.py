@@ -559,8 +559,11 @@ class Hyperparameters:
         prefix = self._env("PHASED_TTT_PREFIX_DOCS", "0", str)
         self.phased_ttt_prefix_docs_max = self._env("PHASED_TTT_PREFIX_DOCS_MAX", 0)
         self.phased_ttt_prefix_auto = prefix == "auto"
-        self.phased_ttt_prefix_docs = (self.phased_ttt_prefix_docs_max or 2 ** 62 if self.phased_ttt_prefix_auto else
-                                       self._parse("PHASED_TTT_PREFIX_DOCS", prefix, int))
+        try:  # a count, checked in _validate: a specialised file's _check_specialised first refuses a changed "auto"
+            count = int(prefix)
+        except ValueError:
+            count = -1
+        self.phased_ttt_prefix_docs = self.phased_ttt_prefix_docs_max or 2 ** 62 if self.phased_ttt_prefix_auto else count
         self.phased_ttt_num_phases = self._env("PHASED_TTT_NUM_PHASES", 1)
         # ---- document LoRA TTT, the 04-30 record's additions (issue 20; SPEC-FRONTIER 19, #2014)
         self.ttt_local_lr_mult = self._env("TTT_LOCAL_LR_MULT", 1.0, float)
@@ -613,8 +616,8 @@ class Hyperparameters:
         inverse = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "==", "in": "not in",
                    "not in": "in", "is": "is not", "is not": "is"}
         for name, ran in SPECIALISED.get("values", {}).items():  # ran: the value of the run the file was made for
-            if name in self.effective:
-                v = getattr(self, self._attr(name))
+            if name in self.effective:  # the value read (a setting read into a local has no attribute of its own)
+                v = self.effective[name][0]
             else:  # no code reads it any more: only the environment can give another value
                 raw = self._environ.get(name, "").strip()
                 if raw == "":
@@ -953,8 +956,8 @@ class Hyperparameters:
              f"EVAL_STRIDE={self.eval_stride} must be <= EVAL_SEQ_LEN={self.eval_seq_len}")
         need(self.phased_ttt_prefix_docs_max >= 0, f"PHASED_TTT_PREFIX_DOCS_MAX={self.phased_ttt_prefix_docs_max} must "
              "be >= 0 (0: every val document)")
-        need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.phased_ttt_prefix_docs} must be >= 0 "
-             "or auto")
+        need(self.phased_ttt_prefix_docs >= 0, f"PHASED_TTT_PREFIX_DOCS={self.effective['PHASED_TTT_PREFIX_DOCS'][0]} "
+             "must be a number of documents >= 0, or auto")
         if self.phased_ttt_prefix_auto:
             need(self.ttt_mode == "lora", f"PHASED_TTT_PREFIX_DOCS=auto plans the global SGD phases of TTT_MODE=lora, "
                  f"not TTT_MODE={self.ttt_mode}")
@@ -3422,10 +3425,12 @@ def size_culprit(h, need):
     of those it leaves open: it would refuse another value of a fixed one, and folded code reads the run's)."""
     default, best = Hyperparameters({}), (1.0, "the model's sizes")
     for name in SIZE_SETTINGS:
-        attr = name.lower()
-        if getattr(h, attr) != getattr(default, attr) and name not in SPECIALISED.get("values", {}):
-            alt = copy.copy(h)
-            setattr(alt, attr, getattr(default, attr))
+        value = getattr(default, name.lower())
+        if getattr(h, name.lower()) != value and name not in SPECIALISED.get("values", {}):
+            try:  # the run's settings with this one at its default (a new object: h is never changed)
+                alt = Hyperparameters({**h._environ, name: str(value)})
+            except ConfigError:  # a combination no run could have (another size no longer divides it)
+                continue
             best = max(best, (need(h) / max(need(alt), 1), f"{name}={h.effective[name][0]}"))
     return best[1]
 

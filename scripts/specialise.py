@@ -270,19 +270,26 @@ class Analysis:
         dynamic = self._setattr_on_settings()
         self.foldable = {}  # attr -> (NAME, kind): settings whose predicates fold
         for attr, (name, kind) in table.items():
-            if name in machine or kind in ("float", "list", "local") or attr in stores_out or dynamic:
+            if name in machine or kind in ("float", "list") or attr in stores_out or dynamic:
                 continue
             self.foldable[attr] = (name, kind)
         # a setting known outright: a bool, or one the run has recorded equal to a literal
         self.known_settings = {}
         for attr, (name, kind) in self.foldable.items():
-            value = getattr(h, attr)
+            value = self.run_value(attr)
             if kind == "bool" or any(op == "==" and res for (op, _), res in conditions.get(name, {}).items()):
                 if is_literal(value):
                     self.known_settings[attr] = value
         self._collect_constants(tree)
 
     # -- helpers
+
+    def run_value(self, attr):
+        """The run's value of foldable setting `attr`: its attribute's, or for a setting read into a local (`<NAME>`,
+        kind local) the value read, as Hyperparameters.effective records it (what _check_specialised compares)."""
+        if self.foldable[attr][1] == "local":
+            return self.h.effective[self.foldable[attr][0]][0]
+        return getattr(self.h, attr)
 
     @staticmethod
     def _store_targets(node):
@@ -526,17 +533,28 @@ class Analysis:
         return [(name, value) for name, value, single in cache[fn] if single or not plain]
 
     def local_aliases(self, fn):
-        """Locals of `fn` assigned once, at its top level, from a foldable setting (e.g. `text = h.train_clock`), and
-        its parameters that every call gives one (param_aliases)."""
+        """Locals of `fn` assigned once, at its top level, from a foldable setting (e.g. `text = h.train_clock`, or in
+        Hyperparameters `prefix = self._env("PHASED_TTT_PREFIX_DOCS", ...)`: the setting `<NAME>`), and its parameters
+        that every call gives one (param_aliases)."""
         cache = self.__dict__.setdefault("_aliases", {})
         if fn not in cache:
             cache[fn] = {}
             for name, value in self.assigned_once(fn, plain=True):
-                attr = self.setting_of(value) if isinstance(value, ast.Attribute) else None
+                attr = self.setting_of(value) if isinstance(value, ast.Attribute) else self._env_read(value)
                 if attr is not None:
                     cache[fn][name] = attr
             cache[fn].update(self.param_aliases(fn))
         return cache[fn]
+
+    def _env_read(self, value):
+        """`<NAME>` when `value` is `self._env("NAME", ...)` in a Hyperparameters method and NAME a foldable setting
+        read into a local, else None."""
+        if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "_env"
+                and isinstance(value.func.value, ast.Name) and value.func.value.id == "self" and value.args
+                and isinstance(value.args[0], ast.Constant) and self.enclosing_class(value) == "Hyperparameters"):
+            attr = f"<{value.args[0].value}>"
+            return attr if attr in self.foldable else None
+        return None
 
     def call_arguments(self, fn):
         """{parameter: [the node each call in the file gives it (its default where a call leaves it out; None: no
@@ -742,7 +760,7 @@ class Analysis:
 
     def record(self, attr, op, lit):
         name = self.foldable[attr][0]
-        result = bool(EVALUATE[op](getattr(self.h, attr), lit))
+        result = bool(EVALUATE[op](self.run_value(attr), lit))
         self.conditions.setdefault(name, {})[(op, lit)] = result
         return result
 
@@ -1586,7 +1604,7 @@ def _specialise(text, run, path, max_rounds, sha):
     conds = {name: sorted(((op, lit, res) for (op, lit), res in c.items()), key=repr)
              for name, c in sorted(conditions.items())}
     by_name = {name: attr for attr, (name, _) in table.items()}
-    fixed = {k: getattr(h, by_name[k]) for k in conds}
+    fixed = {k: h.effective[k][0] for k in conds}  # the value each read saw (Hyperparameters._check_specialised)
     src = drop_unread_fixed(src, table, fixed)
     # a setting folded to its value outright (a bool, or one recorded equal to a literal: every read became it) is
     # checked for that value alone; the others' conditions are recorded

@@ -327,4 +327,4 @@ def test_a_negative_prefix_cap_is_named_as_the_cap():
     """PHASED_TTT_PREFIX_DOCS=auto takes its prefix from the cap, so a negative cap named the prefix (issue 62)."""
     line = config_error({"PHASED_TTT_PREFIX_DOCS": "auto", "PHASED_TTT_PREFIX_DOCS_MAX": "-1"})
     assert line == "PHASED_TTT_PREFIX_DOCS_MAX=-1 must be >= 0 (0: every val document)", line
-    assert config_error({"PHASED_TTT_PREFIX_DOCS": "-3"}) == "PHASED_TTT_PREFIX_DOCS=-3 must be >= 0 or auto"
+    assert config_error({"PHASED_TTT_PREFIX_DOCS": "-3"}) == "PHASED_TTT_PREFIX_DOCS=-3 must be a number of documents >= 0, or auto"

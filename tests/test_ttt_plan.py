@@ -128,7 +128,7 @@ def test_a_generous_budget_gives_the_cap_and_one_below_the_steps_gives_zero_with
      "number (a stop line names the prefix its run chose)"),
     ({"PHASED_TTT_PREFIX_DOCS_MAX": "-1"}, "PHASED_TTT_PREFIX_DOCS_MAX=-1 must be >= 0 (0: every val document)"),
     ({"PHASED_TTT_PREFIX_DOCS_MAX": "many"}, "PHASED_TTT_PREFIX_DOCS_MAX='many' is not a valid int"),
-    ({"PHASED_TTT_PREFIX_DOCS": "Auto"}, "PHASED_TTT_PREFIX_DOCS='Auto' is not a valid int"),
+    ({"PHASED_TTT_PREFIX_DOCS": "Auto"}, "PHASED_TTT_PREFIX_DOCS=Auto must be a number of documents >= 0, or auto"),
 ])
 def test_bad_plan_settings_are_one_line_errors(environ, message):
     assert config_error(environ) == message
