@@ -353,11 +353,17 @@ class Analysis:
         return isinstance(base, ast.Name) and base.id == "self" and self.enclosing_class(at) == "Hyperparameters"
 
     def setting_of(self, node):
-        """The foldable setting attribute `node` reads (h.X, rt.h.X, self.h.X, self.X in Hyperparameters, or a local
-        assigned once from one of those at its function's top level), or None."""
+        """The foldable setting attribute `node` reads (h.X, rt.h.X, self.h.X, self.X in Hyperparameters, a local
+        assigned once from one of those at its function's top level, or `self.a` where every store of `.a` in the
+        file copies one: attr_aliases), or None."""
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             fn = self.fn_of.get(node)
             return self.local_aliases(fn).get(node.id) if fn is not None else None
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
+                and node.value.id == "self" and self.attr_aliases):
+            alias = self.attr_aliases.get((self.families.get(self.enclosing_class(node)), node.attr))
+            if alias is not None:
+                return alias
         if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in self.foldable
                 and self._is_settings_base(node.value, node)):
             if node in self.init_nodes and node.attr in self.multi_init:
@@ -368,7 +374,7 @@ class Analysis:
     # -- constants: locals, globals, attributes
 
     def _collect_constants(self, tree):
-        self.global_consts = {}
+        self.global_consts, self.attr_aliases = {}, {}
         declared_global = {n for node in self.all_nodes if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
         assigned = {}
         for node in tree.body:
@@ -416,6 +422,8 @@ class Analysis:
         if "*" not in blocked:
             self._collect_attr_consts(stores, blocked)
         self._collect_cell_consts(assigned, declared_global)
+        for memo in ("_memo", "_params", "_aliases"):  # worked out before the tables were complete: UNKNOWN too often
+            self.__dict__.pop(memo, None)
 
     def _settings_object(self, node, at):
         """Whether `node` is a settings object: h, rt.h, self in Hyperparameters, or a local of its function assigned
@@ -468,10 +476,15 @@ class Analysis:
 
     def _collect_attr_consts(self, stores, blocked):
         """attr_consts: an attribute every store in the file (one class family, all through `self`) sets alike; none
-        for a family some computed-name setattr may write (`blocked`)."""
+        for a family some computed-name setattr may write (`blocked`). attr_aliases: one stored once, from a foldable
+        setting."""
         for attr, entries in stores.items():
             fams = {self.families.get(cls) for cls, _, _ in entries}
             if len(fams) != 1 or None in fams or fams & blocked:
+                continue
+            setting = self.setting_of(entries[0][1]) if len(entries) == 1 and entries[0][1] is not None else None
+            if setting is not None:  # `self.stop_at = h.eval_ttt_stop_at`, its one store: a read of it is the setting's
+                self.attr_aliases[(fams.pop(), attr)] = setting
                 continue
             values = []
             for cls, value_node, hint in entries:
@@ -558,14 +571,18 @@ class Analysis:
 
     def call_arguments(self, fn):
         """{parameter: [the node each call in the file gives it (its default where a call leaves it out; None: no
-        value)]} of module function `fn`, for the parameters it never rebinds; {} where its callers are not all known
+        value)]} of module function `fn` (or a class's __init__: its constructions), for the parameters it never rebinds; {} where its callers are not all known
         (its name read other than as a call, *args or **kwargs anywhere)."""
         memo = self.__dict__.setdefault("_arguments", {})
         if fn in memo:
             return memo[fn]
         memo[fn] = {}
-        a = fn.args
+        a, skip = fn.args, 0
         calls = self.calls_of(fn.name) if self.functions.get(fn.name) is fn and not fn.decorator_list else None
+        cls = self.parents.get(fn)
+        if (fn.name == "__init__" and not fn.decorator_list and isinstance(cls, ast.ClassDef)
+                and self.classes.get(cls.name) is cls and self._constructed_by_name(cls)):
+            calls, skip = self.calls_of(cls.name), 1  # its constructions bind its parameters after self
         if not calls or a.vararg or a.kwarg or a.posonlyargs or any(
                 isinstance(x, ast.Starred) for c in calls for x in c.args) or any(k.arg is None for c in calls
                                                                                  for k in c.keywords):
@@ -573,6 +590,7 @@ class Analysis:
         counts = self._store_counts(fn)
         positional = [x.arg for x in a.args]
         defaults = dict(zip(positional[len(positional) - len(a.defaults):], a.defaults))
+        positional = positional[skip:]
         defaults.update((x.arg, d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None)
         for name in positional + [x.arg for x in a.kwonlyargs]:
             if counts.get(name) != 99:  # rebound in fn, or a name of a nested function too
@@ -586,8 +604,17 @@ class Analysis:
             memo[fn][name] = nodes
         return memo[fn]
 
+    def _constructed_by_name(self, cls):
+        """Whether every construction of class `cls` is a call of its name: no class of the file derives from it (a
+        subclass's constructor reaches its __init__ through super()) and it never constructs itself otherwise
+        (cls(...), type(self)(...), self.__class__)."""
+        if any(isinstance(b, ast.Name) and b.id == cls.name for c in self.classes.values() for b in c.bases):
+            return False
+        return not any(isinstance(n, ast.Name) and n.id in ("cls", "type", "__class__") or
+                       isinstance(n, ast.Attribute) and n.attr == "__class__" for n in ast.walk(cls))
+
     def param_aliases(self, fn):
-        """Parameters of module function `fn` that every call gives the same foldable setting (compress(blob,
+        """Parameters of `fn` (call_arguments) that every call gives the same foldable setting (compress(blob,
         h.compressor)): a predicate on one is a predicate on that setting."""
         if not isinstance(fn, ast.FunctionDef):
             return {}
@@ -700,13 +727,13 @@ class Analysis:
         return cache[fn]
 
     def calls_of(self, name):
-        """The calls of module function `name` in the file, or None where its name is read other than as a call's
-        function (passed on, stored, decorated: its callers unknown)."""
+        """The calls of module function or class `name` in the file, or None where its name is read other than as a
+        call's function (passed on, stored, decorated, a base class: its callers unknown)."""
         calls = self.__dict__.setdefault("_calls", None)
         if calls is None:
             calls = self._calls = {}
             for node in self.all_nodes:
-                if isinstance(node, ast.Name) and node.id in self.functions:
+                if isinstance(node, ast.Name) and (node.id in self.functions or node.id in self.classes):
                     parent = self.parents.get(node)
                     if isinstance(node.ctx, ast.Load) and isinstance(parent, ast.Call) and parent.func is node \
                             and calls.get(node.id, []) is not None:
@@ -716,7 +743,7 @@ class Analysis:
         return calls.get(name)
 
     def param_consts(self, fn):
-        """Parameters of module function `fn` that every call in the file gives the same literal (its default where a
+        """Parameters of `fn` (call_arguments) that every call in the file gives the same literal (its default where a
         call leaves it out) and that `fn` never rebinds: {name: literal}."""
         memo = self.__dict__.setdefault("_params", {})
         if fn in memo:
