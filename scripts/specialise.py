@@ -273,11 +273,14 @@ class Analysis:
             if name in machine or kind in ("float", "list") or attr in stores_out or dynamic:
                 continue
             self.foldable[attr] = (name, kind)
-        # a setting known outright: a bool, or one the run has recorded equal to a literal
+        # a setting known outright: a bool, one the run has recorded equal to a literal, or an int or str recorded
+        # false (0 or "": the only false values of its kind)
         self.known_settings = {}
         for attr, (name, kind) in self.foldable.items():
             value = self.run_value(attr)
-            if kind == "bool" or any(op == "==" and res for (op, _), res in conditions.get(name, {}).items()):
+            recorded = conditions.get(name, {})
+            if kind == "bool" or any(op == "==" and res for (op, _), res in recorded.items()) or (
+                    kind in ("int", "str") and recorded.get(("truth", None)) is False and type(value).__name__ == kind):
                 if is_literal(value):
                     self.known_settings[attr] = value
         self._collect_constants(tree)
