@@ -234,6 +234,13 @@ def literal_text(v):
     return repr(v)
 
 
+def run_value(h, attr, setting):
+    """The run's value of setting `attr` ((NAME, kind) in settings_table): its attribute's, or for a setting read into
+    a local (`<NAME>`, kind local) the value read, as Hyperparameters.effective records it (what
+    Hyperparameters._check_specialised compares; equal to the attribute for every other setting)."""
+    return h.effective[setting[0]][0] if setting[1] == "local" else getattr(h, attr)
+
+
 class Analysis:
     """One pass over a source: what is known, and the text edits that fold it."""
 
@@ -288,11 +295,7 @@ class Analysis:
     # -- helpers
 
     def run_value(self, attr):
-        """The run's value of foldable setting `attr`: its attribute's, or for a setting read into a local (`<NAME>`,
-        kind local) the value read, as Hyperparameters.effective records it (what _check_specialised compares)."""
-        if self.foldable[attr][1] == "local":
-            return self.h.effective[self.foldable[attr][0]][0]
-        return getattr(self.h, attr)
+        return run_value(self.h, attr, self.foldable[attr])
 
     @staticmethod
     def _store_targets(node):
@@ -1634,7 +1637,7 @@ def _specialise(text, run, path, max_rounds, sha):
     conds = {name: sorted(((op, lit, res) for (op, lit), res in c.items()), key=repr)
              for name, c in sorted(conditions.items())}
     by_name = {name: attr for attr, (name, _) in table.items()}
-    fixed = {k: h.effective[k][0] for k in conds}  # the value each read saw (Hyperparameters._check_specialised)
+    fixed = {k: run_value(h, by_name[k], table[by_name[k]]) for k in conds}
     src = drop_unread_fixed(src, table, fixed)
     # a setting folded to its value outright (a bool, or one recorded equal to a literal: every read became it) is
     # checked for that value alone; the others' conditions are recorded
