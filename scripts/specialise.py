@@ -423,6 +423,7 @@ class Analysis:
                         if isinstance(t, ast.Name):
                             stores.setdefault(t.id, []).append((node.name, None, UNKNOWN))
         self.attr_stores = stores
+        self.literal_properties = self._literal_properties(stores)
         self.attr_consts = {}  # (family root, attr) -> value
         self.cell_consts = {}
         if "*" not in blocked:
@@ -430,6 +431,30 @@ class Analysis:
         self._collect_cell_consts(assigned, declared_global)
         for memo in ("_memo", "_params", "_aliases"):  # worked out before the tables were complete: UNKNOWN too often
             self.__dict__.pop(memo, None)
+
+    def _literal_properties(self, stores):
+        """{name: value} of Hyperparameters' properties whose body (past its docstring) only returns a literal, or an
+        empty list ([]: false in a condition, unknown otherwise: a new list each read), e.g. seq_len_phases once
+        TRAIN_SEQ_LEN_SCHEDULE is known unset; none that any store in the file may shadow."""
+        hp, out = self.classes.get("Hyperparameters"), {}
+        for fn in hp.body if hp is not None else ():
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
+                else fn.body
+            if (len(body) == 1 and isinstance(body[0], ast.Return)
+                    and [ast.unparse(d) for d in fn.decorator_list] == ["property"] and fn.name not in stores):
+                ret = body[0].value
+                if isinstance(ret, ast.List) and not ret.elts:
+                    out[fn.name] = []
+                elif ret is not None and not isinstance(ret, (ast.List, ast.Dict, ast.Set)):
+                    try:
+                        value = ast.literal_eval(ret)
+                    except ValueError:
+                        continue
+                    if is_literal(value):
+                        out[fn.name] = value
+        return out
 
     def _settings_object(self, node, at):
         """Whether `node` is a settings object: h, rt.h, self in Hyperparameters, or a local of its function assigned
@@ -692,16 +717,14 @@ class Analysis:
         return UNKNOWN
 
     def local_call(self, node):
-        """The function name a local is assigned from once, at its function's top level (`plan = f(h)`)."""
+        """The function name a local is assigned from once, at its function's top level (`plan = f(h)`, or in a tuple
+        assignment: `plan, L = f(h), h.eval_seq_len`)."""
         fn = self.fn_of.get(node)
         if fn is None:
             return None
-        counts = self._store_counts(fn)
-        for stmt in fn.body:
-            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                    and stmt.targets[0].id == node.id and counts.get(node.id) == 1 and isinstance(stmt.value, ast.Call)
-                    and isinstance(stmt.value.func, ast.Name)):
-                return stmt.value.func.id
+        for name, value in self.assigned_once(fn):
+            if name == node.id and isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+                return value.func.id
         return None
 
     def local_consts(self, fn):
@@ -849,6 +872,10 @@ class Analysis:
                 if self._bound_in(fn, node.id):
                     return UNKNOWN
             return self.global_consts.get(node.id, UNKNOWN)
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and self._is_settings_base(node.value, node)
+                and node.attr in self.literal_properties):
+            return self.literal_properties[node.attr] if self.literal_properties[node.attr] != [] else \
+                (False if cond else NOT_NONE)
         if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and self._is_settings_base(node.value, node)
                 and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
             # h.a, rt.h.a: an attribute Hyperparameters always sets to the same literal (e.g. h.clock)
