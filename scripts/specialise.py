@@ -636,13 +636,40 @@ class Analysis:
         return memo[fn]
 
     def _constructed_by_name(self, cls):
-        """Whether every construction of class `cls` is a call of its name: no class of the file derives from it (a
-        subclass's constructor reaches its __init__ through super()) and it never constructs itself otherwise
-        (cls(...), type(self)(...), self.__class__)."""
-        if any(isinstance(b, ast.Name) and b.id == cls.name for c in self.classes.values() for b in c.bases):
+        """Whether every construction of class `cls` is a call of its name (calls_of: its name read otherwise, e.g. as
+        a subclass's base, whose construction reaches its __init__ through super(), leaves its callers unknown): it
+        never constructs itself otherwise (cls(...), type(self)(...), self.__class__) and no `type(x)(...)` in the
+        file may build it."""
+        if not self._typed_constructions_builtin():
             return False
         return not any(isinstance(n, ast.Name) and n.id in ("cls", "type", "__class__") or
                        isinstance(n, ast.Attribute) and n.attr == "__class__" for n in ast.walk(cls))
+
+    def _typed_constructions_builtin(self):
+        """Whether every `type(x)(...)` in the file constructs a builtin: it sits in `if isinstance(x, T)` with T
+        builtin names only (to_host's list or tuple); `x.__class__(...)` anywhere: no."""
+        memo = self.__dict__.setdefault("_typed", [])
+        if not memo:
+            ok = True
+            for node in self.all_nodes:
+                if not isinstance(node, ast.Call):
+                    continue
+                f = node.func
+                if isinstance(f, ast.Attribute) and f.attr == "__class__":
+                    ok = False
+                elif isinstance(f, ast.Call) and isinstance(f.func, ast.Name) and f.func.id == "type" and f.args:
+                    x, up = ast.unparse(f.args[0]), self.parents.get(node)
+                    while up is not None and not isinstance(up, ast.If):
+                        up = self.parents.get(up)
+                    test = up.test if up is not None else None
+                    kinds = test.args[1] if isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and \
+                        test.func.id == "isinstance" and len(test.args) == 2 and ast.unparse(test.args[0]) == x \
+                        else None
+                    names = kinds.elts if isinstance(kinds, ast.Tuple) else [kinds] if kinds is not None else []
+                    if not names or not all(isinstance(n, ast.Name) and n.id not in self.classes for n in names):
+                        ok = False
+            memo.append(ok)
+        return memo[0]
 
     def param_aliases(self, fn):
         """Parameters of `fn` (call_arguments) that every call gives the same foldable setting (compress(blob,

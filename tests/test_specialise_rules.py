@@ -1,0 +1,140 @@
+"""The specialiser's constant rules on a toy script (issue 60): each folds what the run fixes and nothing the file
+cannot know, and the toy's specialised file prints what the full toy prints. The whole train_gpt.py is checked by
+tests/test_specialise.py's runs; these say which rule does what, in milliseconds."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import specialise as sp  # noqa: E402
+
+TOY = '''import os
+
+MACHINE_SETTINGS = ("WORLD_SIZE",)
+SPECIALISED = {}
+PRESETS = {"base": {}}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Hyperparameters:
+    def __init__(self, environ=None):
+        self._environ, self._preset, self.effective = os.environ if environ is None else environ, {}, {}
+        self.preset = self._env("PRESET", "base", str)
+        self._preset = PRESETS[self.preset]
+        self.stop_at = self._env("STOP_AT", -1)
+        self.gate = self._env("GATE", "sparse", str)
+        self.schedule = self._env("SCHEDULE", "", str)
+        self.world_size = self._env("WORLD_SIZE", 1)
+        prefix = self._env("PREFIX", "0", str)
+        self.prefix_auto = prefix == "auto"
+
+    def _env(self, name, default, kind=int):
+        raw = self._environ.get(name, "") or self._preset.get(name, "")
+        value = default if raw == "" else kind(raw)
+        self.effective[name] = (value, "env")
+        return value
+
+    @property
+    def phases(self):
+        """SCHEDULE as a list."""
+        return [int(x) for x in self.schedule.split(",")] if self.schedule else []
+
+
+class Budget:
+    def __init__(self, h):
+        self.limit = h.stop_at
+
+    def go(self, steps):
+        if self.limit >= 0:
+            return steps < self.limit
+        return True
+
+
+class Gate:
+    def __init__(self, kind, width):
+        self.kind, self.width = kind, width
+
+    def apply(self, x):
+        if self.kind == "sparse":
+            return x * self.width
+        return x + 1
+
+
+def plan(h):
+    if h.prefix_auto:
+        return "planned"
+    return "fixed"
+
+
+def main():
+    h = Hyperparameters()
+    g = Gate(h.gate, h.world_size + 2)
+    print(Budget(h).go(1), g.apply(2), plan(h), h.phases if h.phases else "none")
+#EXTRA
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def specialised(text: str, run: dict[str, str]) -> sp.Specialised:
+    return sp.specialise(text, run, "toy.py")
+
+
+def output(text: str, tmp_path, env: dict[str, str]) -> str:
+    path = tmp_path / "toy.py"
+    path.write_text(text, encoding="utf-8")
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", **env})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_each_rule_folds_what_the_run_fixes_and_the_file_prints_the_same(tmp_path):
+    spec = specialised(TOY, {"PRESET": "base"})
+    text = spec.text
+    assert "steps < self.limit" not in text  # Budget's self.limit = h.stop_at reads as STOP_AT (-1)
+    assert "x + 1" not in text and "x * self.width" in text  # Gate's kind: every construction passes h.gate
+    assert "planned" not in text and "fixed" in text  # prefix = self._env("PREFIX", ...): a setting read into a local
+    assert "int(x) for x" not in text and "'none')" in text  # phases returns [] once SCHEDULE is known unset
+    assert ("==", "auto", False) in spec.conditions["PREFIX"] and ("truth", None, False) in spec.conditions["SCHEDULE"]
+    assert ("<", 0, True) in spec.conditions["STOP_AT"] or (">=", 0, False) in spec.conditions["STOP_AT"]
+    for env in ({}, {"WORLD_SIZE": "3", "STOP_AT": "-5"}):  # a machine setting and another negative stop: same code
+        assert output(text, tmp_path, env) == output(TOY, tmp_path, env)
+
+
+SUBCLASS = TOY.replace("\n\ndef plan(h):", "\n\nclass WideGate(Gate):\n    pass\n\n\ndef plan(h):").replace(
+    "#EXTRA", "    WideGate('dense', 1)")  # a subclass reaches Gate.__init__ through its own construction
+BY_TYPE = TOY.replace("#EXTRA", "    type(g)('dense', 1)")  # a construction that is no call of Gate's name
+
+
+@pytest.mark.parametrize("text", [SUBCLASS, BY_TYPE], ids=["subclass", "type_call"])
+def test_a_class_built_other_than_by_its_name_keeps_its_parameters(text):
+    """Gate's parameters fold only while every construction is a call of its name: a subclass, or a type(obj)(...)
+    call that may build it, keeps Gate.apply's other branch."""
+    assert "x + 1" in specialised(text, {"PRESET": "base"}).text
+    assert "x + 1" not in specialised(TOY, {"PRESET": "base"}).text
+
+
+def test_an_attribute_stored_twice_is_no_alias_of_its_setting():
+    """Budget's limit set from STOP_AT and, elsewhere, from the steps taken: a read of it is not the setting."""
+    text = TOY.replace("        return True\n\n\nclass Gate:", "        return True\n\n    def reset(self, n):\n"
+                       "        self.limit = n\n\n\nclass Gate:").replace("#EXTRA", "    Budget(h).reset(3)")
+    assert "steps < self.limit" in specialised(text, {"PRESET": "base"}).text
+
+
+def test_an_auto_prefix_is_planned(tmp_path):
+    """PREFIX=auto specialises to the planning branch and records it."""
+    spec = specialised(TOY, {"PRESET": "base", "PREFIX": "auto"})
+    assert "planned" in spec.text and "fixed" not in spec.text
+    assert ("==", "auto", True) in spec.conditions["PREFIX"]
+    assert output(spec.text, tmp_path, {"PREFIX": "auto"}) == output(TOY, tmp_path, {"PREFIX": "auto"})
