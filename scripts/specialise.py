@@ -14,10 +14,12 @@ What is removed comes from an analysis of the source, repeated until nothing cha
   open. A predicate is folded to the constant it has for the run, and the condition is recorded: the specialised
   file refuses at start any value for which a recorded condition changes (SPECIALISED, Hyperparameters), so a
   folded branch is never silently wrong (SPECIALISED records each fixed setting's value, and the conditions of those
-  not folded to it outright). A bool setting, or one tested equal to a literal, is known outright: its
-  every read becomes the literal. Predicates on an attribute that something other than Hyperparameters.__init__
-  assigns are not folded (its value at the test is not its value at start); in __init__ itself only those whose
-  attribute is assigned once.
+  not folded to it outright). A bool setting, one tested equal to a literal, or an int or str one whose truth is
+  recorded false (0, "") is known outright: its every read becomes the literal. Predicates on an attribute that
+  something other than Hyperparameters.__init__ assigns are not folded (its value at the test is not its value at
+  start); in __init__ itself only those whose attribute is assigned once. A setting read into a local first
+  (`prefix = self._env("PHASED_TTT_PREFIX_DOCS", ...)`) is the setting `<NAME>`: its predicates fold on the value
+  read (Hyperparameters.effective, what the file's check compares).
 - Constants. Conditions whose value is known fold (`not`, and/or, comparisons of literals, conditional
   expressions); a local assigned once at its function's top level to a literal, a parameter of a module function
   that every call in the file gives the same literal (its default where a call leaves it out; none when the
@@ -25,8 +27,12 @@ What is removed comes from an analysis of the source, repeated until nothing cha
   one, and an attribute `self.a` that every assignment in the file (one class family, all through `self`) sets to
   the same literal (or to None, or always to a new object: `is None` is known; none of a family that a setattr with
   a computed name may write) are replaced by it; so are a module cell `NAME = [literal]` used only as NAME[0] with
-  every store that literal, a parameter that every call gives the same read of a setting (it is that setting), and,
-  in conditions, a local whose truth is known though its value is not.
+  every store that literal, a parameter that every call gives the same read of a setting (it is that setting), an
+  attribute stored once, from a read of a setting (`self.stop_at = h.eval_ttt_stop_at`: it is that setting), a
+  Hyperparameters property that only returns a literal (or [], false in a condition), and, in conditions, a local
+  whose truth is known though its value is not. A class's __init__ parameters count as a module function's, its
+  constructions as the calls, while every construction is a call of its name (none through a subclass, cls(...),
+  type(self)(...), or a type(x)(...) anywhere that may build it).
 - Statements. An `if`/`elif`/`while` whose test is known keeps only the branch taken (dedented); statements after a
   `return`/`raise`/`continue`/`break` in the same block go; a local that nothing reads any more and that was set to
   a literal goes.
