@@ -240,6 +240,11 @@ def literal_text(v):
     return repr(v)
 
 
+def past_docstring(fn):
+    """A function's statements after its docstring (a leading constant expression), if any."""
+    return fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+
+
 def run_value(h, attr, setting):
     """The run's value of setting `attr` ((NAME, kind) in settings_table): its attribute's, or for a setting read into
     a local (`<NAME>`, kind local) the value read, as Hyperparameters.effective records it (what
@@ -446,8 +451,7 @@ class Analysis:
         for fn in hp.body if hp is not None else ():
             if not isinstance(fn, ast.FunctionDef):
                 continue
-            body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
-                else fn.body
+            body = past_docstring(fn)
             if (len(body) == 1 and isinstance(body[0], ast.Return)
                     and [ast.unparse(d) for d in fn.decorator_list] == ["property"] and fn.name not in stores):
                 ret = body[0].value
@@ -464,7 +468,7 @@ class Analysis:
 
     def _settings_object(self, node, at):
         """Whether `node` is a settings object: h, rt.h, self in Hyperparameters, or a local of its function assigned
-        once from copy.copy of one (size_culprit's alternative settings)."""
+        once from copy.copy of one (project_replay's real-run settings)."""
         if self._is_settings_base(node, at):
             return True
         fn = self.fn_of.get(at)
@@ -608,8 +612,9 @@ class Analysis:
 
     def call_arguments(self, fn):
         """{parameter: [the node each call in the file gives it (its default where a call leaves it out; None: no
-        value)]} of module function `fn` (or a class's __init__: its constructions), for the parameters it never rebinds; {} where its callers are not all known
-        (its name read other than as a call, *args or **kwargs anywhere)."""
+        value)]} of module function `fn` (or of a class's __init__: its constructions), for the parameters it never
+        rebinds; {} where its callers are not all known (its name read other than as a call, *args or **kwargs
+        anywhere)."""
         memo = self.__dict__.setdefault("_arguments", {})
         if fn in memo:
             return memo[fn]
@@ -743,7 +748,7 @@ class Analysis:
         fn = self.functions.get(name)
         if fn is None:
             return UNKNOWN
-        body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+        body = past_docstring(fn)
         if len(body) == 1 and isinstance(body[0], ast.Return):
             v = self.value(body[0].value) if body[0].value is not None else None
             return v if v is not NOT_NONE and (v is None or is_literal(v)) else UNKNOWN
@@ -1202,8 +1207,7 @@ class Folder:
         for body in scopes:
             for d in body:
                 if isinstance(d, ast.FunctionDef) and d.name == call.func.id:
-                    inner = d.body[1:] if isinstance(d.body[0], ast.Expr) and isinstance(d.body[0].value, ast.Constant) \
-                        else d.body
+                    inner = past_docstring(d)
                     return (len(inner) == 1 and isinstance(inner[0], ast.If) and not inner[0].orelse
                             and d.args.args and isinstance(inner[0].test, ast.UnaryOp)
                             and isinstance(inner[0].test.op, ast.Not) and isinstance(inner[0].test.operand, ast.Name)
