@@ -56,18 +56,18 @@ PREFLIGHT_CHANGES = ("ITERATIONS", "WARMDOWN_ITERS", "MAX_WALLCLOCK_SECONDS", "G
                      "CHECKPOINT_EVERY", "VAL_LOSS_EVERY", "EVAL_BUDGET_SECONDS")
 SIZE_CAP_BYTES = 16_000_000  # the competition's artifact cap: compressed model + code, decimal bytes
 TRACK_WORLD_SIZE = 8  # the track's ranks (8xH100): an evaluation on as many is held to the track's budget
-GET_DATA = ("build the offline sample: python3 data/build_sample_data.py && bash scripts/sample_run.sh; "
+GET_DATA = ("build the offline sample: python3 data/build_sample_data.py && bash scripts/run/sample_run.sh; "
             "or download FineWeb: python3 data/cached_challenge_fineweb.py --variant sp1024")
 
 
-# Settings that describe the machine, not the run: a specialised file (scripts/specialise.py) never fixes them
+# Settings that describe the machine, not the run: a specialised file (scripts/pack/specialise.py) never fixes them
 MACHINE_SETTINGS = ("DEVICE", "COMPILE", "COMPILE_BACKEND", "AUTOCAST_DTYPE", "ATTENTION_BACKEND", "RANK", "WORLD_SIZE",
                     "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
                     "DIST_TIMEOUT_SECONDS", "TRAIN_PREFETCH", "TRAIN_PREFETCH_QUEUE", "TRAIN_COPY_STREAM", "VAL_PREFETCH",
                     "VAL_COPY_STREAM", "VAL_BYTECOUNT_DEVICE", "MICRO_BATCH_SPLIT")
-# A specialised file (scripts/pack_code.py --for) records here the full script's sha256, the run it was made for, the
-# run's value of each setting it fixed and, for those it did not fold to that value outright, the conditions it folded
-# ((op, literal, result) by name); empty in the full script (docs/submitting.md)
+# A specialised file (scripts/pack/pack_code.py --for) records here the full script's sha256, the run it was made for,
+# the run's value of each setting it fixed and, for those it did not fold to that value outright, the conditions it
+# folded ((op, literal, result) by name); empty in the full script (docs/submitting.md)
 SPECIALISED = {}
 
 
@@ -1989,7 +1989,7 @@ def triton_interpreting():
 
 def triton_kernels():
     """The three kernels, jitted on first use. Raises ImportError without Triton, and Triton's error where it
-    cannot read their source (inspect.getsource: code exec'd from a string; the packed file of scripts/pack_code.py
+    cannot read their source (inspect.getsource: code exec'd from a string; the packed file of scripts/pack/pack_code.py
     registers its source in linecache, and keeps the `tl.constexpr` annotations, so it runs these kernels). The
     helper the kernels call, _bf16_rtne, is jitted too and its global name bound to the jitted form of the current
     mode (Triton refuses kernels that name plain functions)."""
@@ -5360,7 +5360,7 @@ def pergroup_layout(w):
 
 def pergroup_codec_compress(data):
     """COMPRESSOR=pergroup's back end for the group blobs: ZPAQ level 5 from PyPI's `zpaq` (libzpaq in-process),
-    one thread so the bytes do not depend on the machine. Chosen by scripts/bench_pergroup.py (docs/artifact.md,
+    one thread so the bytes do not depend on the machine. Chosen by scripts/bench/bench_pergroup.py (docs/artifact.md,
     "The 2026-04-27 artifact"): within 0.1% of the records' `lrzip -z -L 9` on the same groups, ~2% below brotli."""
     import zpaq
     return zpaq.compress(data, 5, threads=1) if data else b""
@@ -7276,7 +7276,7 @@ def run(rt):
     backend = select_attention_backend(rt.device, h.attention_backend)
     overrides = [name for name in PRESETS[h.preset] if h.effective[name][1] == "env"]
     rt.log(f"preset:{h.preset}" + (f" overridden_by_env:{','.join(overrides)}" if overrides else ""))
-    if SPECIALISED:  # scripts/pack_code.py --for: the code of one run (docs/submitting.md)
+    if SPECIALISED:  # scripts/pack/pack_code.py --for: the code of one run (docs/submitting.md)
         rt.log(f"specialised: from train_gpt.py sha256:{SPECIALISED['source_sha256']} for "
                + " ".join(f"{k}={v}" for k, v in SPECIALISED["run"].items())
                + f" ({len(SPECIALISED['values'])} settings fixed)")

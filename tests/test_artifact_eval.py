@@ -864,7 +864,7 @@ def test_a_budget_below_the_whole_evaluation_stops_ttt_adapting_and_scores_every
     # DIAGNOSTIC_ROUNDTRIP=0: no round-trip lines, and the record tools do not ask for them; EVAL_ONLY: no post-EMA
     assert "\ndiagnostics: post_ema:0 roundtrip:0\n" in logs["stop"] and "final_int6_roundtrip" not in stop
     assert "\nscored_evaluations: final_int6_sliding_window stride:64, legal_ttt mode:sgd epochs:8\n" in logs["stop"]
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "record"))
     import recordlib
     missing = recordlib.missing_final_lines(recordlib.parse_log(tmp_path / "stop" / "logs" / "stop.txt"))
     assert not any(m.startswith("final_int6_roundtrip") for m in missing) and "legal_ttt" not in missing, missing

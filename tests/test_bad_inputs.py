@@ -22,7 +22,7 @@ from conftest import REPO, TINY_ENV, clean_environ, config_error, read_log, run_
 from test_records import META, make_folder
 from test_trust import assert_one_line_error
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "record"))
 import make_record  # noqa: E402  (needs the path above)
 
 # ---------------------------------------------------------------------------------------------- absurd sizes

@@ -1,6 +1,7 @@
-"""scripts/bench_gpu.sh, the one-command GPU benchmark (issue 23), tested on CPU: its tiny mode runs the same
+"""scripts/bench/bench_gpu.sh, the one-command GPU benchmark (issue 23), tested on CPU: its tiny mode runs the same
 pipeline end to end, a hung row is cut off, the log parser and the FLOPs formula, ATTENTION_BACKEND; the races of
-the presets against their records' own scripts (issue 41: scripts/bench_record.py and scripts/record_shim)."""
+the presets against their records' own scripts (issue 41: scripts/bench/bench_record.py and
+scripts/record/record_shim)."""
 from __future__ import annotations
 
 import importlib.util
@@ -17,7 +18,7 @@ import torch
 import train_gpt as tg
 from conftest import REPO, clean_environ, config_error, hide_modules
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
 import bench_gpu  # noqa: E402  (needs the path above)
 import bench_record  # noqa: E402
 
@@ -46,8 +47,8 @@ def test_tiny_bench_runs_every_cpu_row_and_prints_one_table(tmp_path):
     env = {**clean_environ(), "BENCH_TINY": "1", "BENCH_DIR": str(tmp_path), "BENCH_STEPS": "4",
            "BENCH_VAL_TOKENS": str(16 * 64 + 1)}
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "bench_gpu.sh")], env=env, capture_output=True, text=True,
-                          timeout=400)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "bench" / "bench_gpu.sh")], env=env, capture_output=True,
+                          text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(f"tiny bench: {time.monotonic() - t0:.0f} s")
     assert (tmp_path / "table.md").read_text().strip() == proc.stdout.strip()
@@ -244,10 +245,10 @@ def test_preset_rows_train_with_lzma_where_their_compressor_is_missing(monkeypat
 
 
 def load_shim():
-    """scripts/record_shim/flash_attn_interface.py under a name of its own (the name flash_attn_interface stays the
-    anchors' stand-in for the tests that import the records)."""
-    spec = importlib.util.spec_from_file_location("record_shim_under_test",
-                                                  REPO / "scripts" / "record_shim" / "flash_attn_interface.py")
+    """scripts/record/record_shim/flash_attn_interface.py under a name of its own (the name flash_attn_interface stays
+    the anchors' stand-in for the tests that import the records)."""
+    shim_file = REPO / "scripts" / "record" / "record_shim" / "flash_attn_interface.py"
+    spec = importlib.util.spec_from_file_location("record_shim_under_test", shim_file)
     shim = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = shim  # Dynamo looks a traced function's module up by name
     spec.loader.exec_module(shim)

@@ -239,7 +239,7 @@ def test_record_tools_say_a_resumed_log_is_no_10_minute_record(scenario, capsys)
     import sys
 
     from conftest import REPO
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "record"))
     import check_record
     import make_record
     import recordlib as rl

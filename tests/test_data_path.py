@@ -922,8 +922,8 @@ def test_copy_stream_failure_comes_after_the_good_batches():
 def test_bench_loader_quick_prints_the_table(tmp_path):
     # --quick with fewer and shorter simulated steps (a sleep on CPU): this checks the table's rows, not its timings
     # (the suite's time, issue 53: 16.7 s -> 2.1 s); --steps and --step-ms given beside --quick keep their values
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_loader.py"), "--quick", "--device", "cpu",
-                           "--steps", "6", "--prod-steps", "4", "--step-ms", "20"],
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_loader.py"), "--quick", "--device",
+                           "cpu", "--steps", "6", "--prod-steps", "4", "--step-ms", "20"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=240,
                           env={**clean_environ(), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

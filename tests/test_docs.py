@@ -12,7 +12,7 @@ from pathlib import Path
 import train_gpt as tg
 from conftest import REPO, SCRIPT, TINY_ENV
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "record"))
 import recordlib as rl  # noqa: E402  (needs the path above)
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
@@ -89,7 +89,7 @@ def test_readme_command_1_installs_pytorchs_cpu_build_before_the_requirements():
     requirements.txt would pull PyPI's."""
     steps = quick_start_commands()[0].split(" && ")
     assert steps == [f"python3 -m pip install torch=={torch_pin()} --index-url https://download.pytorch.org/whl/cpu",
-                     "python3 -m pip install -r requirements.txt", "bash scripts/sample_run.sh"], steps
+                     "python3 -m pip install -r requirements.txt", "bash scripts/run/sample_run.sh"], steps
 
 
 def test_the_record_rule_is_the_leaderboards_welch_test():

@@ -621,7 +621,7 @@ def test_two_ranks_with_skewed_clocks_switch_context_at_one_step(tmp_path, sampl
 
 
 def test_bench_varlen_prints_the_table():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_varlen.py"), "--sizes", "256,512",
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_varlen.py"), "--sizes", "256,512",
                            "--seg", "64", "--dense-max", "256"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 256 |") or line.startswith("| 512 |")]

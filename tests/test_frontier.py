@@ -468,10 +468,10 @@ def test_a_looped_artifact_loads_looped(tmp_path):
 
 
 def test_compare_script_refuses_an_unknown_variant_in_one_line():
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "compare_frontier.sh")], capture_output=True, text=True,
-                          env={**clean_environ(), "VARIANTS": "default bogus"}, timeout=60)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "bench" / "compare_frontier.sh")], capture_output=True,
+                          text=True, env={**clean_environ(), "VARIANTS": "default bogus"}, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip() == ("scripts/compare_frontier.sh: unknown variant 'bogus' (choose from: default "
+    assert proc.stderr.strip() == ("scripts/bench/compare_frontier.sh: unknown variant 'bogus' (choose from: default "
                                    "loops parallel skip_gates no_extras qk525 muon_eq_r polar_express warmdown_frac "
                                    "min_lr embed_wd preset_1024 default_8192 preset_8192 default_caseops preset_0427 "
                                    "preset_0430)")

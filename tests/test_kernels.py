@@ -504,7 +504,7 @@ def test_bench_kernels_says_it_needs_cuda_on_cpu(capsys, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the benchmark would run")
     with pytest.raises(SystemExit) as done:
-        runpy.run_path(str(REPO / "scripts" / "bench_kernels.py"), run_name="__main__")
+        runpy.run_path(str(REPO / "scripts" / "bench" / "bench_kernels.py"), run_name="__main__")
     assert done.value.code == 0
     assert "bench_kernels.py needs CUDA" in capsys.readouterr().out
 

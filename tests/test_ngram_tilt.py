@@ -13,7 +13,7 @@ import torch
 import train_gpt as tg
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
 import bench_ngram  # noqa: E402  (needs the path above)
 
 HAVE_RECORD = (bench_ngram.record_dir() / "online_ngram_state.c").is_file()

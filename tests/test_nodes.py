@@ -5,7 +5,7 @@ namespaces joined by a veth pair where this machine has root and `ip netns` (no 
 shared filesystem), on loopback elsewhere; a node lost after a checkpoint (its worker and its agent SIGKILLed,
 static) stops the survivor at once with one line naming the lost peer and nothing that looks finished, and both
 nodes rerun with RESUME=auto by c10d rendezvous end as the run never stopped (so c10d equals one node too);
-scripts/torchrun_resume.py reruns a one-node run whose worker was killed and ends with the same exact lines, and
+scripts/run/torchrun_resume.py reruns a one-node run whose worker was killed and ends with the same exact lines, and
 reruns no refused input. These are real processes (torchrun's agents and workers, not the zygote's forks), each run
 bounded by a timeout, every process group killed at the end."""
 from __future__ import annotations
@@ -31,7 +31,7 @@ from test_checkpoint import DEFAULT, EXACT
 
 TIMEOUT = 120  # seconds for any one run here (a two-node tiny run takes ~12 s on 2 loaded cores)
 LOST_TIMEOUT = 30  # DIST_TIMEOUT_SECONDS of the lost-node run: the survivor must stop well within it
-RESUMER = REPO / "scripts" / "torchrun_resume.py"
+RESUMER = REPO / "scripts" / "run" / "torchrun_resume.py"
 
 
 @pytest.fixture(scope="module")

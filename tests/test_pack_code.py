@@ -1,4 +1,4 @@
-"""scripts/pack_code.py: minify keeps the program (same AST without docstrings and signature annotations, same
+"""scripts/pack/pack_code.py: minify keeps the program (same AST without docstrings and signature annotations, same
 results when run; local renaming is exact), the packed file parses as Python 3.10 and runs the same training
 with its own size as the logged Code size, and the record tooling ships and checks packed code."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ import launcher
 from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, short_val_data
 
 SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+sys.path[:0] = [str(SCRIPTS / "pack"), str(SCRIPTS / "record")]  # pack_code, update_packed_size; make_record
 
 import make_record  # noqa: E402  (needs the path above)
 import pack_code as pc  # noqa: E402
@@ -575,9 +575,9 @@ def test_the_utf8_floor_is_the_growth_rate_of_valid_literals():
 
 
 def test_update_packed_size_rewrites_each_quote_and_nothing_else():
-    """scripts/update_packed_size.py: each quote of the packed size is in today's files exactly once; rewritten with
-    other numbers, every quote holds them (read back by its own pattern), the guard is packed + 200 rounded up to a
-    multiple of 100, and rewriting with the numbers read from the files gives the files unchanged."""
+    """scripts/pack/update_packed_size.py: each quote of the packed size is in today's files exactly once; rewritten
+    with other numbers, every quote holds them (read back by its own pattern), the guard is packed + 200 rounded up to
+    a multiple of 100, and rewriting with the numbers read from the files gives the files unchanged."""
     import update_packed_size as ups
     numbers = ups.values(400_000, 60_123, "2030-01-02")
     assert (numbers["guard"], numbers["guard_literal"], numbers["percent"], numbers["with_record"]) == \
@@ -598,8 +598,8 @@ def test_update_packed_size_rewrites_each_quote_and_nothing_else():
 def test_packed_train_gpt_size_guard(packed_train_gpt):
     """Issue 22 asked for <= 32,000 packed bytes; no UTF-8 file can hold today's compressed payload in fewer
     than ~35,600 (docs/submitting.md, "Packed code"). The guard holds today's 58,528 (this number and the guard are
-    rewritten by scripts/update_packed_size.py: packed + 200, rounded up to 100). Earlier: 56,203 on 2026-11-28 (after
-    issues 51, 52, 53 and 54 and issue 54's two consolidation passes, 2,119 bytes over 54,084), 54,084 (2026-11-27, after issue 46's evaluation budget: the guard of TTT, the evaluation's graphs warmed before the clocks and timed, the plan line,
+    rewritten by scripts/pack/update_packed_size.py: packed + 200, rounded up to 100). Earlier: 56,203 on 2026-11-28
+    (after issues 51, 52, 53 and 54 and issue 54's two consolidation passes, 2,119 bytes over 54,084), 54,084 (2026-11-27, after issue 46's evaluation budget: the guard of TTT, the evaluation's graphs warmed before the clocks and timed, the plan line,
     the preflight's projection, the diagnostics switches, 2,617 bytes over issue 47's 51,467; raised by those from
     51,603 to 54,300), 51,288 (2026-11-27, after issue 47's
     record batch in the replay clocks, 191 bytes, and training_loss with the fused CE's lse gradient, 212; raised by
@@ -609,7 +609,7 @@ def test_packed_train_gpt_size_guard(packed_train_gpt):
     broken one; 46,459 after PREFLIGHT=1; 43,867 after the compiled path's graph plan; 42,201 after the n-gram tilt,
     checkpoints and torch_varlen; 36,536 on 2026-11-24) plus some room, so a packer that stopped renaming, went back
     to base 116, ZPAQ level 5, brotli, LZMA2 or Base85 fails it, and the literal must stay within 2.1% of the UTF-8
-    floor. Raise it only with the code's own growth, measured with scripts/pack_code.py."""
+    floor. Raise it only with the code's own growth, measured with scripts/pack/pack_code.py."""
     _, minified, packed = packed_train_gpt
     assert len(packed.encode("utf-8")) <= 58_800
     compressed = pc.compress(minified.encode("utf-8"))
@@ -643,7 +643,7 @@ def test_legacy_packed_files_are_refused_with_one_line(tmp_path, capsys):
     rc, out = run_check(folder, capsys)
     assert rc == 1 and [line for line in out.splitlines() if "older packed format" in line] == [
         f"FAIL: {folder / 'train_gpt.py'}: packed, but an older packed format (LZMA2 + Base85, locals not renamed):"
-        " repack it from the readable source with this scripts/pack_code.py"]
+        " repack it from the readable source with this scripts/pack/pack_code.py"]
 
 
 def older_7bit_wrapper(packed: str, imports: str) -> str:
@@ -737,7 +737,7 @@ def test_other_pythons_minify_alike_and_run_packed_code(packed_train_gpt, tmp_pa
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import hashlib, sys\n"
-        f"sys.path.insert(0, {str(SCRIPTS)!r})\n"
+        f"sys.path.insert(0, {str(SCRIPTS / 'pack')!r})\n"
         "import pack_code as pc\n"
         f"src = open({str(SCRIPT)!r}, encoding='utf-8').read()\n"
         "m = pc.minify(src)\n"
@@ -948,7 +948,7 @@ def test_packed_kernels_give_the_readable_kernels_numbers_in_the_interpreter(pac
 
 
 def pack_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPTS / "pack_code.py"), *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, str(SCRIPTS / "pack" / "pack_code.py"), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -1042,7 +1042,7 @@ def test_check_record_refuses_a_payload_that_is_not_the_readable_source(tmp_path
     assert rc == 1
     assert out.splitlines() == [f"FAIL: {folder / 'train_gpt.py'}: its packed code is not"
                                 " minify(train_gpt_readable.py): it was not packed from that source (or by another"
-                                " version of scripts/pack_code.py)"]
+                                " version of scripts/pack/pack_code.py)"]
 
 
 def test_check_record_refuses_tampered_wrappers_and_false_claims(tmp_path, capsys):
@@ -1119,8 +1119,8 @@ def fake_repo(tmp_path):
     if shutil.which("bash") is None:
         pytest.skip("bash not available")
     repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    for name in ("run_seeds.sh", "pack_code.py", "specialise.py"):
+    for name in ("run/run_seeds.sh", "pack/pack_code.py", "pack/specialise.py"):
+        (repo / "scripts" / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(SCRIPTS / name, repo / "scripts" / name)
     (repo / "train_gpt.py").write_text(READABLE, encoding="utf-8")
     bin_dir = tmp_path / "bin"
@@ -1134,7 +1134,7 @@ def fake_repo(tmp_path):
 
 
 def run_seeds(repo: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(repo / "scripts" / "run_seeds.sh"), *args], cwd=repo, env=env,
+    return subprocess.run(["bash", str(repo / "scripts" / "run" / "run_seeds.sh"), *args], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -1175,5 +1175,5 @@ def test_run_seeds_pack_code_failures(fake_repo):
 
 
 def test_scripts_parse_as_python310():
-    for name in ("pack_code.py", "check_record.py", "make_record.py", "recordlib.py"):
+    for name in ("pack/pack_code.py", "record/check_record.py", "record/make_record.py", "record/recordlib.py"):
         ast.parse((SCRIPTS / name).read_text(encoding="utf-8"), feature_version=(3, 10))

@@ -1,4 +1,4 @@
-"""Tests for the record tooling in scripts/ (fast: synthetic logs, no training).
+"""Tests for the record tooling in scripts/record/ (fast: synthetic logs, no training).
 
 Synthetic logs are written by ``write_log`` in the format train_gpt.py
 produces, including a source-code preamble that contains the log format
@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+sys.path[:0] = [str(SCRIPTS / "record"), str(SCRIPTS / "run")]  # the record tools; plot_logs
 
 import check_record  # noqa: E402
 import make_record  # noqa: E402
@@ -580,7 +580,7 @@ def test_check_happy_path(tmp_path, capsys):
 
 def test_check_happy_path_as_subprocess(tmp_path):
     folder = make_full_record(tmp_path)
-    cmd = [sys.executable, str(SCRIPTS / "check_record.py"), str(folder), *SOTA]
+    cmd = [sys.executable, str(SCRIPTS / "record" / "check_record.py"), str(folder), *SOTA]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.startswith("OK: ")
     (folder / "README.md").unlink()
@@ -852,7 +852,7 @@ def test_check_malformed_submission_json_one_line_each(tmp_path, capsys, bad, ex
 
 def test_check_malformed_submission_json_in_a_subprocess(tmp_path):
     folder = make_full_record(tmp_path)
-    cmd = [sys.executable, str(SCRIPTS / "check_record.py"), str(folder), "--track", "non-record"]
+    cmd = [sys.executable, str(SCRIPTS / "record" / "check_record.py"), str(folder), "--track", "non-record"]
     for text in (b"\xff\xfe{}", b'{"val_bpb": ' + b"9" * 5000 + b"}", json.dumps({"a": [None]}).encode()):
         (folder / "submission.json").write_bytes(text)
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -1307,8 +1307,8 @@ def fake_repo(tmp_path):
     if shutil.which("bash") is None:
         pytest.skip("bash not available")
     repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copy(SCRIPTS / "run_seeds.sh", repo / "scripts" / "run_seeds.sh")
+    (repo / "scripts" / "run").mkdir(parents=True)
+    shutil.copy(SCRIPTS / "run" / "run_seeds.sh", repo / "scripts" / "run" / "run_seeds.sh")
     (repo / "train_gpt.py").write_text(VALID_CODE)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -1320,7 +1320,7 @@ def fake_repo(tmp_path):
 
 
 def run_seeds(repo: Path, env: dict, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(repo / "scripts" / "run_seeds.sh"), *args], cwd=cwd or repo, env=env,
+    return subprocess.run(["bash", str(repo / "scripts" / "run" / "run_seeds.sh"), *args], cwd=cwd or repo, env=env,
                           capture_output=True, text=True)
 
 
@@ -1381,6 +1381,7 @@ def test_run_seeds_refuses_a_finished_seed_before_any_run(fake_repo, tmp_path):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["recordlib.py", "make_record.py", "check_record.py", "plot_logs.py"])
+@pytest.mark.parametrize("name", ["record/recordlib.py", "record/make_record.py", "record/check_record.py",
+                                  "run/plot_logs.py"])
 def test_scripts_parse_as_python310(name):
     ast.parse((SCRIPTS / name).read_text(), feature_version=(3, 10))

@@ -220,7 +220,7 @@ def test_a_replay_clock_makes_the_same_steps_on_a_machine_five_times_slower(tmp_
         assert runs[rate][0] == runs["1"][0]
         assert all(torch.equal(runs["1"][1][k], runs[rate][1][k]) for k in runs["1"][1])
     # the record tools: a replayed run is a reproduction, never a 10-minute-track record
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "record"))
     import check_record
     import recordlib as rl
     log = rl.parse_log_text(read_log(tmp_path / "rate1", "replay"), tmp_path / "train_seed1337.log")

@@ -1,4 +1,4 @@
-"""scripts/sample_env.sh derives the CPU sample run's schedule from ITERATIONS: the default 200 steps give
+"""scripts/run/sample_env.sh derives the CPU sample run's schedule from ITERATIONS: the default 200 steps give
 exactly the values the sample record was trained with, shorter runs keep the same proportions, explicit
 settings win, and a malformed ITERATIONS stops with one line on stderr."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ def source_env(names=DERIVED, **env: str) -> subprocess.CompletedProcess:
     """Sources the script in bash, as sample_run.sh does (set -euo pipefail), and prints the derived values."""
     base = {k: v for k, v in os.environ.items() if k not in SET_BY_SCRIPT}
     echo = " ".join(f'"${name}"' for name in names)
-    return subprocess.run(["bash", "-c", f"set -euo pipefail; source scripts/sample_env.sh; echo {echo}"],
+    return subprocess.run(["bash", "-c", f"set -euo pipefail; source scripts/run/sample_env.sh; echo {echo}"],
                           cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=10)
 
 
@@ -73,7 +73,7 @@ def test_bad_iterations_is_refused(value):
 
 
 def test_helper_variables_do_not_leak():
-    proc = subprocess.run(["bash", "-c", "source scripts/sample_env.sh; compgen -v _sample_ || true"],
+    proc = subprocess.run(["bash", "-c", "source scripts/run/sample_env.sh; compgen -v _sample_ || true"],
                           cwd=REPO, env={k: v for k, v in os.environ.items() if k not in SET_BY_SCRIPT},
                           capture_output=True, text=True, timeout=10)
     assert proc.returncode == 0, proc.stderr

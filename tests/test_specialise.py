@@ -1,5 +1,5 @@
-"""A submission carries only its run's code (issue 60): train_gpt.py specialised to one run (scripts/specialise.py,
-`scripts/pack_code.py --for`) runs as the full script does with the same settings: the same loss and score lines
+"""A submission carries only its run's code (issue 60): train_gpt.py specialised to one run (scripts/pack/specialise.py,
+`scripts/pack/pack_code.py --for`) runs as the full script does with the same settings: the same loss and score lines
 and the same artifact bytes, readable and packed, for every preset; a changed fixed setting is refused in one line;
 a specialisation that drops a branch the run takes is caught by the same comparison."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from test_documents import caseops_sample  # noqa: F401 (fixture)
 from test_kernels import KERNEL_RUN_ID, TINY_KERNEL_RUN, kernel_run, needs_interpreter
 from test_presets import caseops_run_data  # noqa: F401 (fixture)
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "pack"))
 import pack_code as pc  # noqa: E402
 from test_pack_code import _result_lines as result_lines  # noqa: E402
 import specialise as sp  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "pack"))
 import specialise as sp  # noqa: E402
 
 TOY = '''import os

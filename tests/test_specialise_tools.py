@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, SCRIPT, computed_once, shared_folder
 from test_specialise import PRESETS
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path[:0] = [str(REPO / "scripts" / "record"), str(REPO / "scripts" / "pack")]  # check_record, make_record; the rest
 import check_record  # noqa: E402
 import pack_code  # noqa: E402
 import specialise as sp  # noqa: E402
@@ -39,14 +39,15 @@ REFUSED = {"record_0323": ("TTT_MODE", "lora", "TTT_MODE=lora: this file is spec
 
 def preset_files(tmp_path_factory) -> Path:
     """A folder of each preset's submission file, train_gpt.py specialised to PRESET=NAME alone (readable, as
-    scripts/update_packed_size.py --presets makes them), made once for the session."""
+    scripts/pack/update_packed_size.py --presets makes them), made once for the session."""
     import update_packed_size as ups
 
     def build(out: Path) -> None:
         for preset, text in ups.specialise_presets().items():
             (out / f"{preset}.py").write_text(text, encoding="utf-8")
 
-    key = hashlib.sha256(SCRIPT.read_bytes() + (REPO / "scripts" / "specialise.py").read_bytes()).hexdigest()[:12]
+    specialiser = REPO / "scripts" / "pack" / "specialise.py"
+    key = hashlib.sha256(SCRIPT.read_bytes() + specialiser.read_bytes()).hexdigest()[:12]
     return computed_once(shared_folder(tmp_path_factory) / f"specialised_presets_{key}", build)
 
 
@@ -96,7 +97,7 @@ def test_the_record_tools_know_a_specialised_submission(tmp_path, tmp_path_facto
     assert not ok and line.startswith("FAIL: ") and "it differs from " in line and "\n" not in line
 
 
-SPECIALISED_PACKED_GUARD = {  # scripts/update_packed_size.py
+SPECIALISED_PACKED_GUARD = {  # scripts/pack/update_packed_size.py
     "record_0323": 35_300,
     "record_0409": 36_400,
     "record_0427": 43_200,
@@ -107,7 +108,7 @@ SPECIALISED_PACKED_GUARD = {  # scripts/update_packed_size.py
 
 def test_each_presets_specialised_size_is_guarded_and_documented(tmp_path_factory):
     """Each preset's file specialised to its own settings (PRESET=NAME alone): its packed size within its guard, and
-    docs/submitting.md's table as scripts/update_packed_size.py --presets writes it from these measurements."""
+    docs/submitting.md's table as scripts/pack/update_packed_size.py --presets writes it from these measurements."""
     import update_packed_size as ups
 
     folder = preset_files(tmp_path_factory)
@@ -117,7 +118,7 @@ def test_each_presets_specialised_size_is_guarded_and_documented(tmp_path_factor
     docs = (REPO / "docs" / "submitting.md").read_text(encoding="utf-8")
     table = docs[docs.index(ups.TABLE_BEGIN) + len(ups.TABLE_BEGIN):docs.index(ups.TABLE_END)]
     date = re.match(r"Measured (\S+) ", table).group(1)
-    assert table == ups.sizes_table(sizes, date), "stale: python3 scripts/update_packed_size.py --presets"
+    assert table == ups.sizes_table(sizes, date), "stale: python3 scripts/pack/update_packed_size.py --presets"
     presets = (REPO / "docs" / "presets.md").read_text(encoding="utf-8")
     lines = presets[presets.index(ups.LINES_BEGIN) + len(ups.LINES_BEGIN):presets.index(ups.LINES_END)]
     assert lines == ups.lines_table(sizes, len(SCRIPT.read_text(encoding="utf-8").splitlines())), "stale (--presets)"

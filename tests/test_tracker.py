@@ -1,4 +1,4 @@
-"""TRACKER=wandb|tensorboard and scripts/compare_runs.py (issue 63): three tiny CPU runs (TINY_RUN: 2 layers of
+"""TRACKER=wandb|tensorboard and scripts/run/compare_runs.py (issue 63): three tiny CPU runs (TINY_RUN: 2 layers of
 width 32 on 1,024 val tokens, well under a second each once the worker's zygote runs), made once for the module,
 serve both. Run `tb` logs to TensorBoard, `fail` is the same run whose tracker fails mid-run (TRACKER_PROJECT
 differs: W&B's project, read by nothing else), `wb` logs to W&B offline with another seed. The trackers' own
@@ -19,7 +19,7 @@ import launcher
 import train_gpt as tg
 from conftest import REPO, TINY_ENV, clean_environ, config_error, hide_modules, read_log, short_val_data
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path[:0] = [str(REPO / "scripts" / "run"), str(REPO / "scripts" / "record")]  # compare_runs; recordlib
 import compare_runs  # noqa: E402
 import recordlib as rl  # noqa: E402
 

@@ -140,7 +140,7 @@ def test_missing_train_shards_say_how_to_get_data(tmp_path):
     msg = str(err.value)
     assert "\n" not in msg
     commands = {"python3 data/build_sample_data.py": "data/build_sample_data.py",
-                "bash scripts/sample_run.sh": "scripts/sample_run.sh",
+                "bash scripts/run/sample_run.sh": "scripts/run/sample_run.sh",
                 "python3 data/cached_challenge_fineweb.py --variant sp1024": "data/cached_challenge_fineweb.py"}
     for command, script in commands.items():
         assert command in msg, msg

@@ -21,7 +21,7 @@ import train_gpt as tg
 from conftest import (REPO, SCRIPT, TINY_ENV, clean_environ, config_error, read_log, run_file, run_training,
                       short_val_data)
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "pack"))
 import pack_code  # noqa: E402  (needs the path above)
 
 ANCHOR = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "record_2026-03-23"
@@ -471,7 +471,7 @@ def test_eval_batch_rows_never_pads_beyond_the_windows():
 
 @needs_anchor
 def test_script_fits_beside_the_records_largest_model():
-    """The script's bytes count in the submission, and record submissions ship it packed (scripts/pack_code.py,
+    """The script's bytes count in the submission, and record submissions ship it packed (scripts/pack/pack_code.py,
     run_seeds.sh with PACK_CODE=1), so the packed size is what must fit: the record's largest artifact (its
     submission.json total minus its code size) plus the packed file must stay under the cap with 2,000 bytes
     to spare for run-to-run variation of the compressed model (the record's own seeds differ by 12.6 KB). A

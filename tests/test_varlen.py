@@ -224,7 +224,7 @@ def test_packed_gqa_through_each_varlen_attn_equals_the_masked_path(monkeypatch,
     for a, b in zip(got_grads, want_grads):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "scripts" / "bench_gpu.py")
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "scripts" / "bench" / "bench_gpu.py")
     bench_gpu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_gpu)
     line = f"attention_backend_packed:{packed} (document-packed rows, SPEC-FRONTIER 3)"  # as train_gpt.py logs it

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measure the artifact options on one trained model: bytes and roundtrip gap per quantiser and compressor.
 
-Trains the model the environment describes (train_gpt.py's settings, e.g. `source scripts/sample_env.sh`)
+Trains the model the environment describes (train_gpt.py's settings, e.g. `source scripts/run/sample_env.sh`)
 with QUANT=gptq, so the Hessians come from the training batches after the loop, then quantises the same
 final (EMA) weights every way and prints one markdown table:
 
@@ -9,8 +9,8 @@ final (EMA) weights every way and prints one markdown table:
 
 plus the Hessian collection and GPTQ solve seconds, and the code bytes (readable and packed).
 
-    source scripts/sample_env.sh && python3 scripts/bench_artifact.py
-    DEVICE=cpu NUM_LAYERS=11 MODEL_DIM=512 ITERATIONS=20 ... python3 scripts/bench_artifact.py
+    source scripts/run/sample_env.sh && python3 scripts/bench/bench_artifact.py
+    DEVICE=cpu NUM_LAYERS=11 MODEL_DIM=512 ITERATIONS=20 ... python3 scripts/bench/bench_artifact.py
 
 --variants 0427 measures the 2026-04-27 record's options instead (per-class SDClip, LQER, AWQ-lite) with
 brotli and COMPRESSOR=pergroup bytes and their seconds; --then-stand-in adds the stand-in table from the same run.
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "pack"))  # pack_code
 import train_gpt as tg  # noqa: E402
 
 VARIANTS = (  # (label, settings over the run's)

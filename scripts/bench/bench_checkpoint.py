@@ -3,8 +3,8 @@
 model after one real training step on random tokens (so every optimizer state exists), saved by the run's own
 Checkpointer on the CPU (synchronous: the stall is the whole write, fsync included).
 
-    python3 scripts/bench_checkpoint.py                       # the bytes table
-    python3 scripts/bench_checkpoint.py --measure record_0323 --dir /tmp/ckpt_bench
+    python3 scripts/bench/bench_checkpoint.py                       # the bytes table
+    python3 scripts/bench/bench_checkpoint.py --measure record_0323 --dir /tmp/ckpt_bench
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
 
 

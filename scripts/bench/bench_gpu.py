@@ -5,13 +5,13 @@ train_gpt.py at the record's shapes (11L d512, seq 2048, 786,432 tokens per step
 TRAIN_PREFETCH 0/1 x TRAIN_COPY_STREAM 0/1, PRESET=record_0409 with its layer loop off and on, optional rows for
 settings and presets that exist in this checkout, the 2026-03-23 record's own script on the same GPU and
 attention backend, the races of the presets record_0427, record_0430 (each context phase) and record_0501 against
-their records' own scripts (scripts/bench_record.py drives them through scripts/record_shim, so both sides run the
-same attention kernels; loop off and on), and the sliding-window and TTT evaluations of ours against the record's
-functions on one model. Without CUDA, or with BENCH_TINY=1, the same pipeline runs at tiny shapes (the CI test of
-this script).
+their records' own scripts (scripts/bench/bench_record.py drives them through scripts/record/record_shim, so both
+sides run the same attention kernels; loop off and on), and the sliding-window and TTT evaluations of ours against
+the record's functions on one model. Without CUDA, or with BENCH_TINY=1, the same pipeline runs at tiny shapes
+(the CI test of this script).
 
-    bash scripts/bench_gpu.sh                 # docs/gpu.md, "GPU benchmark"
-    BENCH_TINY=1 bash scripts/bench_gpu.sh    # the same on CPU in under a minute
+    bash scripts/bench/bench_gpu.sh                 # docs/gpu.md, "GPU benchmark"
+    BENCH_TINY=1 bash scripts/bench/bench_gpu.sh    # the same on CPU in under a minute
 
 Needs nothing beyond PyTorch, NumPy, SentencePiece (and Triton for torch.compile on CUDA).
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import bench_record
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def find_anchors():
@@ -349,10 +349,10 @@ def race_rows(cfg, presets, backends):
     """The presets against their records' own scripts (issue 41): for record_0427, record_0501 and each context phase
     of record_0430 (its schedule's lengths, one per row pair: TRAIN_SEQ_LEN_SCHEDULE=L@0), loop off (NUM_LOOPS=0) and
     on (ENABLE_LOOPING_AT=0), a row of ours and a row of the record's script (kind record_script, run by
-    scripts/bench_record.py from our initial weights) with the same settings. Both sides attend with the same kernels:
-    ours with ATTENTION_BACKEND=torch_varlen (dense rows SDPA, packed rows PyTorch's varlen_attn; sdpa, the masked
-    path, where varlen_attn is missing), the record through scripts/record_shim, which calls those. Tiny mode runs
-    TINY_RACE only (AUTOCAST_DTYPE=fp32: its first losses are compared with the record's)."""
+    scripts/bench/bench_record.py from our initial weights) with the same settings. Both sides attend with the same
+    kernels: ours with ATTENTION_BACKEND=torch_varlen (dense rows SDPA, packed rows PyTorch's varlen_attn; sdpa, the
+    masked path, where varlen_attn is missing), the record through scripts/record/record_shim, which calls those. Tiny
+    mode runs TINY_RACE only (AUTOCAST_DTYPE=fp32: its first losses are compared with the record's)."""
     rows = []
     attention = "torch_varlen" if backends["torch_varlen"] else "sdpa"
     for preset in RACES:
@@ -427,7 +427,8 @@ def run_training_row(cfg, row, data_for, deadline, hparams_for):
                    "BENCH_RECORD_INIT": str(inits[key])}
         except Exception as e:  # noqa: BLE001 (building our model or mapping the settings: this row fails, not the run)
             return {"status": f"failed: {type(e).__name__}: {e}"}
-        cmd, stop = [sys.executable, str(REPO / "scripts" / "bench_record.py"), row["record"]], r"^bench_record: done"
+        cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_record.py"), row["record"]]
+        stop = r"^bench_record: done"
     else:
         cmd, stop = [sys.executable, str(REPO / "train_gpt.py")], r"^final_weights:"
     status, code, lines = run_logged(cmd, child_env(cfg, env), cfg["dir"], timeout, stop)
@@ -691,8 +692,8 @@ def environment_lines(cfg, backends, peak_info):
                  + ("; PyTorch's varlen_attn usable (torch_varlen)" if backends["torch_varlen"] else ""))
     lines.append("races (race ... rows): ours with ATTENTION_BACKEND="
                  f"{'torch_varlen' if backends['torch_varlen'] else 'sdpa'} against the record's own script through "
-                 "scripts/record_shim (its flash_attn_interface calls the same PyTorch kernels) from our initial "
-                 "weights; ours_vs_record = ours / its script")
+                 "scripts/record/record_shim (its flash_attn_interface calls the same PyTorch kernels) from our "
+                 "initial weights; ours_vs_record = ours / its script")
     lines.append("peak for MFU: " + (f"{peak_info['tflops']:.3f} TFLOP/s measured ({peak_info['what']})"
                                      if peak_info else "not measured"))
     lines.append("ms_per_step: (train_time at the last step - at step 1) / (steps - 1); MFU: FLOPs/token x tokens/s "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time FUSED_MLP's and FUSED_CE's Triton kernels (issue 21) against eager and torch.compile'd PyTorch, on a GPU.
 
-    python3 scripts/bench_kernels.py [--tokens 98304] [--dim 512] [--hidden 2048] [--vocab 8192] [--reps 20]
+    python3 scripts/bench/bench_kernels.py [--tokens 98304] [--dim 512] [--hidden 2048] [--vocab 8192] [--reps 20]
                                      [--no-step]
 
 Defaults are one GPU's share of the 04-27 record (SPEC-FRONTIER 15, 18): the MLP on 98,304 x 512 bf16
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
 
 

@@ -17,7 +17,7 @@ random ids put a BOS about every 1,024 tokens) x mode (plain, prefetch, prefetch
 Then, per loader, the cost of the host reads alone (next_host of the rank-0 base loader: pread of the shard
 ranges) without and with the check of every span read against VOCAB_SIZE.
 
-Run: python scripts/bench_loader.py [--quick] [--device auto|cpu|cuda] [--all-ranks]
+Run: python scripts/bench/bench_loader.py [--quick] [--device auto|cpu|cuda] [--all-ranks]
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

@@ -4,9 +4,9 @@ record's own C on one stream, checks that the outputs are identical, and prints 
   ours on CPU | the record's token-only C pass | the record's whole build_hints_for_targets as it ran (C token and
   within-word channels, the Python word-start loop, numpy gating) | ours on CUDA when there is a GPU
 
-    python3 scripts/bench_ngram.py                          # 47,851,520 tokens (#2135's val targets), order 16
-    python3 scripts/bench_ngram.py --tokens 1000000 --order 8
-    python3 scripts/bench_ngram.py --val-dir DATA --tokenizer MODEL   # a dataset's val tokens, repeated
+    python3 scripts/bench/bench_ngram.py                          # 47,851,520 tokens (#2135's val targets), order 16
+    python3 scripts/bench/bench_ngram.py --tokens 1000000 --order 8
+    python3 scripts/bench/bench_ngram.py --val-dir DATA --tokenizer MODEL   # a dataset's val tokens, repeated
 
 The stream: by default a seeded Zipf stream (vocab 8192, exponent 1.1) with earlier spans copied forward (about 4%
 of it), needing no data; with --val-dir, the val shards there (fineweb_val_*.bin, e.g. the offline sample's)
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VAL_TARGETS = 47_851_520  # #2135's log: ngram_tilt:hints total=47851520
 # the run's settings of the three experts (record_0501_hparams.txt, SPEC-FRONTIER 20(e)): token channel only
 RUN_SETTINGS = {"token_order": 16, "token_threshold": 0.8, "token_boost": 2.625, "within_tau": 99.0,

@@ -7,10 +7,10 @@ bank matrices and token embedding are trained-like stand-ins (Student-t rows, be
 quantised by round-to-nearest with the record's per-class SDClip (MLP 11.5, attention 13, embeddings 14 at int7):
 no training and no Hessians, so the code statistics, not the bpb, are what this measures.
 
-    python3 scripts/bench_pergroup.py            # every candidate installed; lrzip if the binary exists
-    python3 scripts/bench_pergroup.py --sort     # also time the records' O(n^2) Python row sort at 8192 rows
-    python3 scripts/bench_pergroup.py --orders   # only: tok_emb and c_q groups, L2 vs L1 vs no row order, ZPAQ-5
-    python3 scripts/bench_pergroup.py --threads  # only: the artifact's ZPAQ groups one by one vs at once
+    python3 scripts/bench/bench_pergroup.py            # every candidate installed; lrzip if the binary exists
+    python3 scripts/bench/bench_pergroup.py --sort     # also time the records' O(n^2) Python row sort at 8192 rows
+    python3 scripts/bench/bench_pergroup.py --orders   # only: tok_emb and c_q groups, L2 vs L1 vs no row order, ZPAQ-5
+    python3 scripts/bench/bench_pergroup.py --threads  # only: the artifact's ZPAQ groups one by one vs at once
 
 Candidates: brotli q11 lgwin 24 (pip brotli), zstd level 22 with long-distance matching and a 2^27 window
 (pip zstandard), PPMd variant H order 3..16 (pip pyppmd), ZPAQ levels 3..5 in one thread (pip zpaq), and
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))  # bench_artifact
 import train_gpt as tg  # noqa: E402
 from bench_artifact import stand_in_matrices  # noqa: E402
 

@@ -1,10 +1,11 @@
 """A frontier record's own train_gpt.py, driven for the GPU benchmark's record rows (issue 41; docs/gpu.md, "The
 presets against the records' own scripts").
 
-    python scripts/bench_record.py record_0427     # its Hyperparameters from the environment (record_env())
+    python scripts/bench/bench_record.py record_0427     # its Hyperparameters from the environment (record_env())
 
-Imports the record's script (../shared/anchors/frontier/<record>/train_gpt.py, never copied) with scripts/record_shim
-first on sys.path (its flash_attn_interface runs our attention kernels) and runs the record's own training code:
+Imports the record's script (../shared/anchors/frontier/<record>/train_gpt.py, never copied) with
+scripts/record/record_shim first on sys.path (its flash_attn_interface runs our attention kernels) and runs the
+record's own training code:
 main() on CUDA (its backend flags, its torch.compile calls, its train_model and step_fn), stopped after training.
 Around it, without touching its math: every `N/M train_loss:` line it logs (TRAIN_LOG_EVERY=1, each after its
 `.item()`) is followed by the same step in our log format with a synchronised clock; its loader's next_batch() is
@@ -27,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SHIM = REPO / "scripts" / "record_shim"
+REPO = Path(__file__).resolve().parents[2]
+SHIM = REPO / "scripts" / "record" / "record_shim"
 RECORDS = ("record_0427", "record_0430", "record_0501")
 DONE = "bench_record: done"
 # logged names that are this run's, not the record's settings (rank, paths, seed), or not environment variables
@@ -262,7 +263,7 @@ def drive(record, anchors):
 def main():
     if len(sys.argv) != 2 or sys.argv[1] not in RECORDS:
         raise SystemExit(f"usage: {sys.argv[0]} {{{','.join(RECORDS)}}} (settings: the record's environment)")
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "bench"))
     from bench_gpu import ANCHORS
 
     drive(sys.argv[1], ANCHORS)

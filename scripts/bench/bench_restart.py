@@ -1,9 +1,9 @@
-"""Measures scripts/torchrun_resume.py's restart (issue 62): TRIES times, a tiny 2-rank CPU run on one node under
+"""Measures scripts/run/torchrun_resume.py's restart (issue 62): TRIES times, a tiny 2-rank CPU run on one node under
 `torchrun_resume.py --standalone --nproc_per_node 2`, rank 1's worker SIGKILLed from outside as soon as the step-K
 checkpoint is complete; for each try the seconds from the kill to the resumed run's end, its exit status and
 whether its *_exact lines equal those of one uninterrupted run (plain torchrun, made first).
 
-    python3 scripts/bench_restart.py --data DATA_PATH --tokenizer TOKENIZER_PATH [--tries 10] [--dir /tmp/restart]
+    python3 scripts/bench/bench_restart.py --data DATA_PATH --tokenizer TOKENIZER_PATH [--tries 10] [--dir /tmp/restart]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXACT = re.compile(r"^(final_int6_\w+|legal_ttt)_exact .*$", re.M)
 TINY = {"MAX_WALLCLOCK_SECONDS": "0", "VAL_LOSS_EVERY": "0", "TRAIN_LOG_EVERY": "1", "TTT_ENABLED": "0",
         "EVAL_STRIDE": "0", "OMP_NUM_THREADS": "1", "GRAD_ACCUM_STEPS": "1", "DIAGNOSTIC_ROUNDTRIP": "1",
@@ -78,7 +78,8 @@ def main() -> int:
         cwd.mkdir()
         ck = cwd / "runs" / "cut" / "checkpoints" / f"step_{a.after:08d}"
         with open(cwd / "stderr.txt", "w") as err:
-            proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "torchrun_resume.py"), *torchrun[3:]],
+            resumer = REPO / "scripts" / "run" / "torchrun_resume.py"
+            proc = subprocess.Popen([sys.executable, str(resumer), *torchrun[3:]],
                                     cwd=cwd, env={**env, "RUN_ID": "cut", "CHECKPOINT_EVERY": str(a.after)},
                                     stdout=subprocess.DEVNULL, stderr=err)
             killed_at = None

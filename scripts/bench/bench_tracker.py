@@ -5,7 +5,7 @@ installed tracker. A run logs one train line every TRAIN_LOG_EVERY steps (500 by
 this over TRAIN_LOG_EVERY.
 
 Example:
-    python3 scripts/bench_tracker.py --lines 2000
+    python3 scripts/bench/bench_tracker.py --lines 2000
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
 
 

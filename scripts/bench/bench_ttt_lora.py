@@ -4,7 +4,7 @@ synthetic BOS-delimited stream, and splits the wall time of the loop into the mo
 cross-entropy and the rest (window building, gathers, masks, byte counts: host work). One untimed run first (the
 first AdamW construction has a one-off import cost).
 
-    python3 scripts/bench_ttt_lora.py [--docs 64] [--threads 1] [--chunk-by-doc-len 256:8,2000:24]
+    python3 scripts/bench/bench_ttt_lora.py [--docs 64] [--threads 1] [--chunk-by-doc-len 256:8,2000:24]
 """
 import argparse
 import sys
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
 
 ENV = {"NUM_LAYERS": "4", "MODEL_DIM": "64", "NUM_HEADS": "4", "NUM_KV_HEADS": "2", "VOCAB_SIZE": "1024",

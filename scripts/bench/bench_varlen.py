@@ -3,7 +3,7 @@
 causal attention over the whole packed row: one call each, fp32 on CPU (CUDA if --device cuda), 8 query and
 4 KV heads of 64, segments cut every --seg tokens, best of 3.
 
-Run: python scripts/bench_varlen.py [--sizes 4096,8192,16384,32768] [--seg 2048] [--dense-max 16384]
+Run: python scripts/bench/bench_varlen.py [--sizes 4096,8192,16384,32768] [--seg 2048] [--dense-max 16384]
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
 
 

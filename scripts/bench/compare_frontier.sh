@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU evidence for the 2026-04-09 record's toggles: the CPU sample configuration (scripts/sample_env.sh, offline
+# CPU evidence for the 2026-04-09 record's toggles: the CPU sample configuration (scripts/run/sample_env.sh, offline
 # sample data, NOT FineWeb) trained for the same wall-clock budget with each toggle alone, with the whole
 # PRESET=record_0409 scaled down to 6 layers (vocab 1024 and the vocab-8192 sample), and with the default (both
 # vocabularies: the 8192 sample's validation text is not the 1024 sample's, so compare bpb within a vocabulary),
@@ -8,14 +8,14 @@
 # Prints one markdown table; logs go to logs/frontier_<variant>.txt, artifacts to runs/frontier_<variant>/ (a rerun
 # replaces them: OVERWRITE_RUN=1).
 #
-#   bash scripts/compare_frontier.sh                  # every variant, 90 s of training each
-#   SECONDS_PER_RUN=60 VARIANTS="default loops" bash scripts/compare_frontier.sh
-#   STEPS=60 bash scripts/compare_frontier.sh         # equal steps instead (no time cap; sample_env's schedule)
+#   bash scripts/bench/compare_frontier.sh                  # every variant, 90 s of training each
+#   SECONDS_PER_RUN=60 VARIANTS="default loops" bash scripts/bench/compare_frontier.sh
+#   STEPS=60 bash scripts/bench/compare_frontier.sh         # equal steps instead (no time cap; sample_env's schedule)
 #
 # Runs one after another (never in parallel: equal time means equal CPU). TTT is off (sliding window only);
 # the 6-layer analogues of the record's layer choices are LOOP_START=2 LOOP_END=3, PARALLEL_RESIDUAL_START=4.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 : "${PYTHON:=python3}" "${SECONDS_PER_RUN:=90}" "${STEPS:=0}"
 ALL="default loops parallel skip_gates no_extras qk525 muon_eq_r polar_express warmdown_frac min_lr embed_wd"
 ALL="$ALL preset_1024 default_8192 preset_8192 default_caseops preset_0427 preset_0430"
@@ -50,7 +50,7 @@ variant_env() {  # the settings of one variant, as KEY=VALUE words
     default_caseops) echo "$caseops" ;;
     preset_0427) echo "PRESET=record_0427 $newest GPTQ_RESERVE_SECONDS=$("$PYTHON" -c "print($SECONDS_PER_RUN * 0.5 / 600)") $caseops" ;;
     preset_0430) echo "PRESET=record_0430 $newest GPTQ_RESERVE_SECONDS=$("$PYTHON" -c "print($SECONDS_PER_RUN * 4 / 600)") EVAL_STRIDE=64 TRAIN_SEQ_LEN_SCHEDULE=85@0,171@0.1,256@0.7 $caseops" ;;
-    *) echo "scripts/compare_frontier.sh: unknown variant '$1' (choose from: $ALL)" >&2; return 1 ;;
+    *) echo "scripts/bench/compare_frontier.sh: unknown variant '$1' (choose from: $ALL)" >&2; return 1 ;;
   esac
 }
 
@@ -69,16 +69,16 @@ for v in $VARIANTS; do
   echo "== $v: ${settings:-(defaults)}" >&2
   (
     if (( STEPS > 0 )); then
-      export ITERATIONS="$STEPS" && source scripts/sample_env.sh  # its schedule for STEPS steps, no time cap
+      export ITERATIONS="$STEPS" && source scripts/run/sample_env.sh  # its schedule for STEPS steps, no time cap
     else
-      export ITERATIONS=100000 && source scripts/sample_env.sh
+      export ITERATIONS=100000 && source scripts/run/sample_env.sh
       # the schedule of a 200-step sample run, timed against the budget instead of a step count
       export WARMDOWN_ITERS=80 MUON_MOMENTUM_WARMUP_STEPS=100 EMA_DECAY=0.98 MAX_WALLCLOCK_SECONDS="$SECONDS_PER_RUN"
     fi
     export VAL_LOSS_EVERY=0 TRAIN_LOG_EVERY=50 TTT_ENABLED=0 RUN_ID="frontier_$v" OVERWRITE_RUN=1
     for kv in $settings; do export "${kv?}"; done
     "$PYTHON" train_gpt.py >/dev/null
-  ) || { echo "scripts/compare_frontier.sh: variant $v failed (log: logs/frontier_$v.txt)" >&2; exit 1; }
+  ) || { echo "scripts/bench/compare_frontier.sh: variant $v failed (log: logs/frontier_$v.txt)" >&2; exit 1; }
   rows+=("$v|$settings")
 done
 

@@ -4,18 +4,18 @@
 # logs/device_checks/) as at most 8 files (what the device tool brings back):
 #   summary.txt      each step's start, end and exit status, and the lines that matter
 #   env.txt          GPU, driver, Python, torch, CUDA, Triton, varlen_attn and its GQA mode
-#   race.txt         1. record_0501 against its record's own script on the same kernels (scripts/bench_gpu.sh)
+#   race.txt         1. record_0501 against its record's own script on the same kernels (scripts/bench/bench_gpu.sh)
 #   varlen.txt       2. varlen_attn against the masked path, forward and backward, GQA expanded and native
 #   preflight.txt/.json  3. PREFLIGHT=1 PRESET=record_0501 at full model shapes on the offline CaseOps sample
 #   eval.txt         4. sliding window and TTT against the records' evaluation functions, in what time is left
 #   consoles.tar.gz  the benchmark rows' full console logs
 #
-#   bash scripts/device_wheels.sh          # here, once: brotli and zpaq wheels for the image's Python 3.12 in .whl/
+#   bash scripts/bench/device_wheels.sh    # here, once: brotli and zpaq wheels for the image's Python 3.12 in .whl/
 #   mkdir -p shared && cp -r ../shared/anchors shared/   # the records' scripts travel with the tree
-#   bash scripts/device_checks.sh          # on the device (run tool: carry [".whl"], timeout_s 600)
-#   DEVICE_CHECKS_TINY=1 bash scripts/device_checks.sh   # the dry run on CPU: the same steps at tiny shapes
+#   bash scripts/bench/device_checks.sh    # on the device (run tool: carry [".whl"], timeout_s 600)
+#   DEVICE_CHECKS_TINY=1 bash scripts/bench/device_checks.sh   # the dry run on CPU: the same steps at tiny shapes
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 : "${OUT:=logs/device_checks}" "${BUDGET:=540}" "${DEVICE_CHECKS_TINY:=0}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -33,7 +33,8 @@ step() {
   timeout "$limit" "$@"
   note "== $name exit $? at $(( $(date +%s) - T0 )) s"
 }
-# What the image lacks (brotli, zpaq for COMPRESSOR=pergroup), from wheels carried in .whl (scripts/device_wheels.sh)
+# What the image lacks (brotli, zpaq for COMPRESSOR=pergroup), from wheels carried in .whl
+# (scripts/bench/device_wheels.sh)
 if compgen -G ".whl/*.whl" > /dev/null && ! python3 -c "import brotli, zpaq" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/device_site \
     .whl/*.whl && export PYTHONPATH="/tmp/device_site${PYTHONPATH:+:$PYTHONPATH}"
@@ -46,7 +47,7 @@ fi
 cat "$OUT/env.txt" | tee -a "$SUMMARY"
 
 if [[ $DEVICE_CHECKS_TINY == 1 ]]; then
-  RACE="race record_0430 seq32 loop on"  # the one pair tiny mode runs (scripts/bench_gpu.py TINY_RACE)
+  RACE="race record_0430 seq32 loop on"  # the one pair tiny mode runs (scripts/bench/bench_gpu.py TINY_RACE)
   export BENCH_TINY=1
   # PRESET=record_0501 at the tests' tiny scale (tests/test_compile.py: COMPILE_SCALE with RUN_0501)
   PF_SHAPE="NUM_LAYERS=3 MODEL_DIM=64 NUM_HEADS=2 NUM_KV_HEADS=1 LOOP_START=1 LOOP_END=1 PARALLEL_RESIDUAL_START=2
@@ -62,7 +63,7 @@ fi
 # 1. The top preset against its record's own script, on the same attention kernels (issue 41 item 2; goal: ours
 # <= 0.97x the record's step). BENCH_WARMUP >= 1, or the record's graphs compile inside its timed steps.
 step race 300 env BENCH_ROWS="$RACE" BENCH_STEPS=12 BENCH_WARMUP=2 BENCH_ROW_TIMEOUT=140 BENCH_BUDGET=290 \
-  BENCH_DIR=logs/device_race bash scripts/bench_gpu.sh > "$OUT/race.txt" 2>&1
+  BENCH_DIR=logs/device_race bash scripts/bench/bench_gpu.sh > "$OUT/race.txt" 2>&1
 grep -E "^\| race|ours_vs_record|error" "$OUT/race.txt" | tee -a "$SUMMARY"
 
 # 2. varlen_attn (the image's torch) against the masked path, forward and backward, GQA expanded and native: the
@@ -85,7 +86,7 @@ grep -E "^(preflight|compile|warmup_time|eval_warmup|peak memory|data_wait|error
 
 # 4. In what time is left: sliding window and TTT against the records' evaluation functions.
 step eval 200 env BENCH_ROWS=eval BENCH_ROW_TIMEOUT=180 BENCH_BUDGET=190 BENCH_DIR=logs/device_eval \
-  bash scripts/bench_gpu.sh > "$OUT/eval.txt" 2>&1
+  bash scripts/bench/bench_gpu.sh > "$OUT/eval.txt" 2>&1
 grep -E "^\| eval|error" "$OUT/eval.txt" | tee -a "$SUMMARY"
 
 # The rows' console logs as one file (the device tool brings back at most 8 files, 2 folders down).

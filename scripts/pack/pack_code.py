@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Pack a training script into a self-extracting file, so fewer code bytes count toward the cap.
 
-    python3 scripts/pack_code.py [SRC] [-o OUT] [--check PACKED] [--table] [--for VAR=VALUE ... [--readable]]
+    python3 scripts/pack/pack_code.py [SRC] [-o OUT] [--check PACKED] [--table] [--for VAR=VALUE ... [--readable]]
 
---for PRESET=NAME [VAR=VALUE ...] specialises SRC to that run first (scripts/specialise.py: only the code the run
+--for PRESET=NAME [VAR=VALUE ...] specialises SRC to that run first (scripts/pack/specialise.py: only the code the run
 executes; a submission's file, docs/submitting.md); with --readable the specialised source is written unminified.
 
 SRC (default train_gpt.py) is minified (comments, docstrings, blank lines and function-signature annotations
@@ -682,7 +682,7 @@ def _payload_literal(text: str) -> tuple[str, int, int]:
     for head, what in LEGACY_HEADS.items():
         if text.startswith(head):
             raise PackError(f"an older packed format ({what}): repack it from the readable source with this"
-                            " scripts/pack_code.py")
+                            " scripts/pack/pack_code.py")
     tail = _TAIL_PATTERN.search(text)
     if not text.startswith(WRAPPER_HEAD) or tail is None or tail.start() < len(WRAPPER_HEAD):
         raise PackError("not a packed file: not the wrapper pack_code.py writes")
@@ -783,11 +783,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", nargs="?", default="train_gpt.py", type=Path, help="readable source (default: %(default)s)")
     p.add_argument("-o", "--output", type=Path, help="write the packed file here (atomically)")
     p.add_argument("--for", dest="run", nargs="+", metavar="VAR=VALUE",
-                   help="specialise SRC to one run first (PRESET=NAME and settings; scripts/specialise.py): the file "
-                        "carries only that run's code")
+                   help="specialise SRC to one run first (PRESET=NAME and settings; scripts/pack/specialise.py): "
+                        "the file carries only that run's code")
     p.add_argument("--for-env", action="store_true",
                    help="specialise SRC to the run this environment describes (PRESET and the settings set in it; "
-                        "not the machine's): what scripts/run_seeds.sh does with PACK_CODE=1")
+                        "not the machine's): what scripts/run/run_seeds.sh does with PACK_CODE=1")
     p.add_argument("--readable", action="store_true",
                    help="with --for: write the specialised source unminified, comments kept (the code the run executes)")
     p.add_argument("--check", type=Path, metavar="PACKED",
@@ -798,7 +798,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def specialised_source(src: str, src_path: Path, run_items: list[str] | None, from_env: bool = False) -> str:
-    """SRC specialised to the run given as VAR=VALUE items, or by the environment (scripts/specialise.py)."""
+    """SRC specialised to the run given as VAR=VALUE items, or by the environment (scripts/pack/specialise.py)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import specialise
 

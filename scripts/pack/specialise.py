@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Specialise train_gpt.py to one run: the code that run executes, and nothing else (issue 60).
 
-    python3 scripts/specialise.py PRESET=record_0501 [VAR=VALUE ...] [--source train_gpt.py] [-o OUT]
+    python3 scripts/pack/specialise.py PRESET=record_0501 [VAR=VALUE ...] [--source train_gpt.py] [-o OUT]
 
-(`scripts/pack_code.py --for ...` packs the result; this script writes it readable: comments kept.)
+(`scripts/pack/pack_code.py --for ...` packs the result; this script writes it readable: comments kept.)
 
 What is removed comes from an analysis of the source, repeated until nothing changes:
 - Settings. Every `self.X = self._env("NAME", default, kind)` of Hyperparameters is a setting. A *predicate* on one
@@ -58,7 +58,7 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MIN_PYTHON = (3, 10)
 # Methods torch (nn.Module, autograd.Function, torch.library) or Python call without naming them as an attribute.
 HOOK_METHODS = frozenset(("forward", "backward", "setup_context", "extra_repr", "jvp", "vjp"))

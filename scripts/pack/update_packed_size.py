@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Re-measure the packed train_gpt.py and rewrite every place that quotes its size, the guard included.
 
-    python3 scripts/update_packed_size.py [--check] [--date YYYY-MM-DD] [--presets]
+    python3 scripts/pack/update_packed_size.py [--check] [--date YYYY-MM-DD] [--presets]
 
-Measures the readable train_gpt.py and its packed form (scripts/pack_code.py: minified, ZPAQ_METHOD, 7 bits a byte),
-sets the guard of tests/test_pack_code.py to the packed size plus 200 bytes rounded up to a multiple of 100, and
+Measures the readable train_gpt.py and its packed form (scripts/pack/pack_code.py: minified, ZPAQ_METHOD, 7 bits a
+byte), sets the guard of tests/test_pack_code.py to the packed size plus 200 bytes rounded up to a multiple of 100, and
 rewrites the current numbers in QUOTES (docs/submitting.md, docs/log_format.md, tests/test_pack_code.py); the dated
 history paragraphs of docs/submitting.md are left as they were. Each quote must be found exactly once (else one line
 naming it and exit 1). --check writes nothing and exits 1 when a quote is stale. Prints what it measured and each
-file it changed. --presets also specialises train_gpt.py to each preset (scripts/specialise.py) and rewrites
+file it changed. --presets also specialises train_gpt.py to each preset (scripts/pack/specialise.py) and rewrites
 docs/submitting.md's table of the specialised files' sizes (beside each record's own code and model) and the guards
 of tests/test_specialise_tools.py (each preset's packed size plus 200 bytes, rounded up to a multiple of 100).
 """
@@ -21,14 +21,14 @@ import re
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECORD_MODEL_MAX = 15_900_548  # the 2026-03-23 record's largest compressed model (tests/test_trust.py)
 
 # file -> [(pattern with one group per quoted number, what each group becomes from the measurements)]
 QUOTES = {
     "docs/submitting.md": [
-        (r"the readable script is\s+([\d,]+) bytes \(([\d-]+)\)\. `scripts/pack_code\.py` writes the same program as a "
-         r"self-extracting file of ([\d,]+)\s+bytes \(([\d.]+)%\)", ("readable", "date", "packed", "percent")),
+        (r"the readable script is\s+([\d,]+) bytes \(([\d-]+)\)\. `scripts/pack/pack_code\.py` writes the same program "
+         r"as a self-extracting file of ([\d,]+)\s+bytes \(([\d.]+)%\)", ("readable", "date", "packed", "percent")),
         (r"The `tests/test_pack_code\.py` guard\s+is ([\d,]+)\.", ("guard",)),
     ],
     "docs/log_format.md": [
@@ -45,7 +45,7 @@ QUOTES = {
 
 def measure():
     """{name: text} of the numbers the quotes hold, from the readable and packed train_gpt.py."""
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "pack"))
     import pack_code
     src = (REPO / "train_gpt.py").read_text(encoding="utf-8")
     return len(src.encode("utf-8")), len(pack_code.pack(src).encode("utf-8"))
@@ -78,14 +78,15 @@ def rewrite(path, text, numbers):
 PRESET_RECORDS = {"record_0323": (89_458, 15_887_928, "seed 1337"), "record_0409": (16_630, 15_975_300, "seed 42"),
                   "record_0427": (31_999, 15_865_260, "seed 42"), "record_0430": (38_134, 15_943_811, "seed 42"),
                   "record_0501": (37_155, 15_910_335, "seed 42")}
-TABLE_BEGIN, TABLE_END = "<!-- specialised sizes: scripts/update_packed_size.py -->\n", "<!-- end of specialised sizes -->"
-GUARD_LINE = re.compile(r"^SPECIALISED_PACKED_GUARD = \{  # scripts/update_packed_size\.py\n.*?^\}$", re.M | re.S)
+TABLE_BEGIN = "<!-- specialised sizes: scripts/pack/update_packed_size.py -->\n"
+TABLE_END = "<!-- end of specialised sizes -->"
+GUARD_LINE = re.compile(r"^SPECIALISED_PACKED_GUARD = \{  # scripts/pack/update_packed_size\.py\n.*?^\}$", re.M | re.S)
 
 
 def specialised_sizes(texts):
     """{preset: (lines, readable, minified, packed bytes)} of the presets' specialised files, from their readable
-    sources {preset: text} (scripts/specialise.py; the default run of each preset)."""
-    sys.path.insert(0, str(REPO / "scripts"))
+    sources {preset: text} (scripts/pack/specialise.py; the default run of each preset)."""
+    sys.path.insert(0, str(REPO / "scripts" / "pack"))
     import pack_code
     sizes = {}
     for p, t in texts.items():
@@ -97,7 +98,7 @@ def specialised_sizes(texts):
 
 def specialise_presets():
     """{preset: specialised readable source} of train_gpt.py for each preset's own settings."""
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "pack"))
     import specialise
     src = (REPO / "train_gpt.py").read_text(encoding="utf-8")
     return {p: specialise.specialise(src, {"PRESET": p}).text for p in PRESET_RECORDS}
@@ -105,7 +106,7 @@ def specialise_presets():
 
 def sizes_table(sizes, date):
     """docs/submitting.md's table of the specialised files beside each record's own code and model."""
-    rows = [f"Measured {date} (`python3 scripts/update_packed_size.py`):\n",
+    rows = [f"Measured {date} (`python3 scripts/pack/update_packed_size.py`):\n",
             "| preset | lines | readable | minified | packed | record's own code | record's model | packed + model "
             "| room under 16,000,000 |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -116,7 +117,7 @@ def sizes_table(sizes, date):
     return "\n".join(rows) + "\n"
 
 
-LINES_BEGIN, LINES_END = "<!-- preset lines: scripts/update_packed_size.py -->\n", "<!-- end of preset lines -->"
+LINES_BEGIN, LINES_END = "<!-- preset lines: scripts/pack/update_packed_size.py -->\n", "<!-- end of preset lines -->"
 
 
 def lines_table(sizes, total):
@@ -127,7 +128,7 @@ def lines_table(sizes, total):
 
 
 def guard_line(sizes):
-    return ("SPECIALISED_PACKED_GUARD = {  # scripts/update_packed_size.py\n" + "".join(
+    return ("SPECIALISED_PACKED_GUARD = {  # scripts/pack/update_packed_size.py\n" + "".join(
         f'    "{p}": {math.ceil((s[3] + 200) / 100) * 100:_},\n' for p, s in sizes.items()) + "}")
 
 
@@ -145,8 +146,8 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a quote is stale")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--presets", action="store_true",
-                    help="also specialise train_gpt.py to each preset (scripts/specialise.py) and rewrite the table of "
-                         "their sizes in docs/submitting.md and the guards of tests/test_specialise_tools.py")
+                    help="also specialise train_gpt.py to each preset (scripts/pack/specialise.py) and rewrite the "
+                         "table of their sizes in docs/submitting.md and the guards of tests/test_specialise_tools.py")
     args = ap.parse_args(argv)
     if args.presets:
         sizes = specialised_sizes(specialise_presets())
@@ -185,7 +186,7 @@ def main(argv=None):
                 (REPO / path).write_text(new, encoding="utf-8")
                 print(f"updated {path}")
     if args.check and stale:
-        print(f"stale: {', '.join(stale)} (python3 scripts/update_packed_size.py rewrites them)", file=sys.stderr)
+        print(f"stale: {', '.join(stale)} (python3 scripts/pack/update_packed_size.py rewrites them)", file=sys.stderr)
         return 1
     return 0
 

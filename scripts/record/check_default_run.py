@@ -3,7 +3,7 @@
 the same tiny fp32 CPU configuration (the offline sample data, a short validation shard, every setting its default
 but the model's and the run's sizes), and their loss lines and artifact bytes compared.
 
-    python3 scripts/check_default_run.py [COMMIT] [--preset NAME|all] [--keep DIR] [--script PATH]
+    python3 scripts/record/check_default_run.py [COMMIT] [--preset NAME|all] [--keep DIR] [--script PATH]
 
 COMMIT (default HEAD) is read with `git show COMMIT:train_gpt.py` into a temporary folder; the sample data is built
 there by this checkout's data/build_sample_data.py (both runs read the same files). Compared: every log line with a
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # The sizes of a run that takes seconds on 2 CPU cores; everything else is the default (the 2026-03-23 record's).
 TINY_RUN = {

@@ -17,14 +17,14 @@ traceback) and the exit status is 1. Checked:
 - total submission size <= 16,000,000 bytes and no OVER_LIMIT line;
 - train_gpt.py present, parseable as Python 3.10, and exactly as many bytes
   as every log's "Code size";
-- if train_gpt.py is packed (scripts/pack_code.py; run_seeds.sh with
+- if train_gpt.py is packed (scripts/pack/pack_code.py; run_seeds.sh with
   PACK_CODE=1): its payload decodes (nothing is executed) and parses as
   Python 3.10, train_gpt_readable.py is present, its sha256 is
   submission.json's code_source_sha256 (and code_packed is true), and
   minify(train_gpt_readable.py) (local renaming included, re-derived from
   that source) is exactly the payload, so the readable file is the code that
   ran; a file in the older LZMA2 + Base85 format is refused with one line
-  (repack it); a readable source specialised to its run (scripts/specialise.py,
+  (repack it); a readable source specialised to its run (scripts/pack/specialise.py,
   run_seeds.sh PACK_CODE=1) must be what submission.json's code_specialised says,
   and with --full-script TRAIN_GPT the specialisation is derived again from that
   full script for the run it records and compared (one SPECIALISED: or FAIL: line);
@@ -79,10 +79,11 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# recordlib beside this file; pack_code and specialise in scripts/pack/
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "pack")]
 import pack_code  # noqa: E402
 import specialise  # noqa: E402
-import recordlib as rl  # noqa: E402  (needs the path above)
+import recordlib as rl  # noqa: E402  (needs the paths above)
 
 VAL_BPB_TOLERANCE = 1e-6
 TRACK_10MIN_DIR = "track_10min_16mb"
@@ -238,7 +239,7 @@ def check_packed_code(folder: Path) -> list[Problem]:
         data = None
     if not pack_code.is_packed(text):
         if text.startswith(pack_code.WRAPPER_HEAD.split("\n")[0] + "\n"):
-            return [(code, "starts like a packed file but is not the exact wrapper scripts/pack_code.py"
+            return [(code, "starts like a packed file but is not the exact wrapper scripts/pack/pack_code.py"
                            " writes; repack it")]
         if data is not None and data.get("code_packed") is True:
             return [(sub, "field 'code_packed' is true but train_gpt.py is not a packed file")]
@@ -278,7 +279,7 @@ def check_packed_code(folder: Path) -> list[Problem]:
         return problems + [(readable, f"cannot be minified: {exc}")]
     if minified != payload:
         problems.append((code, f"its packed code is not minify({rl.READABLE_CODE}): it was not packed from that"
-                               " source (or by another version of scripts/pack_code.py)"))
+                               " source (or by another version of scripts/pack/pack_code.py)"))
     record = specialise.recorded(source.decode("utf-8"))
     if data is not None and record:
         claimed = data.get("code_specialised")

@@ -7,14 +7,14 @@ results table in README.md between the results markers so hand-written text
 around it survives re-runs. With --sota-bpb it also runs the challenge's
 significance test (beat the record by 0.005 nats at p < 0.01).
 
-When FOLDER/train_gpt.py is the packed form written by scripts/pack_code.py
+When FOLDER/train_gpt.py is the packed form written by scripts/pack/pack_code.py
 (run_seeds.sh with PACK_CODE=1), submission.json also records code_packed: true
 and code_source_sha256, the sha256 of the readable FOLDER/train_gpt_readable.py; when that source is
-specialised to its run (PACK_CODE=1 does it: scripts/specialise.py), code_specialised records what from
+specialised to its run (PACK_CODE=1 does it: scripts/pack/specialise.py), code_specialised records what from
 (the full train_gpt.py's sha256) and for which settings.
 
 Example:
-    python scripts/make_record.py records/track_10min_16mb/2025-11-21_MyRun \\
+    python scripts/record/make_record.py records/track_10min_16mb/2025-11-21_MyRun \\
         --author "Jane Doe" --github-id janedoe --blurb "..." --sota-bpb 1.1194
 """
 from __future__ import annotations
@@ -28,10 +28,11 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# recordlib beside this file; pack_code and specialise in scripts/pack/
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "pack")]
 import pack_code  # noqa: E402
 import specialise  # noqa: E402
-import recordlib as rl  # noqa: E402  (needs the path above)
+import recordlib as rl  # noqa: E402  (needs the paths above)
 
 DASH = "–"
 TRACK_10MIN_DIR = "track_10min_16mb"  # as check_record.py infers the track: a folder directly inside it
@@ -231,7 +232,7 @@ def results_block(logs: list[rl.RunLog], metric: str, table: str, sig: rl.Signif
     parts = [rl.RESULTS_START, summary, "", table]
     if packed:
         parts += ["", f"Code: `train_gpt.py` (the file that ran; its bytes are the logged Code size) is the packed"
-                  f" form of `{rl.READABLE_CODE}`: `python3 scripts/pack_code.py {rl.READABLE_CODE} --check"
+                  f" form of `{rl.READABLE_CODE}`: `python3 scripts/pack/pack_code.py {rl.READABLE_CODE} --check"
                   " train_gpt.py` verifies it without running it."]
     if sig is not None:
         parts += ["", "```", *significance_lines(sig), "```"]

@@ -58,7 +58,7 @@ METRIC_PREFERENCE = ("legal_ttt", "sliding", "roundtrip")
 OPTIONAL_EVALS = ("sliding", "legal_ttt")
 
 LOG_GLOB = "train_seed*.log"
-# Shipped beside a packed train_gpt.py (scripts/pack_code.py): the readable source it was packed from.
+# Shipped beside a packed train_gpt.py (scripts/pack/pack_code.py): the readable source it was packed from.
 READABLE_CODE = "train_gpt_readable.py"
 RESULTS_START = "<!-- results:start -->"
 RESULTS_END = "<!-- results:end -->"
@@ -99,7 +99,7 @@ RX_RESUMED = _rx(r"resumed_from:(\S+) step:(\d+)")
 # greedily, so it ends at the line's last "replay_world_size:" field (a path may hold that text; the note does not).
 RX_REPLAYED = _rx(r"train_clock:(.+) replay_world_size:(\d+) world_size:(\d+) grad_accum:(\d+)")
 # The first form, TRAIN_CLOCK=ms:X alone: ``train_clock:ms:50 (every time-based decision reads step x 50 ms; ...)``.
-# train_gpt.py's settings dump, preset line, evaluation's end and one-line error (scripts/compare_runs.py, issue 63)
+# train_gpt.py's settings dump, preset line, evaluation's end and one-line error (scripts/run/compare_runs.py, issue 63)
 RX_SETTING = re.compile(r"^setting ([A-Z][A-Z0-9_]*)=(.*) \[(env|preset|default)\]$")
 RX_PRESET = _rx(r"preset:(\S+)")
 RX_EVAL_TOTAL = _rx(rf"evaluation_time: (?:ttt_loop:{_NUM}s )?total:{_NUM}s")

@@ -8,8 +8,8 @@ and after TTT, the evaluation's time, the artifact's bytes and whether the run f
 still going (no evaluation_time line yet) and a failed run (its error line) never show as finished.
 
 Examples:
-    python3 scripts/compare_runs.py runs/* --sort val_bpb
-    python3 scripts/compare_runs.py runs/* --csv runs.csv --markdown runs.md --plot curves.png
+    python3 scripts/run/compare_runs.py runs/* --sort val_bpb
+    python3 scripts/run/compare_runs.py runs/* --csv runs.csv --markdown runs.md --plot curves.png
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import csv
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import plot_logs  # noqa: E402  (needs the path above)
+# plot_logs beside this file; recordlib in scripts/record/
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "record")]
+import plot_logs  # noqa: E402  (needs the paths above)
 import recordlib as rl  # noqa: E402
 
 # Settings that differ between any two runs by construction: not a difference of recipe.
@@ -35,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "e.g. val_bpb, step_ms, bytes or a setting's name")
     p.add_argument("--csv", type=Path, metavar="FILE", help="also write the table as CSV")
     p.add_argument("--markdown", type=Path, metavar="FILE", help="also write the table as Markdown")
-    p.add_argument("--plot", type=Path, metavar="PNG", help="the runs' curves on one figure (scripts/plot_logs.py's)")
+    p.add_argument("--plot", type=Path, metavar="PNG",
+                   help="the runs' curves on one figure (scripts/run/plot_logs.py's)")
     return p
 
 

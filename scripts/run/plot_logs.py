@@ -6,7 +6,7 @@ training time (s), with one line per log, so runs of different speed can be
 compared both per step and per second of the 10-minute budget.
 
 Example:
-    python scripts/plot_logs.py logs/a.txt logs/b.txt --labels base,new -o curves.png
+    python scripts/run/plot_logs.py logs/a.txt logs/b.txt --labels base,new -o curves.png
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "record"))  # recordlib in scripts/record/
 import recordlib as rl  # noqa: E402  (needs the path above)
 
 # (row, column) -> (step kind, y attribute, y label, x attribute, x label)

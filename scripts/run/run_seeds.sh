@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run train_gpt.py once per seed and collect the logs into a record folder.
 #
-#   scripts/run_seeds.sh FOLDER SEED [SEED...]
+#   scripts/run/run_seeds.sh FOLDER SEED [SEED...]
 #
 # Each run gets the caller's environment plus SEED=<seed> and
 # RUN_ID=<folder name>_seed<seed>; train_gpt.py writes logs/$RUN_ID.txt, which
@@ -13,7 +13,7 @@
 # run, as train_gpt.py would refuse it (OVERWRITE_RUN=1 reruns it).
 #
 # With PACK_CODE=1, train_gpt.py is first specialised to the run this environment
-# describes (PRESET and the settings set in it; scripts/pack_code.py --for-env:
+# describes (PRESET and the settings set in it; scripts/pack/pack_code.py --for-env:
 # only the code that run executes, docs/submitting.md), written readable to
 # FOLDER/train_gpt_readable.py; FOLDER/train_gpt.py is its packed (self-extracting,
 # minified, locals renamed, ZPAQ in a 7-bit literal) form, and the runs execute the
@@ -27,7 +27,7 @@
 #   TORCHRUN_ARGS   extra torchrun options, split on whitespace
 #   TORCHRUN        launcher command, default "torchrun"
 #   PACK_CODE       1: run and ship the packed train_gpt.py (see above); default 0
-#   PYTHON          interpreter for scripts/pack_code.py, default "python3"
+#   PYTHON          interpreter for scripts/pack/pack_code.py, default "python3"
 #   OVERWRITE_RUN   1: rerun seeds that finished before (train_gpt.py's setting)
 set -euo pipefail
 
@@ -53,7 +53,7 @@ done
 mkdir -p "$folder"
 folder=$(cd "$folder" && pwd)
 name=$(basename "$folder")
-repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo_root"
 [[ -f train_gpt.py ]] || die "no train_gpt.py in $repo_root"
 pack=${PACK_CODE:-0}
@@ -83,10 +83,10 @@ if [[ $pack == 1 ]]; then
   code=$(mktemp "$folder/.train_gpt.py.XXXXXX")
   readable=$(mktemp "$folder/.train_gpt_readable.py.XXXXXX")
   trap 'rm -f "$code" "$readable"' EXIT
-  ${PYTHON:-python3} scripts/pack_code.py train_gpt.py --for-env --readable -o "$readable" >&2 \
-    || die "scripts/pack_code.py could not specialise train_gpt.py to this run"
-  ${PYTHON:-python3} scripts/pack_code.py "$readable" -o "$code" >&2 \
-    || die "scripts/pack_code.py could not pack the specialised train_gpt.py"
+  ${PYTHON:-python3} scripts/pack/pack_code.py train_gpt.py --for-env --readable -o "$readable" >&2 \
+    || die "scripts/pack/pack_code.py could not specialise train_gpt.py to this run"
+  ${PYTHON:-python3} scripts/pack/pack_code.py "$readable" -o "$code" >&2 \
+    || die "scripts/pack/pack_code.py could not pack the specialised train_gpt.py"
   launcher+=(${extra_args[@]+"${extra_args[@]}"} "$folder/train_gpt.py")
 else
   code=train_gpt.py
@@ -125,4 +125,4 @@ for seed in "$@"; do
   echo "run_seeds: wrote $folder/train_seed${seed}.log; the artifact is $repo_root/$artifact" >&2
 done
 
-echo "run_seeds: done; next: python scripts/make_record.py $folder && python scripts/check_record.py $folder --sota-bpb <current record bpb>" >&2
+echo "run_seeds: done; next: python scripts/record/make_record.py $folder && python scripts/record/check_record.py $folder --sota-bpb <current record bpb>" >&2

@@ -1,4 +1,4 @@
-# Settings of the CPU sample configuration, to be sourced: `source scripts/sample_env.sh`.
+# Settings of the CPU sample configuration, to be sourced: `source scripts/run/sample_env.sh`.
 # The record's architecture (U-Net, banks, XSA, value embeddings, bigram hash, partial RoPE) at a size a
 # laptop CPU trains in minutes, on the offline sample data (data/build_sample_data.py). Anything already
 # set in the environment wins.
@@ -19,7 +19,7 @@
 # default run and the presets keep the record's split: their faith to the records' scripts is at 8 micro-steps.
 export ITERATIONS="${ITERATIONS:-200}"
 if [[ ! "$ITERATIONS" =~ ^[0-9]{1,9}$ ]] || (( 10#$ITERATIONS < 1 )); then
-  echo "scripts/sample_env.sh: ITERATIONS=$ITERATIONS must be a whole number of steps from 1 to 999999999" >&2
+  echo "scripts/run/sample_env.sh: ITERATIONS=$ITERATIONS must be a whole number of steps from 1 to 999999999" >&2
   return 1 2>/dev/null || exit 1
 fi
 ITERATIONS=$(( 10#$ITERATIONS ))  # "050" -> 50 (bash would read a leading zero as octal)

@@ -1,6 +1,6 @@
 """torchrun that resumes by itself after a failure (issue 62).
 
-    RUN_ID=r1 CHECKPOINT_EVERY=50 python3 scripts/torchrun_resume.py --standalone --nproc_per_node=8 train_gpt.py
+    RUN_ID=r1 CHECKPOINT_EVERY=50 python3 scripts/run/torchrun_resume.py --standalone --nproc_per_node=8 train_gpt.py
 
 runs `python3 -m torch.distributed.run ARGS` (torchrun) with the environment as given, and after a failed try
 the same command again with RESUME=auto, which continues the newest complete checkpoint: the run ends with the
@@ -62,7 +62,7 @@ def one_try(args: list[str], env: dict[str, str], stop: list) -> tuple[int, list
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                     usage="RUN_ID=NAME CHECKPOINT_EVERY=N python3 scripts/torchrun_resume.py "
+                                     usage="RUN_ID=NAME CHECKPOINT_EVERY=N python3 scripts/run/torchrun_resume.py "
                                      "[--retries N] [--wait S] TORCHRUN_ARGS...")
     parser.add_argument("--retries", type=int, default=3, help="reruns at most (default 3)")
     parser.add_argument("--wait", type=float, default=2.0, help="seconds before each rerun (default 2)")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_OURS = Path(__file__).resolve().parents[2] / "train_gpt.py"
+_OURS = Path(__file__).resolve().parents[3] / "train_gpt.py"
 
 
 def _ours():

@@ -1,0 +1,5 @@
+#!/usr/bin/env python3
+"""Moved to scripts/record/make_record.py (scripts/README.md, "Moved"): this old path forwards to it."""
+if __name__ == "__main__":
+    import _moved
+    _moved.forward("record/make_record.py")
