@@ -212,3 +212,30 @@ def test_every_docs_file_is_linked_from_readme():
     unlinked = [p.relative_to(REPO).as_posix() for p in sorted((REPO / "docs").glob("*.md"))
                 if p.relative_to(REPO).as_posix() not in linked]
     assert not unlinked, f"README does not link {unlinked}"
+
+
+def test_scripts_rooms_are_listed_and_the_old_paths_point_to_them(tmp_path):
+    """scripts/ reads as its rooms (issue 69): every file in a room is named in scripts/README.md, the top level holds
+    only the rooms, the README, _moved.py and stubs, each stub forwards to a file that exists, and an old path run as a
+    user typed it prints one line naming the new place, then does what the moved file does."""
+    import subprocess
+
+    scripts = REPO / "scripts"
+    listing = (scripts / "README.md").read_text(encoding="utf-8")
+    rooms = sorted(p.name for p in scripts.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert rooms == ["bench", "pack", "record", "run"], rooms
+    for room in rooms:
+        for f in sorted((scripts / room).rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts:
+                assert f"`{f.relative_to(scripts / room).parts[0]}" in listing, f
+    for stub in sorted(p for p in scripts.iterdir() if p.is_file() and p.name not in ("README.md", "_moved.py")):
+        target = re.search(r'(?:forward\("|/)((?:run|record|pack|bench)/[\w.]+)', stub.read_text()).group(1)
+        assert (scripts / target).name == stub.name and (scripts / target).is_file(), stub
+        assert f"| `scripts/{stub.name}` | `scripts/{target}` |" in listing, stub
+    for cmd in ([sys.executable, str(scripts / "compare_runs.py"), "--help"],
+                ["bash", str(scripts / "run_seeds.sh")]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        name = Path(cmd[1]).name
+        room = "run"
+        assert proc.stderr.splitlines()[0] == f"note: scripts/{name} moved to scripts/{room}/{name}; running it from there"
+        assert "usage" in (proc.stdout + proc.stderr).lower(), proc.stderr
