@@ -124,22 +124,59 @@ def tiny_env(monkeypatch, sample_data) -> dict[str, str]:
 
 
 def run_training(env: dict[str, str], cwd: Path, nproc: int = 0, timeout: int = 600,
-                 real: bool = False) -> subprocess.CompletedProcess:
-    """Runs train_gpt.py in `cwd` with `env` added, as `python3 train_gpt.py` (nproc=0) or `torchrun --standalone
-    --nproc_per_node=nproc train_gpt.py` would: forked from the worker's zygote (tests/launcher.py: the same program
-    without paying the imports again), or with `real` through those very commands. As torchrun's, a failed
-    nproc run's exit status is 1."""
+                 real: bool = False, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    """Runs train_gpt.py (or `script`, a wrapper that runs it: WORK_CLOCK_RUN) in `cwd` with `env` added, as
+    `python3 train_gpt.py` (nproc=0) or `torchrun --standalone --nproc_per_node=nproc train_gpt.py` would: forked
+    from the worker's zygote (tests/launcher.py: the same program without paying the imports again), or with `real`
+    through those very commands. As torchrun's, a failed nproc run's exit status is 1."""
     full = {**clean_environ(), **env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
     if real:
-        cmd = [sys.executable, str(SCRIPT)]
+        cmd = [sys.executable, str(script)]
         if nproc > 0:
             cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         return subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
     if nproc > 0:
-        proc = launcher.run_ranks([SCRIPT], full, cwd, nproc, timeout=timeout)
+        proc = launcher.run_ranks([script], full, cwd, nproc, timeout=timeout)
         proc.returncode = 1 if proc.returncode else 0
         return proc
-    return launcher.run([SCRIPT], full, cwd, timeout=timeout)
+    return launcher.run([script], full, cwd, timeout=timeout)
+
+
+# train_gpt.py on a clock the test controls (issue 69): time.perf_counter() (the only clock the script reads) returns
+# the work the run has done, not the time it took: the matmul FLOPs of the main thread's ops so far (forward and
+# backward, counted by a dispatch mode with PyTorch's own FLOP formulas, torch.utils.flop_counter's, and linear's) at GFLOPS
+# GFLOP/s, plus 1 ms for each earlier reading in the same thread. The same run reads the same times, and decides the
+# same, on a fast, slow or busy machine, and its costs keep their proportions (a TTT training step costs what its
+# matmuls cost). Write it with .format(repo=..., gflops=...) and run it with run_training(script=...).
+WORK_CLOCK_RUN = """
+import sys, threading, time
+sys.path.insert(0, {repo!r})
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+import train_gpt as tg
+
+class WorkClock(TorchDispatchMode):
+    def __init__(self, flops_per_s):
+        super().__init__()
+        self.flops, self.flops_per_s, self.readings = 0, flops_per_s, {{}}
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {{}}))
+        if func._overloadpacket is torch.ops.aten.linear:  # not decomposed under inference mode; not in the registry
+            self.flops += 2 * out.numel() * args[1].shape[-1]
+        elif func._overloadpacket in flop_registry:
+            self.flops += flop_registry[func._overloadpacket](*args, **(kwargs or {{}}), out_val=out)
+        return out
+    def perf_counter(self):
+        me = threading.get_ident()
+        self.readings[me] = self.readings.get(me, 0) + 1
+        return self.readings[me] * 1e-3 + self.flops / self.flops_per_s
+
+clock = WorkClock({gflops!r} * 1e9)
+tg.time = type("Time", (), {{"perf_counter": staticmethod(clock.perf_counter)}})
+with clock:
+    tg.main()
+"""
 
 
 def shared_run(tmp_path_factory, name: str, env: dict[str, str], nproc: int = 0) -> Path:

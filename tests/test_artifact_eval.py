@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as tg
-from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, run_file, run_training, short_val_data
+from conftest import (REPO, SCRIPT, WORK_CLOCK_RUN, TINY_ENV, clean_environ, read_log, run_file, run_training,
+                      short_val_data)
 
 CPU = torch.device("cpu")
 SPACE = "\u2581"
@@ -827,8 +828,11 @@ def test_a_budget_below_the_whole_evaluation_stops_ttt_adapting_and_scores_every
     budget plus the margin, logs the plan and stop lines and budget_limited, and scores exactly the unguarded run's
     targets and bytes (a bpb / loss ratio is tokens / (bytes ln 2)) with another score; EVAL_TTT_STOP_AT at the
     logged step gives its score to the last digit, even under a tenth of that budget; what comes before TTT is the
-    unguarded run's."""
+    unguarded run's. Every run reads a clock that counts the work done (conftest.WORK_CLOCK_RUN), not the machine's
+    time: the same stop on a fast, slow or busy machine."""
     artifact = next(trained_run["cwd"].rglob("final_model.int6.ptz"))
+    clock = tmp_path / "work_clock_run.py"  # the clock reads the work done: the same decisions on any machine
+    clock.write_text(WORK_CLOCK_RUN.format(repo=str(REPO), gflops=1.0))
     logs = {}
     for name in ("full", "guarded", "stop"):
         if name == "full":
@@ -843,7 +847,7 @@ def test_a_budget_below_the_whole_evaluation_stops_ttt_adapting_and_scores_every
             extra = {"EVAL_TTT_STOP_AT": str(step), "DIAGNOSTIC_ROUNDTRIP": "0", "EVAL_BUDGET_SECONDS": str(budget / 10)}
         (tmp_path / name).mkdir()
         proc = run_training({**run_env, **extra, "RUN_ID": name, "EVAL_ONLY": str(artifact), "TTT_EPOCHS": "8"},
-                            tmp_path / name)
+                            tmp_path / name, script=clock)
         assert proc.returncode == 0, proc.stderr[-3000:]
         logs[name] = read_log(tmp_path / name, name)
     base, guarded, stop = (run_output(logs[k]) for k in ("full", "guarded", "stop"))

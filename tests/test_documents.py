@@ -594,10 +594,11 @@ tg.main()
 
 
 def test_two_ranks_with_skewed_clocks_switch_context_at_one_step(tmp_path, sample_data):
-    """Rank 1's clock runs twice as fast: the context switches (and the LR re-warmup after them) must happen
-    at the same step on both ranks, from the agreed elapsed time; the weights then agree. A 6 s cap: with 3 s, on a
-    loaded 2-core machine (the suite's other worker busy) the first steps took past the 0.5 mark and the 64 phase
-    was never reached."""
+    """Rank 1's clock runs twice as fast (a step counts 100 ms on rank 0, 200 ms on rank 1: TRAIN_CLOCK=ms, a clock
+    the test controls, so the steps are the same on a fast, slow or busy machine): the context switches (and the LR
+    re-warmup after them) must happen at the same step on both ranks, the agreed elapsed time's (the slower clock's)
+    against the 2 s cap: to 64 once 0.25 has passed (after step 3, 600 ms), to 128 at 0.5 (after step 5, 1000 ms),
+    where rank 0's own clock would switch after steps 5 and 10; the weights then agree."""
     from test_frontier import CLOCK_WRAPPER
 
     wrapper = tmp_path / "clock_run.py"
@@ -605,14 +606,14 @@ def test_two_ranks_with_skewed_clocks_switch_context_at_one_step(tmp_path, sampl
     assert source.rstrip().endswith("tg.main()")
     wrapper.write_text(source.rstrip()[:-len("tg.main()")] + SCHEDULE_RECORDER)
     env = {**clean_environ(), **TINY_ENV, **sample_data, "RUN_ID": "ctx", "OMP_NUM_THREADS": "1",
-           "ITERATIONS": "100000", "MAX_WALLCLOCK_SECONDS": "6", "WARMDOWN_ITERS": "0", "TRAIN_LOG_EVERY": "0",
-           "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "WARMUP_STEPS": "0", "TRAIN_LOADER": "packed",
+           "ITERATIONS": "100000", "MAX_WALLCLOCK_SECONDS": "2", "TRAIN_CLOCK": "ms:100", "WARMDOWN_ITERS": "0",
+           "TRAIN_LOG_EVERY": "0", "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "WARMUP_STEPS": "0", "TRAIN_LOADER": "packed",
            "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "0", "TRAIN_SEQ_LEN_SCHEDULE": "32@0,64@0.25,128@0.5",
            "SEQ_LEN_REWARMUP_STEPS": "3", "TRAIN_BATCH_TOKENS": "2048"}
     proc = launcher.run_ranks([wrapper], env, tmp_path, 2, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     p0, p1 = (json.loads((tmp_path / f"phases{r}.json").read_text()) for r in (0, 1))
-    assert p0 == p1 and [p for _, p in p0] == [0, 1, 2], (p0, p1)
+    assert p0 == p1 == [[0, 0], [3, 1], [5, 2]], (p0, p1)
     log = read_log(tmp_path, "ctx")
     for (step, p), length in zip(p0[1:], (64, 128)):
         assert re.search(rf"^seq_len:{length} step:{step} frac:", log, re.M), log[-2000:]

@@ -389,8 +389,12 @@ class SkewedClock:
         return self.start + (time.perf_counter() - self.start) * self.rate
 
 rank = int(os.environ.get("RANK", "0"))
-# the rate: the script's argument, else 1 + rank (rank r's clock runs (1 + r) times as fast); main() takes no arguments
-tg.time = SkewedClock(float(sys.argv.pop(1)) if len(sys.argv) > 1 else 1.0 + rank)
+if len(sys.argv) > 1:  # the wall clock at the rate given as the script's argument (main() takes no arguments)
+    tg.time = SkewedClock(float(sys.argv.pop(1)))
+else:  # rank r's clock runs 1 + r times as fast, on a clock the test controls: TRAIN_CLOCK=ms:X becomes ms:(1 + r)X
+    kind, _, ms = os.environ["TRAIN_CLOCK"].partition(":")
+    assert kind == "ms", os.environ["TRAIN_CLOCK"]
+    os.environ["TRAIN_CLOCK"] = f"ms:{{float(ms) * (1 + rank):g}}"
 train = tg.train
 
 def train_and_save(rt, model, *args):
@@ -404,22 +408,28 @@ tg.main()
 
 
 def test_two_ranks_with_different_clocks_switch_looping_at_one_step_and_agree(tmp_path, sample_data):
-    """Rank 1's clock runs twice as fast: the cap, the LR warmdown and the loop switch must still act at the same
-    step on both ranks (one agreed elapsed time), so both end with equal weights."""
+    """Rank 1's clock runs twice as fast (a step counts 100 ms on rank 0, 200 ms on rank 1: TRAIN_CLOCK=ms, a clock
+    the test controls, so the steps below are the same on a fast, slow or busy machine): the cap, the LR warmdown
+    and the loop switch must still act at the same step on both ranks, the one the slower clock (the agreed elapsed
+    time, the ranks' largest) gives: the switch once 0.3 of the 1.5 s cap has passed (after step 3, 600 ms), the
+    stop at the cap (step 8, 1600 ms; the log's replayed_time is rank 0's own, 800 ms); rank 0's own clock would have
+    switched after step 5 and stopped after step 15. Both end with equal weights."""
     wrapper = tmp_path / "clock_run.py"
     wrapper.write_text(CLOCK_WRAPPER.format(repo=str(REPO)))
     env = {**clean_environ(), **TINY_ENV, **sample_data, "RUN_ID": "clock", "OMP_NUM_THREADS": "1",
-           "ITERATIONS": "100000", "MAX_WALLCLOCK_SECONDS": "3", "WARMDOWN_ITERS": "0", "WARMDOWN_FRAC": "0.5",
-           "NUM_LOOPS": "1", "LOOP_START": "1", "LOOP_END": "2", "ENABLE_LOOPING_AT": "0.3", "TRAIN_LOG_EVERY": "0",
-           "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "WARMUP_STEPS": "0"}
+           "ITERATIONS": "100000", "MAX_WALLCLOCK_SECONDS": "1.5", "TRAIN_CLOCK": "ms:100", "WARMDOWN_ITERS": "0",
+           "WARMDOWN_FRAC": "0.5", "NUM_LOOPS": "1", "LOOP_START": "1", "LOOP_END": "2", "ENABLE_LOOPING_AT": "0.3",
+           "TRAIN_LOG_EVERY": "0", "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "WARMUP_STEPS": "0"}
     proc = launcher.run_ranks([wrapper], env, tmp_path, 2, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = read_log(tmp_path, "clock")
     switch = re.search(r"^layer_loop:enabled step:(\d+) frac:(\S+) encoder:\[0, 1, 2\] decoder:\[1, 2, 3\]$", log,
                        re.M)
-    stop = re.search(r"^stopping_early: wallclock_cap train_time:\d+ms step:(\d+)/100000$", log, re.M)
+    stop = re.search(r"^stopping_early: wallclock_cap train_time:\d+ms step:(\d+)/100000 replayed_time:(\d+)ms$", log,
+                     re.M)
     assert switch and stop, log[-3000:]
-    assert 0 < int(switch.group(1)) < int(stop.group(1))
+    assert (int(switch.group(1)), switch.group(2), int(stop.group(1)), stop.group(2)) == (3, "0.4000", 8, "800"), \
+        (switch.group(0), stop.group(0))
     a, b = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]

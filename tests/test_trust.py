@@ -228,12 +228,11 @@ BAD_RUNS = [
 
 @pytest.mark.parametrize("over,code,fragment", BAD_RUNS)
 def test_bad_setting_stops_the_script_fast_with_one_line(tmp_path, sample_data, over, code, fragment):
-    t0 = time.perf_counter()
+    """Refused before any work: nothing written (no log, no run folder), so before the data, the model or a process
+    group; the 60 s limit only guards against a hang (a busy machine's speed decides nothing here)."""
     proc = run_training({**TINY_ENV, **sample_data, "RUN_ID": "bad", **over}, tmp_path, timeout=60)
-    elapsed = time.perf_counter() - t0
     assert_one_line_error(proc, code, fragment)
-    assert elapsed < 5.0, f"took {elapsed:.1f}s"
-    assert not (tmp_path / "runs").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_tokenizer_that_is_not_sentencepiece(tmp_path, sample_data):
