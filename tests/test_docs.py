@@ -78,7 +78,7 @@ def test_ci_runs_the_readme_test_command():
     commands = quick_start_commands()
     assert len(commands) == 2, commands
     test_command = commands[1]
-    assert test_command.startswith("python3 -m pip install -r requirements.txt && ") and "pytest" in test_command
+    assert test_command.startswith("python3 -m pip install -r requirements-dev.txt && ") and "pytest" in test_command
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     assert test_command in ci.splitlines()
     assert f"python3 -m pip install torch=={torch_pin()}" in ci.splitlines()  # the pin requirements.txt has

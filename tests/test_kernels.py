@@ -516,13 +516,18 @@ TORCH_CUDA_TRITON_PIN = "3.7.1"
 
 
 def test_requirements_admit_the_triton_that_torchs_cuda_wheel_pins():
-    """requirements.txt's triton line (which requirements-gpu.txt includes) must admit torch's own pin, or a GPU
-    install cannot resolve (issue 34: 'triton>=3.9' could not)."""
+    """requirements-dev.txt's triton line must admit torch's own pin, or a GPU machine's test install cannot resolve
+    (issue 34: 'triton>=3.9' could not); requirements.txt, which requirements-gpu.txt includes, names no triton
+    (torch's CUDA wheel brings its own)."""
     from packaging.requirements import Requirement
 
-    lines = [line.split("#")[0].strip() for line in (REPO / "requirements.txt").read_text().splitlines()]
-    reqs = {r.name: r for r in (Requirement(line) for line in lines if line and not line.startswith("-"))}
-    torch_req, triton_req = reqs["torch"], reqs["triton"]
+    def requirements(name):
+        lines = [line.split("#")[0].strip() for line in (REPO / name).read_text().splitlines()]
+        return {r.name: r for r in (Requirement(line) for line in lines if line and not line.startswith("-"))}
+
+    run, dev = requirements("requirements.txt"), requirements("requirements-dev.txt")
+    torch_req, triton_req = run["torch"], dev["triton"]
+    assert "triton" not in run and "-r requirements.txt" in (REPO / "requirements-dev.txt").read_text()
     assert "2.13.0" in torch_req.specifier, "the pin above was read for torch 2.13.0: read it again for the new one"
     assert triton_req.specifier.contains(TORCH_CUDA_TRITON_PIN), triton_req
     assert triton_req.marker.evaluate({"sys_platform": "linux", "platform_machine": "x86_64"})

@@ -98,7 +98,7 @@ def test_the_sample_takes_one_micro_step_a_step():
     assert sample["GRAD_ACCUM_STEPS"] == "1" and sample_settings(GRAD_ACCUM_STEPS="8")["GRAD_ACCUM_STEPS"] == "8"
     h = tg.Hyperparameters(sample)
     assert (h.grad_accum_steps, h.record_grad_accum_steps, h.micro_steps) == (1, 8, 1)
-    assert h.local_tokens == h.train_batch_tokens == 16384
+    assert h.local_tokens == h.train_batch_tokens == 8192
     assert tg.Hyperparameters({**sample, "GRAD_ACCUM_STEPS": "0"}).grad_accum_steps == 8  # 0: the record's split
     assert tg.Hyperparameters({**sample, "GRAD_ACCUM_STEPS": "0", "WORLD_SIZE": "2"}).grad_accum_steps == 4
     assert tg.Hyperparameters({}).grad_accum_steps == 8  # the default run keeps the record's
@@ -108,7 +108,7 @@ def test_the_sample_takes_one_micro_step_a_step():
     ("-1", "GRAD_ACCUM_STEPS=-1 must be >= 0"),
     ("x", "GRAD_ACCUM_STEPS='x' is not a valid int"),
     ("1.5", "GRAD_ACCUM_STEPS='1.5' is not a valid int"),
-    ("3", "TRAIN_BATCH_TOKENS=16384 must split into whole sequences of TRAIN_SEQ_LEN=256 per rank and micro-step"),
+    ("3", "TRAIN_BATCH_TOKENS=8192 must split into whole sequences of TRAIN_SEQ_LEN=256 per rank and micro-step"),
 ])
 def test_a_bad_grad_accum_steps_is_one_line(value, fragment):
     assert fragment in config_error({**sample_settings(), "GRAD_ACCUM_STEPS": value})
