@@ -475,6 +475,64 @@ def test_minify_refuses_a_wrong_renaming(monkeypatch, bad):
         pc.minify(src)
 
 
+def _compiled_pair(src: str, plan=None):
+    """(the code of ``src`` minified without renaming, of it renamed by ``plan`` (rename_plan's if None), the plan's
+    pairs): what minify's bytecode comparison compares."""
+    tree = ast.parse(src)
+    source = pc._Source(src)
+    drop, replace = pc._edits(source, tree)
+    plan = pc.rename_plan(tree) if plan is None else plan
+    renamed = {**replace, **pc._rename_edits(source, tree, plan)}
+    a, b = (compile("".join(pc._emit_lines(source, drop, r)), "<minified>", "exec", dont_inherit=True)
+            for r in (replace, renamed))
+    return a, b, {pair for mapping in plan.values() for pair in mapping.items()}
+
+
+def _code_pairs(a, b):
+    """(a, b) and every pair of code objects below them, matched as _same_code_but_local_names matches them."""
+    yield a, b
+    for x, y in zip([c for c in a.co_consts if isinstance(c, types.CodeType)],
+                    [c for c in b.co_consts if isinstance(c, types.CodeType)]):
+        yield from _code_pairs(x, y)
+
+
+def test_the_bytecode_shortcut_decides_as_dis(monkeypatch):
+    """_same_bytes_renamed (the same bytecode, the variable tables mapped one to one entry by entry) spares dis's
+    reading, instruction by instruction, only where that reading passes: each pair of code objects minify compares
+    gets the same verdict with it and without, for every snippet's plan and for wrong ones; and it spares most."""
+    traps = SNIPPETS["renaming_traps"].lstrip("\n")
+    fn = {f.name: (f.lineno, f.col_offset) for f in ast.walk(ast.parse(traps)) if isinstance(f, ast.FunctionDef)}
+    cases = [(src, None) for src in SNIPPETS.values()] + [(traps, plan) for plan in (
+        {fn["closures"]: {"captured": "q"}}, {fn["fstrings"]: {"label": "z", "other": "z"}},
+        {fn["uses_global_a"]: {"first": "a"}})]
+    shortcut, verdicts, spared = pc._same_bytes_renamed, [], 0
+    for src, plan in cases:
+        top, renamed, pairs = _compiled_pair(src, plan)
+        for a, b in _code_pairs(top, renamed):
+            spared += shortcut(a, b, pairs)
+            with_it = pc._same_code_but_local_names(a, b, pairs)
+            monkeypatch.setattr(pc, "_same_bytes_renamed", lambda *args: False)
+            assert pc._same_code_but_local_names(a, b, pairs) == with_it, (plan, a.co_name)
+            monkeypatch.setattr(pc, "_same_bytes_renamed", shortcut)
+            verdicts.append(with_it)
+    assert False in verdicts and spared > len(verdicts) // 2, (spared, len(verdicts))
+
+
+def test_the_ast_shortcut_says_equal_only_where_the_dumps_are():
+    """_same_tree, which spares minify its two dumps, says equal only where ast.dump does: the same classes, fields
+    and leaves, a leaf by its type and repr (1, 1.0 and True differ, so do 0.0 and -0.0)."""
+    for src in SNIPPETS.values():
+        assert pc._same_tree(ast.parse(src), ast.parse(src))
+    assert not pc._same_tree(ast.parse("x = 1"), ast.parse("x = 2")) and not pc._same_tree(ast.parse("x = 1"),
+                                                                                         ast.parse("x = 1; y"))
+    leaves = [1, 1.0, True, 0.0, -0.0, "1", b"1", None, (1,), (1.0,), (0.0,), (-0.0,)]
+    for x in leaves:
+        for y in leaves:
+            a, b = ast.Module([ast.Expr(ast.Constant(x))], []), ast.Module([ast.Expr(ast.Constant(y))], [])
+            same = pc._same_tree(a, b)
+            assert same == (type(x) is type(y) and repr(x) == repr(y)) and (not same or pc._dump(a) == pc._dump(b))
+
+
 def test_minify_refuses_what_does_not_parse():
     with pytest.raises(pc.PackError, match="does not parse"):
         pc.minify("def f(:\n")

@@ -30,6 +30,7 @@ import ast
 import base64
 import contextlib
 import dis
+import gc
 import importlib
 import io
 import itertools
@@ -130,9 +131,56 @@ def _is_docstring(stmt: ast.stmt) -> bool:
     return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
 
 
-def _statement_lists(tree: ast.AST):
-    """(node, field name, list of statements) for every statement list in the tree."""
-    for node in ast.walk(tree):
+# The fields that hold only the shared, field-less context and operator nodes (Load, Store, Add, And, Eq, ...): no
+# name, binding, statement or function is found in or below them.
+_SINGLETON_FIELDS = ("ctx", "op", "ops")
+_CHILD_FIELDS: dict[type, tuple[str, ...]] = {}  # node class -> its other fields
+# The nodes whose fields may hold statements (ast's grammar: no expression, argument or keyword does)
+_STATEMENT_HOLDERS = (ast.stmt, ast.mod, ast.excepthandler, getattr(ast, "match_case", ast.stmt))
+
+
+def _children(node: ast.AST) -> list[ast.AST]:
+    """ast.iter_child_nodes(node) as a list (the same nodes in the same order) but for the context and operator
+    nodes (_SINGLETON_FIELDS), a third of a tree's, which nothing here looks for."""
+    kind = node.__class__
+    if kind is ast.Name or kind is ast.Constant:  # no child but a Name's context
+        return []
+    fields = _CHILD_FIELDS.get(kind)
+    if fields is None:
+        fields = _CHILD_FIELDS[kind] = tuple(f for f in node._fields if f not in _SINGLETON_FIELDS)
+    out = []
+    for name in fields:
+        value = getattr(node, name, None)
+        if isinstance(value, ast.AST):
+            out.append(value)
+        elif isinstance(value, list):
+            out.extend([x for x in value if isinstance(x, ast.AST)])
+    return out
+
+
+def _walk(tree: ast.AST, kids: dict | None = None) -> list[ast.AST]:
+    """The nodes of ``tree`` in ast.walk's order (breadth first) but for the context and operator nodes (_children);
+    each one's _children put in ``kids``, if given (for the walks after this one)."""
+    nodes, i = [tree], 0
+    if kids is None:
+        while i < len(nodes):
+            nodes.extend(_children(nodes[i]))
+            i += 1
+        return nodes
+    while i < len(nodes):
+        node = nodes[i]
+        kids[node] = children = _children(node)
+        nodes.extend(children)
+        i += 1
+    return nodes
+
+
+def _statement_lists(tree: ast.AST, nodes: list[ast.AST] | None = None):
+    """(node, field name, list of statements) for every statement list in the tree (``nodes``: _walk(tree), if
+    made already)."""
+    for node in _walk(tree) if nodes is None else nodes:
+        if not isinstance(node, _STATEMENT_HOLDERS):
+            continue
         for name, value in ast.iter_fields(node):
             if isinstance(value, list) and value and all(isinstance(v, ast.stmt) for v in value):
                 yield node, name, value
@@ -144,8 +192,10 @@ def _signature_args(fn: ast.AST) -> list[ast.arg]:
             *([a.kwarg] if a.kwarg else [])]
 
 
-def _functions(tree: ast.AST):
-    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+def _functions(tree: ast.AST, nodes: list[ast.AST] | None = None):
+    """The function definitions in ``tree``, in ast.walk's order (``nodes``: _walk(tree), if made already)."""
+    return [n for n in (_walk(tree) if nodes is None else nodes)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
 def keeps_annotation(arg: ast.arg) -> bool:
@@ -160,16 +210,17 @@ def keeps_annotation(arg: ast.arg) -> bool:
         for n in ast.walk(arg.annotation))
 
 
-def strip_reference(tree: ast.Module) -> ast.Module:
+def strip_reference(tree: ast.Module, lists=None, functions=None) -> ast.Module:
     """The AST that minify's output must parse to: bare string statements removed (a body left empty gets
     one `pass`) and argument/return annotations of functions removed, but the argument annotations that
-    keeps_annotation keeps. Modifies and returns ``tree``."""
-    for node, name, stmts in list(_statement_lists(tree)):
+    keeps_annotation keeps. Modifies and returns ``tree``. (``lists``, ``functions``: its _statement_lists and
+    _functions, if made already.)"""
+    for node, name, stmts in list(_statement_lists(tree)) if lists is None else lists:
         kept = [s for s in stmts if not _is_docstring(s)]
         if not kept and not isinstance(node, ast.Module):
             kept = [ast.Pass()]
         setattr(node, name, kept)
-    for fn in _functions(tree):
+    for fn in _functions(tree) if functions is None else functions:
         fn.returns = None
         for arg in _signature_args(fn):
             if not keeps_annotation(arg):
@@ -187,8 +238,8 @@ class _Source:
         for line in self.lines:
             self.line_starts.append(self.line_starts[-1] + len(line))
         self.tokens = list(tokenize.generate_tokens(io.StringIO(src).readline))
-        layout = (tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE)  # DEDENT shares the next token's start
-        self.index = {t.start: i for i, t in enumerate(self.tokens) if t.type not in _SKIPPED + layout}
+        layout = _SKIPPED + (tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE)  # DEDENT shares the next token's start
+        self.index = {t.start: i for i, t in enumerate(self.tokens) if t.type not in layout}
 
     def char_pos(self, lineno: int, byte_col: int) -> tuple[int, int]:
         """ast gives columns in UTF-8 bytes; tokenize in characters."""
@@ -229,12 +280,12 @@ class _Source:
         raise PackError(f"unterminated annotation at line {self.tokens[first].start[0]}")
 
 
-def _edits(source: _Source, tree: ast.Module) -> tuple[set[int], dict[int, str]]:
+def _edits(source: _Source, tree: ast.Module, lists=None, functions=None) -> tuple[set[int], dict[int, str]]:
     """Token indexes to drop and tokens to replace (by index) for docstrings and signature annotations (but those
-    keeps_annotation keeps)."""
+    keeps_annotation keeps). (``lists``, ``functions``: the tree's _statement_lists and _functions, if made.)"""
     drop: set[int] = set()
     replace: dict[int, str] = {}
-    for node, _name, stmts in _statement_lists(tree):
+    for node, _name, stmts in _statement_lists(tree) if lists is None else lists:
         strings = [s for s in stmts if _is_docstring(s)]
         empty = len(strings) == len(stmts) and not isinstance(node, ast.Module)
         for k, stmt in enumerate(strings):
@@ -258,7 +309,7 @@ def _edits(source: _Source, tree: ast.Module) -> tuple[set[int], dict[int, str]]
                 drop.add(after)
             elif before is not None and source.tokens[before].string == ";":
                 drop.add(before)
-    for fn in _functions(tree):
+    for fn in _functions(tree) if functions is None else functions:
         for arg in _signature_args(fn):
             if arg.annotation is not None and not keeps_annotation(arg):
                 colon = source.next_significant(source.token_at(arg.lineno, arg.col_offset))
@@ -283,6 +334,13 @@ _DYNAMIC = frozenset({"locals", "vars", "eval", "exec", "dir"})
 _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _RESERVED = frozenset(keyword.kwlist) | {"_", "case", "match", "type"}  # never new names (soft keywords: any Python)
+# _function_scope's and visible's classes, as sets of leaf classes (type tests)
+_SCOPE_ENDS = frozenset((*_NESTED, ast.JoinedStr))
+_COMPREHENSION_KINDS = frozenset(_COMPREHENSIONS)
+_DECLARATIONS = frozenset((ast.Global, ast.Nonlocal, ast.Import, ast.ImportFrom, ast.MatchAs, ast.MatchStar,
+                           ast.MatchMapping))
+_NAMING = frozenset((ast.arg, ast.alias, ast.ClassDef, ast.Global, ast.Nonlocal, ast.ExceptHandler, ast.MatchAs,
+                     ast.MatchStar, ast.MatchMapping))  # the others' _own_identifiers: a Name's id, a def's name, none
 
 
 def _own_identifiers(n: ast.AST) -> set[str]:
@@ -313,28 +371,32 @@ def _short_names():
             yield "".join(combo)
 
 
-def _function_scope(fn: ast.AST, visible) -> tuple[list[ast.AST], set[str]]:
+def _function_scope(fn: ast.AST, visible, kids: dict | None = None) -> tuple[list[ast.AST], set[str]]:
     """The Name and ExceptHandler nodes of ``fn``'s own scope (comprehensions included: their free names are
     ``fn``'s), and the names that must keep their spelling: parameters, global/nonlocal, imports, def/class
     names, match captures, comprehension targets, every name a nested function, lambda or class can see
-    (closures: ``visible(node)``) and every name inside an f-string (its text is copied verbatim)."""
+    (closures: ``visible(node)``) and every name inside an f-string (its text is copied verbatim). ``kids``: the
+    tree's _children by node (_walk), if made."""
     nodes: list[ast.AST] = []
     keep = {a.arg for a in _signature_args(fn)}
     stack = list(reversed(fn.body))
     while stack:
         node = stack.pop()
-        if isinstance(node, (*_NESTED, ast.JoinedStr)):
+        kind = node.__class__  # a tree of ast.parse's: isinstance of a leaf class is `is`
+        if kind is ast.Name:  # no child but its context
+            nodes.append(node)
+            continue
+        if kind in _SCOPE_ENDS:
             keep |= visible(node)  # a nested def's decorators and defaults, evaluated here, are kept too
             continue
-        if isinstance(node, _COMPREHENSIONS):
+        if kind in _COMPREHENSION_KINDS:
             for gen in node.generators:
                 keep |= visible(gen.target)
-        if isinstance(node, (ast.Global, ast.Nonlocal, ast.Import, ast.ImportFrom, ast.MatchAs, ast.MatchStar,
-                             ast.MatchMapping)):
+        elif kind in _DECLARATIONS:
             keep |= visible(node)
-        if isinstance(node, (ast.Name, ast.ExceptHandler)):
+        elif kind is ast.ExceptHandler:
             nodes.append(node)
-        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+        stack.extend(reversed(_children(node) if kids is None else kids[node]))
     return nodes, keep
 
 
@@ -350,6 +412,8 @@ def rename_plan(tree: ast.Module) -> dict[tuple[int, int], dict[str, str]]:
     (minifying minified code renames nothing more)."""
     plan: dict[tuple[int, int], dict[str, str]] = {}
     seen: dict[int, set[str]] = {}
+    kids: dict[ast.AST, list[ast.AST]] = {}  # each node's _children, made by the first walk
+    functions = _functions(tree, _walk(tree, kids))
 
     def visible(node: ast.AST) -> set[str]:
         """Identifiers under ``node`` that a scope around it must treat as used there."""
@@ -357,21 +421,26 @@ def rename_plan(tree: ast.Module) -> dict[tuple[int, int], dict[str, str]]:
         stack = [node]
         while stack:
             n = stack.pop()
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            kind = n.__class__
+            if kind is ast.Name:  # no child but its context
+                out.add(n.id)
+                continue
+            if kind is ast.FunctionDef or kind is ast.AsyncFunctionDef:
                 out |= function(n)
                 continue
-            out |= _own_identifiers(n)
-            stack.extend(ast.iter_child_nodes(n))
+            if kind in _NAMING:
+                out |= _own_identifiers(n)
+            stack.extend(kids[n])
         return out
 
     def function(fn: ast.AST) -> set[str]:
         """Plans ``fn`` (once); what it shows its surroundings: its identifiers less its renamed locals."""
         if id(fn) in seen:
             return seen[id(fn)]
-        identifiers = _own_identifiers(fn).union(*map(visible, ast.iter_child_nodes(fn)))
+        identifiers = _own_identifiers(fn).union(*map(visible, kids[fn]))
         mapping: dict[str, str] = {}
         if not identifiers & _DYNAMIC:
-            nodes, keep = _function_scope(fn, visible)
+            nodes, keep = _function_scope(fn, visible, kids)
             bound: list[str] = []
             for n in nodes:
                 name = n.name if isinstance(n, ast.ExceptHandler) else None if isinstance(n.ctx, ast.Load) else n.id
@@ -385,25 +454,27 @@ def rename_plan(tree: ast.Module) -> dict[tuple[int, int], dict[str, str]]:
         seen[id(fn)] = identifiers - set(mapping) - set(mapping.values())
         return seen[id(fn)]
 
-    for fn in _functions(tree):
+    for fn in functions:
         function(fn)
     return plan
 
 
-def _rename_targets(tree: ast.Module, plan: dict[tuple[int, int], dict[str, str]]):
-    """(node, new name) for every Name / ExceptHandler the plan renames."""
-    for fn in _functions(tree):
+def _rename_targets(tree: ast.Module, plan: dict[tuple[int, int], dict[str, str]], functions=None, kids=None):
+    """(node, new name) for every Name / ExceptHandler the plan renames (``functions``: _functions(tree), ``kids``:
+    its _children by node, if made)."""
+    for fn in _functions(tree) if functions is None else functions:
         mapping = plan.get((fn.lineno, fn.col_offset))
         if mapping:
-            for n in _function_scope(fn, lambda node: set())[0]:
+            for n in _function_scope(fn, lambda node: set(), kids)[0]:
                 old = n.name if isinstance(n, ast.ExceptHandler) else n.id
                 if old in mapping:
                     yield n, mapping[old]
 
 
-def apply_rename(tree: ast.Module, plan: dict[tuple[int, int], dict[str, str]]) -> ast.Module:
-    """``tree`` with the plan's renames made on the nodes (the AST minify's renamed output must parse to)."""
-    for node, new in list(_rename_targets(tree, plan)):
+def apply_rename(tree: ast.Module, plan: dict[tuple[int, int], dict[str, str]], targets=None) -> ast.Module:
+    """``tree`` with the plan's renames made on the nodes (the AST minify's renamed output must parse to).
+    ``targets``: _rename_targets' list, if made (before strip_reference, which changes none of them)."""
+    for node, new in list(_rename_targets(tree, plan)) if targets is None else targets:
         if isinstance(node, ast.ExceptHandler):
             node.name = new
         else:
@@ -411,10 +482,10 @@ def apply_rename(tree: ast.Module, plan: dict[tuple[int, int], dict[str, str]]) 
     return tree
 
 
-def _rename_edits(source: _Source, tree: ast.Module, plan) -> dict[int, str]:
-    """Token index -> new spelling for the plan's renames."""
+def _rename_edits(source: _Source, tree: ast.Module, plan, targets=None) -> dict[int, str]:
+    """Token index -> new spelling for the plan's renames (``targets``: _rename_targets' list, if made)."""
     replace: dict[int, str] = {}
-    for node, new in _rename_targets(tree, plan):
+    for node, new in _rename_targets(tree, plan) if targets is None else targets:
         if isinstance(node, ast.ExceptHandler):  # `except E as name:`: the NAME after `as`
             i = source.token_at(node.lineno, node.col_offset)
             while not (source.tokens[i].string == node.name and source.tokens[i - 1].string == "as"):
@@ -429,6 +500,51 @@ def _rename_edits(source: _Source, tree: ast.Module, plan) -> dict[int, str]:
 
 
 _LOCAL_OPS = ("FAST", "DEREF", "CLOSURE", "CELL")
+# Whether dis names a variable (the argument's entry of the locals, cells and free variables) for exactly the
+# instructions whose name holds one of _LOCAL_OPS: then two code objects of the same bytes differ in what dis gives
+# only by the entries of those tables (_same_bytes_renamed).
+_NAMED_BY_LOCAL_OPS = ({op for op, name in enumerate(dis.opname) if any(k in name for k in _LOCAL_OPS)}
+                       == set(dis.haslocal) | set(getattr(dis, "hasfree", ())))
+
+
+def _variable_tables(code) -> list[tuple[str, ...]]:
+    """The tables an instruction's argument picks a variable name from: locals, cells, free variables, and on Python
+    3.11+ the one of all three (its argument's numbering)."""
+    tables = [code.co_varnames, code.co_cellvars, code.co_freevars]
+    entry = getattr(code, "_varname_from_oparg", None)
+    if entry is not None:
+        names = []
+        for i in range(sum(map(len, tables))):
+            try:
+                names.append(entry(i))
+            except IndexError:
+                break
+        tables.append(tuple(names))
+    return tables
+
+
+def _same_bytes_renamed(a, b, pairs: set[tuple[str, str]]) -> bool:
+    """A sufficient condition for _same_code_but_local_names' instruction loop to pass, read without dis: the same
+    bytecode, the same constants at the same places (code objects against code objects), the same cells and free
+    variables, and the variable tables of ``a`` mapped onto ``b``'s entry by entry one to one, each pair the same
+    name or one of ``pairs``. Then each instruction dis reads of ``b`` is that of ``a`` with the same operation, and
+    an argument that differs is a variable (a local op's) renamed by that one-to-one map."""
+    if (not _NAMED_BY_LOCAL_OPS or a.co_code != b.co_code or a.co_cellvars != b.co_cellvars
+            or a.co_freevars != b.co_freevars or len(a.co_consts) != len(b.co_consts)):
+        return False
+    for x, y in zip(a.co_consts, b.co_consts):
+        code = isinstance(x, types.CodeType)
+        if code != isinstance(y, types.CodeType) or (not code and x != y):
+            return False
+    forward: dict[str, str] = {}
+    backward: dict[str, str] = {}
+    for ta, tb in zip(_variable_tables(a), _variable_tables(b)):
+        if len(ta) != len(tb):
+            return False
+        for o, n in zip(ta, tb):
+            if forward.setdefault(o, n) != n or backward.setdefault(n, o) != o or (o != n and (o, n) not in pairs):
+                return False
+    return True
 
 
 def _same_code_but_local_names(a, b, pairs: set[tuple[str, str]]) -> bool:
@@ -442,34 +558,36 @@ def _same_code_but_local_names(a, b, pairs: set[tuple[str, str]]) -> bool:
             or a.co_varnames[:a.co_argcount + a.co_kwonlyargcount] != b.co_varnames[:b.co_argcount
                                                                                   + b.co_kwonlyargcount]):
         return False
-    ia, ib = list(dis.get_instructions(a)), list(dis.get_instructions(b))
-    if len(ia) != len(ib):
-        return False
-    forward: dict[str, str] = {}
-    backward: dict[str, str] = {}
-    cells: tuple[set, set] = (set(), set())
-    for x, y in zip(ia, ib):
-        if x.opname != y.opname:
+    if not _same_bytes_renamed(a, b, pairs):  # dis's reading, instruction by instruction (slow): the general case
+        ia, ib = list(dis.get_instructions(a)), list(dis.get_instructions(b))
+        if len(ia) != len(ib):
             return False
-        if isinstance(x.argval, types.CodeType) and isinstance(y.argval, types.CodeType):
-            continue  # compared through co_consts below
-        if x.opname in ("MAKE_CELL", "LOAD_CLOSURE") or (x.opname == "LOAD_FAST" and x.argval in a.co_cellvars
-                                                         and y.argval in b.co_cellvars):
-            # Python 3.13 compiles LOAD_CLOSURE (building a closure's tuple, in name order) as LOAD_FAST of the cell
-            cells[0].add(x.argval)
-            cells[1].add(y.argval)
-        elif any(op in x.opname for op in _LOCAL_OPS):
-            olds = x.argval if isinstance(x.argval, tuple) else (x.argval,)
-            news = y.argval if isinstance(y.argval, tuple) else (y.argval,)
-            if len(olds) != len(news):
+        forward: dict[str, str] = {}
+        backward: dict[str, str] = {}
+        cells: tuple[set, set] = (set(), set())
+        for x, y in zip(ia, ib):
+            if x.opname != y.opname:
                 return False
-            for o, n in zip(olds, news):
-                if forward.setdefault(o, n) != n or backward.setdefault(n, o) != o or (o != n and (o, n) not in pairs):
+            if isinstance(x.argval, types.CodeType) and isinstance(y.argval, types.CodeType):
+                continue  # compared through co_consts below
+            if x.opname in ("MAKE_CELL", "LOAD_CLOSURE") or (x.opname == "LOAD_FAST" and x.argval in a.co_cellvars
+                                                             and y.argval in b.co_cellvars):
+                # Python 3.13 compiles LOAD_CLOSURE (building a closure's tuple, in name order) as LOAD_FAST of the cell
+                cells[0].add(x.argval)
+                cells[1].add(y.argval)
+            elif any(op in x.opname for op in _LOCAL_OPS):
+                olds = x.argval if isinstance(x.argval, tuple) else (x.argval,)
+                news = y.argval if isinstance(y.argval, tuple) else (y.argval,)
+                if len(olds) != len(news):
                     return False
-        elif x.argval != y.argval:
+                for o, n in zip(olds, news):
+                    if (forward.setdefault(o, n) != n or backward.setdefault(n, o) != o
+                            or (o != n and (o, n) not in pairs)):
+                        return False
+            elif x.argval != y.argval:
+                return False
+        if {forward.get(c, c) for c in cells[0]} != cells[1]:
             return False
-    if {forward.get(c, c) for c in cells[0]} != cells[1]:
-        return False
     ca = [c for c in a.co_consts if isinstance(c, types.CodeType)]
     cb = [c for c in b.co_consts if isinstance(c, types.CodeType)]
     plain = [c for c in a.co_consts if not isinstance(c, types.CodeType)]
@@ -535,9 +653,64 @@ def _dump(tree: ast.AST) -> str:
     return ast.dump(tree, include_attributes=False)
 
 
+_PLAIN = (str, int, bytes, bool, type(None))  # values of these types with equal values have equal reprs
+
+
+def _same_tree(a, b) -> bool:
+    """A sufficient condition for _dump(a) == _dump(b), tested node by node without writing either: the same node
+    classes, the same fields present, equal lists, and leaves of the same type with the same repr (equal values for
+    _PLAIN types). False says nothing: the dumps decide."""
+    stack = [(a, b)]
+    while stack:
+        x, y = stack.pop()
+        if x is y:  # one object (a context or operator node): one dump
+            continue
+        kind = x.__class__
+        if kind is not y.__class__:
+            return False
+        if isinstance(x, ast.AST):
+            for name in x._fields:
+                vx = getattr(x, name, stack)  # stack: absent (dump leaves the field out)
+                vy = getattr(y, name, stack)
+                if vx is stack or vy is stack:
+                    if vx is not vy:
+                        return False
+                    continue
+                stack.append((vx, vy))
+        elif kind is list:
+            if len(x) != len(y):
+                return False
+            stack.extend(zip(x, y))
+        elif kind in _PLAIN:
+            if x != y:
+                return False
+        elif repr(x) != repr(y):
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """The cyclic garbage collector off for a while (as it was after): minify parses and walks trees of some 70,000
+    new nodes, whose allocation set off collections of the whole heap (a test process's, torch's included) that
+    freed nothing (an AST holds no cycle). Reference counting frees as before."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def minify(src: str, rename: bool = True) -> str:
     """The same program in fewer bytes (see the module docstring); raises PackError if ``src`` does not parse
     or the result would not be the same program. ``rename=False`` keeps local names (for `--table`)."""
+    with _gc_paused():
+        return _minify(src, rename)
+
+
+def _minify(src: str, rename: bool) -> str:
     try:
         tree = ast.parse(src)
     except SyntaxError as exc:
@@ -548,17 +721,22 @@ def minify(src: str, rename: bool = True) -> str:
         source = _Source(src)
     except (tokenize.TokenError, SyntaxError) as exc:
         raise PackError(f"cannot tokenize: {exc}") from None
-    drop, replace = _edits(source, tree)
+    kids: dict[ast.AST, list[ast.AST]] = {}
+    nodes = _walk(tree, kids)  # walked once: its statement lists and functions are strip_reference's too (it removes
+    # no statement list's owner and no function), its rename targets apply_rename's (no Name or handler of them goes)
+    lists, functions = list(_statement_lists(tree, nodes)), _functions(tree, nodes)
+    drop, replace = _edits(source, tree, lists, functions)
     plan = rename_plan(tree) if rename else {}
-    renamed = {**replace, **_rename_edits(source, tree, plan)}
+    targets = list(_rename_targets(tree, plan, functions, kids))
+    renamed = {**replace, **_rename_edits(source, tree, plan, targets)}
     stripped = "".join(_emit_lines(source, drop, replace))
     result = "".join(_emit_lines(source, drop, renamed))
-    expected = _dump(apply_rename(strip_reference(tree), plan))
+    expected = apply_rename(strip_reference(tree, lists, functions), plan, targets)
     try:
-        got = _dump(ast.parse(result))
+        got = ast.parse(result)
     except SyntaxError as exc:
         raise PackError(f"minified source does not parse: {exc.msg} (line {exc.lineno}); a minify bug") from None
-    if got != expected:
+    if not _same_tree(got, expected) and _dump(got) != _dump(expected):
         raise PackError("minified source is a different program (AST differs from the source's with docstrings"
                         " and signature annotations but constexpr ones removed and its locals renamed); a minify bug")
     pairs = {pair for mapping in plan.values() for pair in mapping.items()}
@@ -674,7 +852,8 @@ def pack(src: str) -> str:
     """The self-extracting file: import zpaq, then exec the minified ``src`` from ZPAQ in a 7-bit literal."""
     if is_packed(src):
         raise PackError("already packed")
-    return pack_minified(minify(src))
+    with _gc_paused():
+        return pack_minified(minify(src))
 
 
 def _payload_literal(text: str) -> tuple[str, int, int]:

@@ -50,7 +50,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
+import contextlib
+import gc
 import hashlib
+import itertools
 import operator
 import os
 import sys
@@ -73,6 +77,18 @@ KEEP_NAMES = frozenset(("SPECIALISED", "PRESETS", "MACHINE_SETTINGS"))  # module
 UNKNOWN = object()  # a value the analysis does not know
 NOT_NONE = object()  # an object that is not None (a new instance), whose value is otherwise unknown
 _LITERAL_TYPES = (bool, int, float, str, type(None))
+# Node classes, tested as `node.__class__ is C` or `in` a set of them: a tree of ast.parse's has no node of a
+# subclass, so for a leaf class C that is isinstance(node, C).
+_NEW_OBJECTS = frozenset((ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp, ast.Lambda))  # NOT_NONE
+# Expressions whose value no rule knows (no setting_of, predicate or _value case takes them: UNKNOWN, nothing
+# recorded) and whose parts mark_hot meets on their own
+_NEVER_KNOWN = frozenset((ast.BinOp, ast.Starred, ast.JoinedStr, ast.FormattedValue, ast.Slice, ast.Await, ast.Yield,
+                          ast.YieldFrom, ast.GeneratorExp, ast.NamedExpr))
+_STORE_STATEMENTS = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor, ast.Delete)  # _store_targets'
+# The classes of the passes over all_nodes whose result depends on the order (Analysis.ordered): the attribute stores
+# of _collect_constants and the functions of loads_anywhere_in.
+_ORDERED_CLASSES = frozenset((*_STORE_STATEMENTS, ast.With, ast.Call, ast.ClassDef, ast.FunctionDef,
+                              ast.AsyncFunctionDef, ast.Lambda))
 
 
 class SpecialiseError(ValueError):
@@ -103,14 +119,61 @@ class Source:
             self.starts.append(self.starts[-1] + len(line))
         self._string_lines = None
         self._nodes = None
+        self._kids = None
+        self._by_type = None
         self._owners = None
 
     @property
     def nodes(self):
-        """Every node of the tree (ast.walk's order), walked once."""
+        """Every node of the tree but the context and operator singletons (child_nodes), in ast.walk's order, walked
+        once."""
         if self._nodes is None:
-            self._nodes = list(ast.walk(self.tree))
+            kids, nodes, i = self._kids, [self.tree], 0
+            if kids is None:
+                kids = {}
+                while i < len(nodes):  # breadth first, as ast.walk
+                    node = nodes[i]
+                    i += 1
+                    kids[node] = children = child_nodes(node)
+                    nodes.extend(children)
+                self._kids = kids
+            else:
+                while i < len(nodes):
+                    nodes.extend(kids[nodes[i]])
+                    i += 1
+            self._nodes = nodes
         return self._nodes
+
+    @property
+    def kids(self):
+        """node -> its child nodes (child_nodes), for every node of `nodes`."""
+        if self._kids is None:
+            self.nodes
+        return self._kids
+
+    @property
+    def by_type(self):
+        """node class -> the nodes of `nodes` of that class, in the order of one walk (Analysis._index's where it made
+        them): for a test of a few classes, which a pass over every node would make of each node."""
+        if self._by_type is None:
+            by_type = {}
+            for node in self.nodes:
+                by_type.setdefault(node.__class__, []).append(node)
+            self._by_type = by_type
+        return self._by_type
+
+    def of_type(self, *classes):
+        """The nodes of these (concrete, leaf) classes, class by class: for tests whose result no order changes."""
+        by_type = self.by_type
+        return [node for c in classes for node in by_type.get(c, ())]
+
+    def walk(self, node):
+        """The nodes under `node` (itself included) in ast.walk's order: a node of this tree."""
+        kids, out, i = self.kids, [node], 0
+        while i < len(out):
+            out.extend(kids[out[i]])
+            i += 1
+        return out
 
     @property
     def owners(self):
@@ -132,7 +195,7 @@ class Source:
         if self._string_lines is None:  # from the AST: a string constant (or f-string) over several lines; lines of
             # implicitly joined literals count too, which only keeps their indentation (they sit inside brackets)
             self._string_lines = set()
-            for node in self.nodes:
+            for node in self.of_type(ast.Constant, ast.JoinedStr):
                 if isinstance(node, (ast.Constant, ast.JoinedStr)) and node.end_lineno > node.lineno \
                         and (isinstance(node, ast.JoinedStr) or isinstance(node.value, (str, bytes))):
                     self._string_lines.update(range(node.lineno + 1, node.end_lineno + 1))
@@ -140,6 +203,8 @@ class Source:
 
     def offset(self, lineno, col):
         line = self.lines[lineno - 1]
+        if line.isascii():  # a byte a character
+            return self.starts[lineno - 1] + min(col, len(line))
         return self.starts[lineno - 1] + len(line.encode()[:col].decode())
 
     def span(self, node):
@@ -171,6 +236,29 @@ class Source:
                 and (n - 1) not in self.string_lines:
             n -= 1
         return n
+
+
+# The fields that hold only the shared, field-less nodes of a context (Load, Store, Del) or an operator (Add, And, Not,
+# Eq, ...): one object each, under every Name, BinOp or Compare, that no analysis here looks at or below.
+_SINGLETON_FIELDS = ("ctx", "op", "ops")
+_NO_CHILDREN = ()  # a Name's or a Constant's (their other fields hold a str, a literal)
+_CHILD_FIELDS = {}  # node class -> its other fields (child_nodes)
+
+
+def child_nodes(node):
+    """ast.iter_child_nodes(node) as a list (the same nodes in the same order) but for the context and operator
+    singletons (_SINGLETON_FIELDS): a third of a tree's nodes, which every test here passes over."""
+    fields = _CHILD_FIELDS.get(node.__class__)
+    if fields is None:
+        fields = _CHILD_FIELDS[node.__class__] = tuple(f for f in node._fields if f not in _SINGLETON_FIELDS)
+    out = []
+    for name in fields:
+        value = getattr(node, name, None)
+        if isinstance(value, ast.AST):
+            out.append(value)
+        elif isinstance(value, list):
+            out.extend([x for x in value if isinstance(x, ast.AST)])
+    return out
 
 
 def stmt_first_line(node):
@@ -264,6 +352,9 @@ class Analysis:
         self.parents, self.fn_of, self.cls_of = {}, {}, {}
         self.loads_in, self.stores_in = {}, {}  # function -> names it loads; -> {name: times bound (99: a parameter,
         # a global or nonlocal)}
+        self._settings_memo, self._names_memo, self._open = None, None, 0  # setting_of's and _value's of a Name
+        # (from the end of __init__ on); how many tables of a function (local_aliases, local_consts, local_truths,
+        # param_consts) are being worked out: one in the making gives a part of its entries
         self._index(tree, None, None)
         self.all_nodes = list(self.fn_of)
         self.hot = None
@@ -272,14 +363,15 @@ class Analysis:
         stores_out, stores_init = set(), {}
         hp = self.classes.get("Hyperparameters")
         init = next((f for f in hp.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None) if hp else None
-        init_nodes = set(ast.walk(init)) if init else set()
-        for node in self.all_nodes:
+        init_nodes = set(src.walk(init)) if init else set()
+        for node in self.of_type(*_STORE_STATEMENTS):
             for target in self._store_targets(node):
                 if isinstance(target, ast.Attribute) and target.attr in table:
                     if target in init_nodes and isinstance(target.value, ast.Name) and target.value.id == "self":
                         stores_init[target.attr] = stores_init.get(target.attr, 0) + 1
                     elif self._is_settings_base(target.value, node):
                         stores_out.add(target.attr)
+        for node in self.of_type(ast.Call):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
                     and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
                 stores_out.add(node.args[1].value)  # setattr(obj, "name", ...): a store of that name
@@ -302,14 +394,14 @@ class Analysis:
                 if is_literal(value):
                     self.known_settings[attr] = value
         self._collect_constants(tree)
+        self._settings_memo, self._names_memo = {}, {}
 
     # -- helpers
 
     def run_value(self, attr):
         return run_value(self.h, attr, self.foldable[attr])
 
-    @staticmethod
-    def _store_targets(node):
+    def _store_targets(self, node):
         if isinstance(node, ast.Assign):
             targets = node.targets
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
@@ -322,42 +414,82 @@ class Analysis:
             return []
         out = []
         for t in targets:
-            out.extend(x for x in ast.walk(t) if isinstance(x, (ast.Attribute, ast.Name, ast.Subscript)))
+            out.extend(x for x in self.src.walk(t) if isinstance(x, (ast.Attribute, ast.Name, ast.Subscript)))
         return out
 
     def _setattr_on_settings(self):
         """Whether some setattr(obj, name, ...) with a computed name may set a setting (obj a settings object)."""
         return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
                    and len(node.args) > 1 and not isinstance(node.args[1], ast.Constant)
-                   and self._is_settings_base(node.args[0], node) for node in self.all_nodes)
+                   and self._is_settings_base(node.args[0], node) for node in self.of_type(ast.Call))
 
     def _index(self, node, fn, cls):
-        """parents; for each node its innermost function, and the class whose method it is in (`self`'s class)."""
+        """parents; for each node its innermost function, and the class whose method it is in (`self`'s class); the
+        nodes by class (by_type), the Name nodes by name (names) and the nodes of _ORDERED_CLASSES in one list, each
+        in all_nodes' order. Makes the Source's kids where it has none yet (this walk's child lists: one walk instead
+        of two)."""
+        src = self.src
+        kids = src._kids
+        made = kids is None
+        if made:
+            kids = {}
+        parents, fn_of, cls_of = self.parents, self.fn_of, self.cls_of
+        loads_in, stores_in = self.loads_in, self.stores_in
+        by_type, ordered, names = collections.defaultdict(list), [], collections.defaultdict(list)
         stack = [(node, fn, cls)]
         while stack:
             node, fn, cls = stack.pop()
-            self.fn_of[node], self.cls_of[node] = fn, cls
-            if isinstance(node, ast.Name) and fn is not None:
-                if isinstance(node.ctx, ast.Load):
-                    self.loads_in.setdefault(fn, set()).add(node.id)
-                else:
-                    c = self.stores_in.setdefault(fn, {})
-                    c[node.id] = c.get(node.id, 0) + 1
-            elif isinstance(node, (ast.Global, ast.Nonlocal, ast.arg)) and fn is not None:
-                c = self.stores_in.setdefault(fn, {})
-                for n in (node.names if not isinstance(node, ast.arg) else [node.arg]):
+            fn_of[node] = fn
+            cls_of[node] = cls
+            kind = node.__class__  # a tree of ast.parse's: isinstance(node, C) for a leaf class C is kind is C
+            by_type[kind].append(node)
+            if kind is ast.Name or kind is ast.Constant:  # no child but its context (a Name's id, a Constant's value)
+                if made:
+                    kids[node] = _NO_CHILDREN
+                if kind is ast.Name:
+                    names[node.id].append(node)
+                if kind is ast.Name and fn is not None:
+                    if isinstance(node.ctx, ast.Load):
+                        if fn in loads_in:
+                            loads_in[fn].add(node.id)
+                        else:
+                            loads_in[fn] = {node.id}
+                    else:
+                        c = stores_in.setdefault(fn, {})
+                        c[node.id] = c.get(node.id, 0) + 1
+                continue
+            if kind in _ORDERED_CLASSES:
+                ordered.append(node)
+            if fn is not None and (kind is ast.Global or kind is ast.Nonlocal or kind is ast.arg):
+                c = stores_in.setdefault(fn, {})
+                for n in (node.names if kind is not ast.arg else [node.arg]):
                     c[n] = c.get(n, 0) + 99
-            inner_fn, inner_cls = fn, cls
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                parent = self.parents.get(node)
-                inner_cls = parent.name if isinstance(parent, ast.ClassDef) else cls
-                inner_fn = node
-            elif isinstance(node, ast.ClassDef):
-                inner_cls = None
-            for child in ast.iter_child_nodes(node):
-                self.parents[child] = node
-                stack.append((child, inner_fn, inner_cls))
+            if made:
+                kids[node] = children = child_nodes(node)
+            else:
+                children = kids[node]
+            if kind is ast.FunctionDef or kind is ast.AsyncFunctionDef:
+                parent = parents.get(node)
+                fn, cls = node, (parent.name if isinstance(parent, ast.ClassDef) else cls)
+            elif kind is ast.ClassDef:
+                cls = None
+            if len(children) == 1:
+                child = children[0]
+                parents[child] = node
+                stack.append((child, fn, cls))
+            else:  # the same entries in the same order, the loop in C
+                parents.update(zip(children, itertools.repeat(node)))
+                stack.extend(zip(children, itertools.repeat(fn), itertools.repeat(cls)))
+        self.by_type, self.ordered, self.names = by_type, ordered, names
+        if made:
+            src._kids = kids
+        if src._by_type is None:
+            src._by_type = by_type
 
+    def of_type(self, *classes):
+        """The nodes of these leaf classes, class by class (all_nodes' order within each): for tests whose result no
+        order changes."""
+        return [node for c in classes for node in self.by_type.get(c, ())]
 
     def enclosing_class(self, node):
         return self.cls_of.get(node)
@@ -372,7 +504,19 @@ class Analysis:
     def setting_of(self, node):
         """The foldable setting attribute `node` reads (h.X, rt.h.X, self.h.X, self.X in Hyperparameters, a local
         assigned once from one of those at its function's top level, or `self.a` where every store of `.a` in the
-        file copies one: attr_aliases), or None."""
+        file copies one: attr_aliases), or None. Remembered once the analysis is made (its tables complete) where no
+        function's table is being worked out (_open)."""
+        if node.__class__ is not ast.Name and node.__class__ is not ast.Attribute:
+            return None
+        memo = self._settings_memo
+        if memo is None or self._open:
+            return self._setting_of(node)
+        found = memo.get(node, memo)
+        if found is memo:
+            found = memo[node] = self._setting_of(node)
+        return found
+
+    def _setting_of(self, node):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             fn = self.fn_of.get(node)
             return self.local_aliases(fn).get(node.id) if fn is not None else None
@@ -392,7 +536,7 @@ class Analysis:
 
     def _collect_constants(self, tree):
         self.global_consts, self.attr_aliases = {}, {}
-        declared_global = {n for node in self.all_nodes if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
+        declared_global = {n for node in self.of_type(ast.Global, ast.Nonlocal) for n in node.names}
         assigned = {}
         for node in tree.body:
             for t in self._store_targets(node):
@@ -411,13 +555,14 @@ class Analysis:
         # attributes: every store of `.a` in the file
         self.families = self._class_families()
         stores, blocked = {}, set()  # blocked: families a computed-name setattr may write ("*": any)
-        for node in self.all_nodes:
+        for node in self.ordered:
             if isinstance(node, ast.Assign):
                 for t in node.targets:
                     self._attr_stores(t, node.value, node, stores)
             elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor, ast.Delete, ast.With)):
-                for t in ast.walk(node.target if hasattr(node, "target") else node) if not isinstance(node, ast.With) \
-                        else [x for item in node.items if item.optional_vars for x in ast.walk(item.optional_vars)]:
+                walk = self.src.walk
+                for t in walk(node.target if hasattr(node, "target") else node) if not isinstance(node, ast.With) \
+                        else [x for item in node.items if item.optional_vars for x in walk(item.optional_vars)]:
                     if isinstance(t, ast.Attribute) and isinstance(t.ctx, (ast.Store, ast.Del)):
                         stores.setdefault(t.attr, []).append((None, None, UNKNOWN))
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
@@ -474,7 +619,7 @@ class Analysis:
         fn = self.fn_of.get(at)
         if not (isinstance(node, ast.Name) and fn is not None and self._store_counts(fn).get(node.id) == 1):
             return False
-        for stmt in ast.walk(fn):
+        for stmt in self.src.walk(fn):
             if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
                     and stmt.targets[0].id == node.id):
                 v = stmt.value
@@ -494,7 +639,7 @@ class Analysis:
                     and isinstance(node.value.elts[0], ast.Constant) and is_literal(node.value.elts[0].value)):
                 cells[name] = (node.value.elts[0].value, node.targets[0])
         stores = {name: [] for name in cells}
-        for node in self.all_nodes:
+        for node in (node for name in cells for node in self.names.get(name, ())):  # each cell's Names, in order
             if not (isinstance(node, ast.Name) and node.id in cells) or node is cells[node.id][1]:
                 continue
             sub = self.parents.get(node)
@@ -574,7 +719,9 @@ class Analysis:
     def assigned_once(self, fn, plain=False):
         """(name, value) of the locals of `fn` bound once, by an assignment at its top level: `a = v`, and unless
         `plain`, `a = b = v` and `a, b = v, w` (a tuple of as many values)."""
-        cache = self.__dict__.setdefault("_once", {})
+        cache = self.__dict__.get("_once")
+        if cache is None:
+            cache = self.__dict__["_once"] = {}
         if fn not in cache:
             counts, cache[fn] = self._store_counts(fn), []
             for stmt in fn.body:
@@ -590,14 +737,20 @@ class Analysis:
         """Locals of `fn` assigned once, at its top level, from a foldable setting (e.g. `text = h.train_clock`, or in
         Hyperparameters `prefix = self._env("PHASED_TTT_PREFIX_DOCS", ...)`: the setting `<NAME>`), and its parameters
         that every call gives one (param_aliases)."""
-        cache = self.__dict__.setdefault("_aliases", {})
+        cache = self.__dict__.get("_aliases")
+        if cache is None:
+            cache = self.__dict__["_aliases"] = {}
         if fn not in cache:
             cache[fn] = {}
-            for name, value in self.assigned_once(fn, plain=True):
-                attr = self.setting_of(value) if isinstance(value, ast.Attribute) else self._env_read(value)
-                if attr is not None:
-                    cache[fn][name] = attr
-            cache[fn].update(self.param_aliases(fn))
+            self._open += 1
+            try:
+                for name, value in self.assigned_once(fn, plain=True):
+                    attr = self.setting_of(value) if isinstance(value, ast.Attribute) else self._env_read(value)
+                    if attr is not None:
+                        cache[fn][name] = attr
+                cache[fn].update(self.param_aliases(fn))
+            finally:
+                self._open -= 1
         return cache[fn]
 
     def _env_read(self, value):
@@ -615,7 +768,9 @@ class Analysis:
         value)]} of module function `fn` (or of a class's __init__: its constructions), for the parameters it never
         rebinds; {} where its callers are not all known (its name read other than as a call, *args or **kwargs
         anywhere)."""
-        memo = self.__dict__.setdefault("_arguments", {})
+        memo = self.__dict__.get("_arguments")
+        if memo is None:
+            memo = self.__dict__["_arguments"] = {}
         if fn in memo:
             return memo[fn]
         memo[fn] = {}
@@ -653,8 +808,18 @@ class Analysis:
         file may build it."""
         if not self._typed_constructions_builtin():
             return False
-        return not any(isinstance(n, ast.Name) and n.id in ("cls", "type", "__class__") or
-                       isinstance(n, ast.Attribute) and n.attr == "__class__" for n in ast.walk(cls))
+        blocked = self.__dict__.get("_self_building")
+        if blocked is None:  # the classes above some Name cls, type or __class__ or some .__class__: once, not a walk
+            # of each class
+            blocked = self._self_building = set()
+            hits = [n for name in ("cls", "type", "__class__") for n in self.names.get(name, ())]
+            hits += [n for n in self.by_type.get(ast.Attribute, ()) if n.attr == "__class__"]
+            for n in hits:
+                while n is not None:
+                    if isinstance(n, ast.ClassDef):
+                        blocked.add(n)
+                    n = self.parents.get(n)
+        return cls not in blocked
 
     def _typed_constructions_builtin(self):
         """Whether every `type(x)(...)` in the file constructs a builtin: it sits in `if isinstance(x, T)` with T
@@ -662,7 +827,7 @@ class Analysis:
         memo = self.__dict__.setdefault("_typed", [])
         if not memo:
             ok = True
-            for node in self.all_nodes:
+            for node in self.of_type(ast.Call):
                 if not isinstance(node, ast.Call):
                     continue
                 f = node.func
@@ -696,7 +861,9 @@ class Analysis:
 
     def _store_counts(self, fn):
         """{name: times bound} in fn and the functions nested in it (parameters, globals, nonlocals: 99)."""
-        cache = self.__dict__.setdefault("_counts", {})
+        cache = self.__dict__.get("_counts")
+        if cache is None:
+            cache = self.__dict__["_counts"] = {}
         if fn in cache:
             return cache[fn]
         self.loads_anywhere_in(fn, "")  # builds the nesting map
@@ -774,23 +941,33 @@ class Analysis:
             return cache[fn]
         out = {}
         cache[fn] = out
-        for name, value in self.assigned_once(fn):
-            v = self.value(value)
-            if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
-                out[name] = v
+        self._open += 1
+        try:
+            for name, value in self.assigned_once(fn):
+                v = self.value(value)
+                if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
+                    out[name] = v
+        finally:
+            self._open -= 1
         return out
 
     def local_truths(self, fn):
         """Locals of `fn` assigned once, at its top level, to an expression whose truth is known though its value is
         not (`clip = h.grad_clip_norm > 0 and h.grad_clip_scope == "reduced"`): {name: truth}, for conditions only."""
-        cache = self.__dict__.setdefault("_truths", {})
+        cache = self.__dict__.get("_truths")
+        if cache is None:
+            cache = self.__dict__["_truths"] = {}
         if fn not in cache:
             cache[fn] = {}
-            consts = self.local_consts(fn)
-            for name, value in self.assigned_once(fn, plain=True):
-                v = self.value(value, cond=True) if name not in consts else UNKNOWN
-                if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
-                    cache[fn][name] = bool(v)
+            self._open += 1
+            try:
+                consts = self.local_consts(fn)
+                for name, value in self.assigned_once(fn, plain=True):
+                    v = self.value(value, cond=True) if name not in consts else UNKNOWN
+                    if v is not UNKNOWN and v is not NOT_NONE and is_literal(v):
+                        cache[fn][name] = bool(v)
+            finally:
+                self._open -= 1
         return cache[fn]
 
     def calls_of(self, name):
@@ -799,7 +976,8 @@ class Analysis:
         calls = self.__dict__.setdefault("_calls", None)
         if calls is None:
             calls = self._calls = {}
-            for node in self.all_nodes:
+            for node in (node for name, nodes in self.names.items() if name in self.functions or name in self.classes
+                         for node in nodes):  # name by name: a name's calls, in order, are all that it decides
                 if isinstance(node, ast.Name) and (node.id in self.functions or node.id in self.classes):
                     parent = self.parents.get(node)
                     if isinstance(node.ctx, ast.Load) and isinstance(parent, ast.Call) and parent.func is node \
@@ -812,16 +990,22 @@ class Analysis:
     def param_consts(self, fn):
         """Parameters of `fn` (call_arguments) that every call in the file gives the same literal (its default where a
         call leaves it out) and that `fn` never rebinds: {name: literal}."""
-        memo = self.__dict__.setdefault("_params", {})
+        memo = self.__dict__.get("_params")
+        if memo is None:
+            memo = self.__dict__["_params"] = {}
         if fn in memo:
             return memo[fn]
         memo[fn] = {}  # while it is worked out (a call inside a call's argument): nothing known
         out = {}
-        for name, nodes in self.call_arguments(fn).items():
-            values = [self.value(n) if n is not None else UNKNOWN for n in nodes]
-            if all(v is not UNKNOWN and v is not NOT_NONE and is_literal(v) for v in values) \
-                    and len({(type(v), v) for v in values}) == 1:
-                out[name] = values[0]
+        self._open += 1
+        try:
+            for name, nodes in self.call_arguments(fn).items():
+                values = [self.value(n) if n is not None else UNKNOWN for n in nodes]
+                if all(v is not UNKNOWN and v is not NOT_NONE and is_literal(v) for v in values) \
+                        and len({(type(v), v) for v in values}) == 1:
+                    out[name] = values[0]
+        finally:
+            self._open -= 1
         memo[fn] = out
         return out
 
@@ -862,82 +1046,116 @@ class Analysis:
         """What `node` evaluates to, if the analysis knows it (UNKNOWN otherwise; NOT_NONE: some object)."""
         if node is None:
             return UNKNOWN
-        key = (id(node), cond, in_class)
-        memo = self.__dict__.setdefault("_memo", {})
-        if key not in memo:
-            memo[key] = self._value(node, cond, in_class)
-        return memo[key]
+        key = (node, cond, in_class)  # a node of the tree, alive as long as the analysis: itself, not its id
+        memo = self.__dict__.get("_memo")
+        if memo is None:
+            memo = self.__dict__["_memo"] = {}
+        found = memo.get(key, memo)
+        if found is memo:
+            found = memo[key] = self._value(node, cond, in_class)
+        return found
 
     def _value(self, node, cond=False, in_class=None):
+        # each case tests the node's class first (a tree of ast.parse's: isinstance of a leaf class is `is`); the cases
+        # a class can meet stay in their order
         if node is None:
             return UNKNOWN
-        if isinstance(node, ast.Constant):
+        kind = node.__class__
+        if kind is ast.Constant:
             return node.value
-        if isinstance(node, ast.Tuple) and isinstance(node.ctx, ast.Load):
+        if kind is ast.Tuple and isinstance(node.ctx, ast.Load):
             vals = [self.value(e) for e in node.elts]
             return tuple(vals) if all(v is not UNKNOWN and v is not NOT_NONE and is_literal(v) for v in vals) else NOT_NONE
-        if isinstance(node, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp, ast.Lambda)):
+        if kind in _NEW_OBJECTS:
             return NOT_NONE
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in self.classes:
-            return NOT_NONE
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == "nn" and node.func.attr[:1].isupper()):
-            return NOT_NONE
-        attr = self.setting_of(node)
-        if attr is not None:
-            if attr in self.known_settings:
-                self.record(attr, "==", self.known_settings[attr]) if self.foldable[attr][1] != "bool" else \
-                    self.record(attr, "truth", None)
-                return self.known_settings[attr]
-            if cond:
-                return self.record(attr, "truth", None)
+        if kind is ast.Call:
+            if isinstance(node.func, ast.Name) and node.func.id in self.classes:
+                return NOT_NONE
+            if (isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "nn" and node.func.attr[:1].isupper()):
+                return NOT_NONE
+        if kind is ast.Name and self._names_memo is not None and not self._open and isinstance(node.ctx, ast.Load):
+            # a loaded Name's value is its function's, name's and cond's, from tables that no longer change: once
+            key = (self.fn_of.get(node), node.id, cond)
+            found = self._names_memo.get(key, self._names_memo)
+            if found is self._names_memo:
+                found = self._read_value(node, cond, in_class)
+                if not self._open:
+                    self._names_memo[key] = found
+            return found
+        return self._read_value(node, cond, in_class, kind)
+
+    def _read_value(self, node, cond, in_class, kind=ast.Name):
+        """_value's cases for a Name or Attribute, any other node's after the first ones (`kind`: its class)."""
+        if kind is ast.Name or kind is ast.Attribute:  # setting_of is None for any other node
+            attr = self.setting_of(node)
+            if attr is not None:
+                if attr in self.known_settings:
+                    self.record(attr, "==", self.known_settings[attr]) if self.foldable[attr][1] != "bool" else \
+                        self.record(attr, "truth", None)
+                    return self.known_settings[attr]
+                if cond:
+                    return self.record(attr, "truth", None)
+                return UNKNOWN
+        elif kind is ast.Compare:  # predicate is None for any other node
+            pred = self.predicate(node)
+            if pred is not None:
+                return self.record(*pred)
+        if kind is ast.Name:
+            if isinstance(node.ctx, ast.Load):
+                fn = self.fn_of.get(node)
+                if fn is not None:
+                    consts = self.local_consts(fn)
+                    if node.id in consts:
+                        return consts[node.id]
+                    params = self.param_consts(fn) if isinstance(fn, ast.FunctionDef) else {}
+                    if node.id in params:
+                        return params[node.id]
+                    truths = self.local_truths(fn) if cond else {}
+                    if node.id in truths:
+                        return truths[node.id]
+                    if self._bound_in(fn, node.id):
+                        return UNKNOWN
+                return self.global_consts.get(node.id, UNKNOWN)
             return UNKNOWN
-        pred = self.predicate(node)
-        if pred is not None:
-            return self.record(*pred)
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-            fn = self.fn_of.get(node)
-            if fn is not None:
-                consts = self.local_consts(fn)
-                if node.id in consts:
-                    return consts[node.id]
-                params = self.param_consts(fn) if isinstance(fn, ast.FunctionDef) else {}
-                if node.id in params:
-                    return params[node.id]
-                truths = self.local_truths(fn) if cond else {}
-                if node.id in truths:
-                    return truths[node.id]
-                if self._bound_in(fn, node.id):
-                    return UNKNOWN
-            return self.global_consts.get(node.id, UNKNOWN)
-        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and self._is_settings_base(node.value, node)
-                and node.attr in self.literal_properties):
-            return self.literal_properties[node.attr] if self.literal_properties[node.attr] != [] else \
-                (False if cond else NOT_NONE)
-        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and self._is_settings_base(node.value, node)
-                and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
-            # h.a, rt.h.a: an attribute Hyperparameters always sets to the same literal (e.g. h.clock)
-            return self.attr_consts.get((self.families.get("Hyperparameters"), node.attr), UNKNOWN)
-        if (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
-                and node.value.id in self.cell_consts and isinstance(node.slice, ast.Constant) and node.slice.value == 0):
-            fn = self.fn_of.get(node)
-            return UNKNOWN if fn is not None and self._bound_in(fn, node.value.id) else self.cell_consts[node.value.id]
-        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
-                and node.value.id == "self"):
-            cls = in_class or self.enclosing_class(node)
-            fam = self.families.get(cls)
-            if fam is not None and (fam, node.attr) in self.attr_consts:
-                return self.attr_consts[(fam, node.attr)]
+        if kind is ast.Attribute:
+            if (isinstance(node.ctx, ast.Load) and self._is_settings_base(node.value, node)
+                    and node.attr in self.literal_properties):
+                return self.literal_properties[node.attr] if self.literal_properties[node.attr] != [] else \
+                    (False if cond else NOT_NONE)
+            if (isinstance(node.ctx, ast.Load) and self._is_settings_base(node.value, node)
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                # h.a, rt.h.a: an attribute Hyperparameters always sets to the same literal (e.g. h.clock)
+                return self.attr_consts.get((self.families.get("Hyperparameters"), node.attr), UNKNOWN)
+            if isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                cls = in_class or self.enclosing_class(node)
+                fam = self.families.get(cls)
+                if fam is not None and (fam, node.attr) in self.attr_consts:
+                    return self.attr_consts[(fam, node.attr)]
+                return UNKNOWN
             return UNKNOWN
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            v = self.value(node.operand, cond=True)
-            return UNKNOWN if v is UNKNOWN or v is NOT_NONE else (not v)
-        if isinstance(node, ast.BoolOp):
+        if kind is ast.Subscript:
+            if (isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
+                    and node.value.id in self.cell_consts and isinstance(node.slice, ast.Constant)
+                    and node.slice.value == 0):
+                fn = self.fn_of.get(node)
+                return UNKNOWN if fn is not None and self._bound_in(fn, node.value.id) else \
+                    self.cell_consts[node.value.id]
+            return UNKNOWN
+        if kind is ast.UnaryOp:
+            if isinstance(node.op, ast.Not):
+                v = self.value(node.operand, cond=True)
+                return UNKNOWN if v is UNKNOWN or v is NOT_NONE else (not v)
+            return UNKNOWN
+        if kind is ast.BoolOp:
             return self._boolop_value(node, cond)[0]
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in self.functions
-                and not any(isinstance(x, ast.Call) for arg in node.args + node.keywords for x in ast.walk(arg))):
-            return self.call_result(node.func.id)
-        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+        if kind is ast.Call:
+            if (isinstance(node.func, ast.Name) and node.func.id in self.functions
+                    and not any(isinstance(x, ast.Call) for arg in node.args + node.keywords
+                                for x in self.src.walk(arg))):
+                return self.call_result(node.func.id)
+            return UNKNOWN
+        if kind is ast.Compare and len(node.ops) == 1:
             op = COMPARE_OPS.get(type(node.ops[0]))
             right = node.comparators[0]
             if (op in ("in", "not in") and isinstance(node.left, ast.Constant) and isinstance(right, ast.Name)
@@ -956,7 +1174,7 @@ class Analysis:
                 except TypeError:
                     return UNKNOWN
             return UNKNOWN
-        if isinstance(node, ast.IfExp):
+        if kind is ast.IfExp:
             t = self.value(node.test, cond=True)
             if t is UNKNOWN or t is NOT_NONE:
                 return UNKNOWN
@@ -970,7 +1188,7 @@ class Analysis:
         nested = self.__dict__.setdefault("_nested", None)
         if nested is None:
             nested = self._nested = {}
-            for node in self.all_nodes:
+            for node in self.ordered:
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                     outer = self.fn_of.get(node)
                     while outer is not None:
@@ -998,7 +1216,7 @@ class Analysis:
                 if not cond:
                     kept.append(operand)
                 continue  # `x and True` as a condition: x
-            if not kept or (cond and not any(isinstance(x, ast.Call) for k in kept for x in ast.walk(k))):
+            if not kept or (cond and not any(isinstance(x, ast.Call) for k in kept for x in self.src.walk(k))):
                 return v, []
             kept.append(operand)
             return UNKNOWN, kept
@@ -1014,9 +1232,14 @@ class Analysis:
         read) and every node above them: render copies the others' text as it is."""
         hot = set()
         for node in self.all_nodes:
-            if not isinstance(node, ast.expr) or isinstance(node, ast.Constant):
-                continue
-            known = self.setting_of(node) is not None or self.predicate(node) is not None
+            kind = _HOT_KINDS.get(node.__class__)
+            if kind is None:
+                kind = _HOT_KINDS[node.__class__] = _hot_kind(node)
+            if kind is _SKIP or ((kind is _READ or kind is _STORED) and not isinstance(node.ctx, ast.Load)):
+                continue  # a store or del: no setting_of, UNKNOWN (a List: NOT_NONE), nothing recorded
+            # setting_of is None but for a Name or Attribute, predicate but for a Compare (neither records anything)
+            known = (self.setting_of(node) is not None if kind is _READ else
+                     self.predicate(node) is not None if kind is _COMPARE else False)
             if not known:
                 v = self.value(node)
                 known = v is not UNKNOWN and v is not NOT_NONE
@@ -1083,13 +1306,27 @@ class Analysis:
 
     def _expr_children(self, node):
         out = []
-        for child in ast.iter_child_nodes(node):
+        for child in self.src.kids[node]:
             if isinstance(child, ast.expr):
                 out.append(child)
             elif isinstance(child, (ast.keyword, ast.comprehension, ast.arguments, ast.arg, ast.Slice)):
                 out.extend(self._expr_children(child))
             # operators, contexts: nothing
         return sorted((c for c in out if hasattr(c, "lineno")), key=lambda c: (c.lineno, c.col_offset))
+
+
+_SKIP, _READ, _COMPARE, _STORED, _OTHER = "skip", "read", "compare", "stored", "other"  # mark_hot's kinds of node
+_HOT_KINDS = {}  # node class -> its kind
+
+
+def _hot_kind(node):
+    """_SKIP: no expression, a Constant or one of _NEVER_KNOWN; _READ: a Name or Attribute (setting_of may know
+    it, when loaded); _COMPARE: a Compare (predicate may); _STORED: a Subscript, Tuple or List (a target, when not
+    loaded: so is a Name or Attribute); _OTHER: any other expression."""
+    if not isinstance(node, ast.expr) or isinstance(node, ast.Constant) or node.__class__ in _NEVER_KNOWN:
+        return _SKIP
+    return _READ if isinstance(node, (ast.Name, ast.Attribute)) else _COMPARE if isinstance(node, ast.Compare) \
+        else _STORED if isinstance(node, (ast.Subscript, ast.Tuple, ast.List)) else _OTHER
 
 
 # ---------------------------------------------------------------------------------------------------- statements
@@ -1102,6 +1339,7 @@ class Folder:
         self.a = analysis
         self.src = analysis.src
         self.edits = []  # (start, end, text)
+        self._guards = {}  # guard_call's answers by (function, name)
 
     def run(self):
         self.a.mark_hot()
@@ -1188,7 +1426,7 @@ class Folder:
             for arg in stmt.value.args[1:]:
                 self.expression(arg)
             return None
-        for child in ast.iter_child_nodes(stmt):
+        for child in self.src.kids[stmt]:
             if isinstance(child, ast.expr) and not (isinstance(child, (ast.Name, ast.Attribute, ast.Subscript,
                                                                          ast.Tuple, ast.List))
                                                     and not isinstance(getattr(child, "ctx", ast.Load()), ast.Load)):
@@ -1202,11 +1440,17 @@ class Folder:
                 and not any(isinstance(x, ast.Starred) for x in call.args)):
             return False
         fn = self.a.fn_of.get(call)
+        key = (fn, call.func.id)  # the answer is the function's (scope, name)'s: looked up once a round
+        if key not in self._guards:
+            self._guards[key] = self._guard_function(fn, call.func.id)
+        return self._guards[key]
+
+    def _guard_function(self, fn, name):
         scopes = [fn.body] if fn is not None else []
         scopes.append(self.src.tree.body)
         for body in scopes:
             for d in body:
-                if isinstance(d, ast.FunctionDef) and d.name == call.func.id:
+                if isinstance(d, ast.FunctionDef) and d.name == name:
                     inner = past_docstring(d)
                     return (len(inner) == 1 and isinstance(inner[0], ast.If) and not inner[0].orelse
                             and d.args.args and isinstance(inner[0].test, ast.UnaryOp)
@@ -1228,6 +1472,8 @@ class Folder:
         return not self.a.loads_anywhere_in(fn, name)
 
     def expression(self, node, cond=False):
+        if id(node) not in self.a.hot:
+            return  # render gives its text as it is: no edit
         text = self.a.render(node, cond)
         seg = self.src.segment(node)
         if text != seg:
@@ -1328,43 +1574,48 @@ def apply_edits(text, edits):
             continue
         kept.append(e)
         last_end = max(last_end, e[1])
-    for a, b, t in reversed(kept):
-        text = text[:a] + t + text[b:]
-    return text, len(kept)
+    pieces, pos = [], 0  # kept: in order, none starting before the one before it ends (as cut back to front)
+    for a, b, t in kept:
+        pieces += (text[pos:a], t)
+        pos = b
+    pieces.append(text[pos:])
+    return "".join(pieces), len(kept)
 
 
 # ---------------------------------------------------------------------------------------------------- definitions
 
 
-def names_in(node, lazy_annotations=True):
+def names_in(node, lazy_annotations=True, kids=None):
     """Names loaded and attribute names read anywhere in node, and the strings it holds; with
-    `from __future__ import annotations` (lazy_annotations) annotations are strings nothing evaluates: not read."""
+    `from __future__ import annotations` (lazy_annotations) annotations are strings nothing evaluates: not read.
+    `kids`: Source.kids of node's tree (its child lists, made once), or None."""
     names, attrs, strings = set(), set(), set()
     todo = [node]
     while todo:
         n = todo.pop()
-        if isinstance(n, ast.Name):
+        kind = n.__class__  # a tree of ast.parse's: isinstance of a leaf class is `is`
+        if kind is ast.Name:
             names.add(n.id)
-        elif isinstance(n, ast.Attribute):
+            continue  # no child but its context
+        if kind is ast.Constant:
+            if isinstance(n.value, str):
+                strings.add(n.value)
+            continue
+        if kind is ast.Attribute:
             attrs.add(n.attr)
-        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
-            strings.add(n.value)
-        skip = ()
+        children = kids[n] if kids is not None else child_nodes(n)
         if lazy_annotations:  # the annotation fields of a parameter, an annotated assignment or a function
-            skip = ("annotation",) if isinstance(n, (ast.AnnAssign, ast.arg)) else \
-                ("returns",) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) else ()
-        for name, value in ast.iter_fields(n):
-            if name in skip:
-                continue
-            if isinstance(value, ast.AST):
-                todo.append(value)
-            elif isinstance(value, list):
-                todo.extend(x for x in value if isinstance(x, ast.AST))
+            skip = n.annotation if kind is ast.AnnAssign or kind is ast.arg else \
+                n.returns if kind is ast.FunctionDef or kind is ast.AsyncFunctionDef else None
+            if skip is not None:
+                children = [c for c in children if c is not skip]
+        todo.extend(children)
     return names, attrs, strings
 
 
-def dead_definitions(src: Source):
-    """Spans of module-level definitions, methods and settings that no kept code reaches."""
+def dead_definitions(src: Source, memo=None):
+    """Spans of module-level definitions, methods and settings that no kept code reaches. `memo`: names_in's results
+    by the text of the node (a dict kept from round to round: most definitions come back unchanged)."""
     tree = src.tree
     defs = {}  # name -> [stmt]
     roots = []
@@ -1383,19 +1634,32 @@ def dead_definitions(src: Source):
     live_names, live_attrs, live_strings = set(), set(), set()
     live_defs, methods_seen = set(), set()
     pending = list(roots)
+    kids = src.kids
+
+    def names(node):
+        """names_in(node, lazy): a function of the node's text (its decorators' included), which parses to it."""
+        if memo is None:
+            return names_in(node, lazy, kids)
+        first = node.decorator_list[0] if getattr(node, "decorator_list", None) else node
+        key = (src.text[src.offset(first.lineno, first.col_offset):src.offset(node.end_lineno, node.end_col_offset)],
+               lazy)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = names_in(node, lazy, kids)
+        return found
 
     def scan(node, skip_methods=False):
         if isinstance(node, ast.ClassDef) and skip_methods:
             n, a, s = set(), set(), set()
             for part in node.bases + node.keywords + node.decorator_list:
-                x = names_in(part, lazy)
+                x = names(part)
                 n |= x[0]; a |= x[1]; s |= x[2]
             for stmt in node.body:
                 if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    x = names_in(stmt, lazy)
+                    x = names(stmt)
                     n |= x[0]; a |= x[1]; s |= x[2]
             return n, a, s
-        return names_in(node, lazy)
+        return names(node)
 
     changed = True
     while changed:
@@ -1456,23 +1720,31 @@ def dead_settings(src: Source, table, fixed_names, machine):
     if hp is None:
         return []
     own_fns = [f for f in hp.body if isinstance(f, ast.FunctionDef) and f.name in ("__init__", "_validate")]
-    own = {id(x) for f in own_fns for x in ast.walk(f)}
+    own = {id(x) for f in own_fns for x in src.walk(f)}
     stored = set()
     for f in own_fns:
-        for node in ast.walk(f):
+        for node in src.walk(f):
             if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
                     and node.value.id == "self"):
                 stored.add(node.attr)
-    read_elsewhere = {node.attr for node in src.nodes
+    read_elsewhere = {node.attr for node in src.of_type(ast.Attribute)
                       if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and id(node) not in own}
     keep = {attr for attr, (name, _) in table.items() if name in fixed_names or name in machine or name == "PRESET"}
     dead = stored - read_elsewhere - keep - {"settings", "effective", "_environ", "_preset", "real"}
 
+    memo_stores, memo_mentions = {}, {}  # node -> its set: each is asked again after every _Again
+
     def stores(stmt):
-        return {t.attr for t in ast.walk(stmt) if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)}
+        if stmt not in memo_stores:
+            memo_stores[stmt] = {t.attr for t in src.walk(stmt)
+                                 if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)}
+        return memo_stores[stmt]
 
     def mentions(node):
-        return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
+        if node not in memo_mentions:
+            memo_mentions[node] = {n.attr for n in src.walk(node)
+                                   if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
+        return memo_mentions[node]
 
     def removable(stmt):
         if isinstance(stmt, (ast.Assign, ast.AugAssign)):
@@ -1490,7 +1762,7 @@ def dead_settings(src: Source, table, fixed_names, machine):
             if removable(stmt):
                 out.append(stmt)
                 continue
-            for child in ast.iter_child_nodes(stmt):
+            for child in src.kids[stmt]:
                 if isinstance(child, ast.expr):
                     live = mentions(child) & dead
                     if live:
@@ -1527,7 +1799,7 @@ def drop_unread_fixed(src: Source, table, values):
     kinds = {"bool": bool, "int": int, "str": str}
     fixed = {attr for attr, (name, kind) in table.items() if name in values and name != "PRESET"
              and kind in kinds and type(values[name]) is kinds[kind]}
-    read = {node.attr for node in src.nodes if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)}
+    read = {node.attr for node in src.of_type(ast.Attribute) if isinstance(node.ctx, ast.Load)}
     gone = [stmt for stmt in init.body
             if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Attribute)
             and stmt.targets[0].attr in fixed - read and isinstance(stmt.value, ast.Call)
@@ -1573,7 +1845,7 @@ def preset_edits(src: Source, run_preset, values):
             else:
                 start = src.starts[src.comments_above(stmt.lineno) - 1]
                 edits.append((start, b, ""))
-    for node in ast.walk(src.tree):
+    for node in src.nodes:
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_env"
                 and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "PRESET"):
             a, b = src.span(node.args[1])
@@ -1658,8 +1930,23 @@ def specialise(text, run, path="train_gpt.py", max_rounds=60):
     run = {"PRESET": run.get("PRESET", "record_0323"), **{k: v for k, v in run.items() if k != "PRESET"}}
     key = (sha, tuple(run.items()), Analysis.__init__, Folder.run)
     if key not in _RESULTS:
-        _RESULTS[key] = _specialise(text, run, path, max_rounds, sha)
+        with gc_paused():
+            _RESULTS[key] = _specialise(text, run, path, max_rounds, sha)
     return _RESULTS[key]
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """The cyclic garbage collector off for a while (as it was after): each round parses the source again, some 70,000
+    new nodes whose allocation set off collections of the whole heap (a test process's, torch's included) that freed
+    nothing (an AST holds no cycle) and took a third of the time. Reference counting frees as before."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _specialise(text, run, path, max_rounds, sha):
@@ -1681,10 +1968,11 @@ def _specialise(text, run, path, max_rounds, sha):
     values = {**preset, **{k: v for k, v in run.items() if k != "PRESET"}}
     conditions = {}
     rounds = 0
+    names_memo = {}  # dead_definitions' names_in by text, over the rounds
     for rounds in range(1, max_rounds + 1):
         analysis = Analysis(src, table, machine, h, conditions)
         edits = Folder(analysis).run()  # first: it records the conditions the removals below rely on
-        dead, dead_methods = dead_definitions(src)
+        dead, dead_methods = dead_definitions(src, names_memo)
         stmts = dead + [m for _, m in dead_methods] + dead_settings(src, table, set(conditions), machine)
         edits += removal_edits(src, stmts)  # a removal wins over a fold inside it (apply_edits)
         if not edits:
@@ -1709,7 +1997,7 @@ def _specialise(text, run, path, max_rounds, sha):
                 if table[by_name[k]][1] == "bool" or any(op == "==" and res for op, _, res in c)}
     record = repr({"source_sha256": sha, "run": run, "values": fixed,
                    "conditions": {k: c for k, c in conds.items() if k not in outright}})
-    read = {n.args[0].value for n in ast.walk(src.tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    read = {n.args[0].value for n in src.of_type(ast.Call) if isinstance(n.func, ast.Attribute)
             and n.func.attr in ("_env", "_env_int_list") and n.args and isinstance(n.args[0], ast.Constant)}
     values = {k: v for k, v in values.items() if k in read}  # the preset's values of settings the file still reads
     text_out, _ = apply_edits(src.text, preset_edits(src, h.preset, values) + specialised_edit(src, record))
@@ -1719,8 +2007,9 @@ def _specialise(text, run, path, max_rounds, sha):
 
 def check_source(text):
     try:
-        ast.parse(text, feature_version=MIN_PYTHON)
-        compile(text, "<specialised>", "exec")
+        # compiled from the tree the check parsed (the same tree Python's own parse of the text gives: a Python 3.10
+        # parse only refuses more), not parsed again
+        compile(ast.parse(text, feature_version=MIN_PYTHON), "<specialised>", "exec")
     except SyntaxError as e:
         raise SpecialiseError(f"the specialised source does not compile: line {e.lineno}: {e.msg}") from None
 
