@@ -125,6 +125,7 @@ class _Compiled:
 def serve() -> None:
     """The zygote: preloads, says it is ready, then forks a child for each spawn request and reports each child's
     end, until its stdin closes (its pytest worker ended): then it kills what it still runs and exits."""
+    import gc
     import importlib
     import importlib.util
 
@@ -139,6 +140,11 @@ def serve() -> None:
             pass
     compiled = _Compiled()
     compiled.script(str(SCRIPT))
+    # The preloaded modules' objects (torch's, Dynamo's, ...) live as long as the zygote: frozen out of the garbage
+    # collector's generations, a child's collections no longer walk them (nor write their headers, each write a page
+    # copied after the fork). A run's own objects are collected as in a new process.
+    gc.collect()
+    gc.freeze()
     _send({"ready": os.getpid(), "threads": _threads(), "preloaded": loaded})
     children, buf = set(), b""
     while True:
