@@ -30,7 +30,6 @@ import ast
 import base64
 import contextlib
 import dis
-import gc
 import importlib
 import io
 import itertools
@@ -44,6 +43,10 @@ import tempfile
 import tokenize
 import types
 from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # specialise.py, beside this file, wherever this is imported from
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import specialise  # noqa: E402
 
 # The oldest Python the packed file must run on; the wrapper and the payload are both checked against it.
 MIN_PYTHON = (3, 10)
@@ -131,31 +134,12 @@ def _is_docstring(stmt: ast.stmt) -> bool:
     return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
 
 
-# The fields that hold only the shared, field-less context and operator nodes (Load, Store, Add, And, Eq, ...): no
-# name, binding, statement or function is found in or below them.
-_SINGLETON_FIELDS = ("ctx", "op", "ops")
-_CHILD_FIELDS: dict[type, tuple[str, ...]] = {}  # node class -> its other fields
 # The nodes whose fields may hold statements (ast's grammar: no expression, argument or keyword does)
 _STATEMENT_HOLDERS = (ast.stmt, ast.mod, ast.excepthandler, getattr(ast, "match_case", ast.stmt))
 
-
-def _children(node: ast.AST) -> list[ast.AST]:
-    """ast.iter_child_nodes(node) as a list (the same nodes in the same order) but for the context and operator
-    nodes (_SINGLETON_FIELDS), a third of a tree's, which nothing here looks for."""
-    kind = node.__class__
-    if kind is ast.Name or kind is ast.Constant:  # no child but a Name's context
-        return []
-    fields = _CHILD_FIELDS.get(kind)
-    if fields is None:
-        fields = _CHILD_FIELDS[kind] = tuple(f for f in node._fields if f not in _SINGLETON_FIELDS)
-    out = []
-    for name in fields:
-        value = getattr(node, name, None)
-        if isinstance(value, ast.AST):
-            out.append(value)
-        elif isinstance(value, list):
-            out.extend([x for x in value if isinstance(x, ast.AST)])
-    return out
+# ast.iter_child_nodes without the shared context and operator nodes (Load, Add, ...), which nothing here looks for:
+# specialise.py's walk, one for both
+_children = specialise.child_nodes
 
 
 def _walk(tree: ast.AST, kids: dict | None = None) -> list[ast.AST]:
@@ -689,18 +673,8 @@ def _same_tree(a, b) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """The cyclic garbage collector off for a while (as it was after): minify parses and walks trees of some 70,000
-    new nodes, whose allocation set off collections of the whole heap (a test process's, torch's included) that
-    freed nothing (an AST holds no cycle). Reference counting frees as before."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
+# The cyclic garbage collector off while minify walks its trees (specialise.py's pause: an AST holds no cycle)
+_gc_paused = specialise.gc_paused
 
 
 def minify(src: str, rename: bool = True) -> str:
@@ -979,7 +953,6 @@ def build_parser() -> argparse.ArgumentParser:
 def specialised_source(src: str, src_path: Path, run_items: list[str] | None, from_env: bool = False) -> str:
     """SRC specialised to the run given as VAR=VALUE items, or by the environment (scripts/pack/specialise.py)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import specialise
 
     try:
         run = specialise.run_from_environ(src, os.environ) if from_env else specialise.parse_run(run_items)
