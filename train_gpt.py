@@ -56,7 +56,7 @@ PREFLIGHT_CHANGES = ("ITERATIONS", "WARMDOWN_ITERS", "MAX_WALLCLOCK_SECONDS", "G
                      "CHECKPOINT_EVERY", "VAL_LOSS_EVERY", "EVAL_BUDGET_SECONDS")
 SIZE_CAP_BYTES = 16_000_000  # the competition's artifact cap: compressed model + code, decimal bytes
 TRACK_WORLD_SIZE = 8  # the track's ranks (8xH100): an evaluation on as many is held to the track's budget
-GET_DATA = ("build the offline sample: python3 data/build_sample_data.py && bash scripts/run/sample_run.sh; "
+GET_DATA = ("build the sample: python3 data/build_sample_data.py && bash scripts/run/sample_run.sh; "
             "or download FineWeb: python3 data/cached_challenge_fineweb.py --variant sp1024")
 
 
