@@ -379,6 +379,8 @@ class Hyperparameters:
         self.debug_traceback = self._env("DEBUG_TRACEBACK", False, bool)
         self.tracker = self._env("TRACKER", "", str)  # wandb or tensorboard: rank 0 sends the log's numbers (issue 63)
         self.tracker_project = self._env("TRACKER_PROJECT", "parameter-golf", str)  # W&B's project
+        self.tracker_system = self._env("TRACKER_SYSTEM", True, bool)  # W&B's system metrics (GPU, CPU, memory)
+        self.peak_tflops = self._env("PEAK_TFLOPS", 0.0, float)  # one device's peak for MFU; 0: known GPUs' (issue 72)
         # ---- schedule
         self.iterations = self._env("ITERATIONS", 9000)
         self.warmdown_iters = self._env("WARMDOWN_ITERS", 3500)
@@ -859,6 +861,8 @@ class Hyperparameters:
             need(False, f"COMPRESSOR={self.compressor} needs the {module} package: {module_fix(module, package)}")
         need(not self.tracker or importlib.util.find_spec(self.tracker), f"TRACKER={self.tracker} needs the "
              f"{self.tracker} package (an optional extra, docs/running.md): pip install {self.tracker}")
+        need(math.isfinite(self.peak_tflops) and self.peak_tflops >= 0,
+             f"PEAK_TFLOPS={self.peak_tflops:g} must be a device's peak TFLOP/s (> 0), or 0 for the known GPUs'")
         need(not self.awq_lite or self.quant == "gptq", "AWQ_LITE=1 needs QUANT=gptq (its saliency reads the "
                                                        "calibration activations)")
         need(self.gptq_calibration_seqs == 0 or self.quant == "gptq",
@@ -3859,6 +3863,58 @@ class StepTimer:
         return line
 
 
+def train_flops_per_token(h, seq_len, looping):
+    """Training's matmul FLOPs per token of the model as configured (docs/log_format.md "MFU"): 6 x the matmul
+    weights a token passes through (forward 2 FLOPs a multiply-add, backward twice the forward), each layer once per
+    run in the current order (the depth loop runs some twice; the two lanes add no matmul), plus 12 x seq_len x
+    model_dim a layer run for attention's QK^T and AV over the whole context (the usual convention: no causal
+    halving), plus SmearGate v2's gate on all tokens but the first."""
+    d, kv, heads = h.model_dim, h.num_kv_heads * h.head_dim, h.num_heads
+    encoder, decoder = virtual_layers(h.num_layers, *((h.num_loops, h.loop_start, h.loop_end) if looping else ()))
+    gate = {"none": 0, "dense": heads * d}.get(h.attn_gate, heads * h.gate_window)
+    layer = 2 * d * d + 2 * kv * d + 2 * d * h.mlp_hidden + gate + 2 * seq_len * d
+    once = (h.vocab_size * d + h.bigram_dim * d * (h.bigram_vocab_size > 0) + h.ve_dim * kv * bool(h.ve_enabled and h.ve_layers)
+            + h.gate_window * (seq_len - 1) / seq_len * (h.smear_gate == 2))
+    return 6 * ((len(encoder) + len(decoder)) * layer + once)
+
+
+# One GPU's dense bf16 peak TFLOP/s (NVIDIA's data sheets), by name, first match: MFU's denominator (PEAK_TFLOPS sets it)
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+
+
+class TrainMeter:
+    """The train line's numbers for researchers (issue 72; docs/log_format.md): each optimizer group's LR and Muon's
+    momentum as the step used them, the gradient norm the clip computed (read only here, at a logged step, in the
+    one host read of the loss), tokens a second since the last train line, and MFU: train_flops_per_token x tok/s
+    over the peak (PEAK_TFLOPS, else PEAK_BF16_TFLOPS' for a bf16 run) x ranks; none without a known peak."""
+
+    def __init__(self, rt, trainer, step, train_ms):
+        h, present = rt.h, set(param_groups(trainer.model).values())
+        self.h, self.last = h, (step, train_ms)
+        self.names = [g for g, (opt, _, _) in group_settings(h).items() if opt == "adamw" and g in present]
+        self.tokens = h.local_tokens * h.replay_world_size * h.grad_accum_steps  # all ranks' tokens a step
+        name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU"
+        known = next((p for key, p in PEAK_BF16_TFLOPS if key in name), None) if rt.autocast_dtype else None
+        self.peak = h.peak_tflops or known
+        source = "PEAK_TFLOPS" if h.peak_tflops else f"{name} bf16" if known else f"{name}: unknown, PEAK_TFLOPS sets it"
+        rt.log(f"mfu: train_flops_per_token:{train_flops_per_token(h, h.train_seq_len, False):.6g} "
+               f"peak_tflops:{self.peak or '-'} ({source}; docs/log_format.md)")
+
+    def fields(self, trainer, train_loss, step, ms, seq_len, looping):
+        """(the step's loss, the text between step_avg: and data_wait_ms: in the train line)."""
+        norm = trainer.grad_norm
+        loss, *norm = torch.stack([train_loss.float(), *([] if norm is None else [norm.float()])]).tolist()
+        lrs = [f"lr_{n}:{opt.param_groups[0]['lr']:.4g}" for n, opt in zip([*self.names, "matrix"], trainer.optimizers)]
+        tok_s = self.tokens * (step - self.last[0]) / max(ms - self.last[1], 1e-3) * 1000.0
+        self.last = (step, ms)
+        text = " ".join([*lrs, f"muon_momentum:{trainer.muon.param_groups[0]['momentum']:.4g}",
+                         *(f"grad_norm:{n:.4g}" for n in norm), f"tok_s:{tok_s:.0f}"])
+        if self.peak:
+            mfu = train_flops_per_token(self.h, seq_len, looping) * tok_s / (self.peak * 1e12 * self.h.world_size)
+            text += f" mfu:{mfu:.4g}"
+        return loss, " " + text
+
+
 def training_loss(h, model, ids, targets, docs=None, padded=False):
     """Training's objective (SPEC 3; SPEC-FRONTIER 18, item 7), what Trainer minimises: the mean cross-entropy, as
     the scoring loss (GPT.forward, which evaluation and TTT use), plus each objective piece's term (GPT.terms: a module
@@ -3964,7 +4020,7 @@ class Trainer:
         clip_local = h.grad_clip_norm > 0 and h.grad_clip_scope == "local"
         clip_reduced = h.grad_clip_norm > 0 and h.grad_clip_scope == "reduced" and rt.distributed
         clip_mean = h.grad_clip_norm > 0 and not (clip_local or clip_reduced)
-        kept = None  # virtual ranks clipped one by one: the sum of their clipped gradients / k
+        kept, self.grad_norm = None, None  # grad_norm: the clip's norm before clipping (the first virtual rank's)
         totals = []
         for _ in range(k):  # this rank's virtual ranks (REPLAY_WORLD_SIZE), each as that rank computes its step
             total = torch.zeros((), device=rt.device)
@@ -3982,7 +4038,8 @@ class Trainer:
             totals.append(total)
             with phase("clip"):
                 if clip_local:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip_norm)
+                    norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip_norm)
+                    self.grad_norm = norm if self.grad_norm is None else self.grad_norm
                 if clip_local and k > 1:
                     kept = keep_virtual_rank_grads(self.model, kept, k)
         if kept is not None:
@@ -3990,14 +4047,14 @@ class Trainer:
                 p.grad = g
         if clip_mean:
             with phase("clip"):
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip_norm)
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip_norm)
         with phase("optimizer"):
             self.muon.launch_reduce_scatters()
             for p in self.replicated:
                 if p.grad is not None:
                     rt.all_reduce(p.grad, op=dist.ReduceOp.AVG)
             if clip_reduced:
-                clip_reduced_grads(rt, self.muon, self.replicated, h.grad_clip_norm)
+                self.grad_norm = clip_reduced_grads(rt, self.muon, self.replicated, h.grad_clip_norm)
             for opt in self.adams:
                 opt.step()
             self.muon.step()
@@ -4032,9 +4089,10 @@ def clip_reduced_grads(rt, muon, replicated, max_norm):
     # each rank holds different bank rows (zero-padded), the same replicated gradients
     bank_sq = rt.all_reduce(sum(s.float().square().sum() for s in shards))
     norm = (bank_sq + sum(g.float().square().sum() for g in rep)).sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # (the norm before clipping is returned: the train line's)
     for g in (*shards, *rep):
         g.mul_(coef.to(g.dtype))
+    return norm
 
 
 def rank_loader(rt, rank, first_bos=None):
@@ -4202,7 +4260,7 @@ RESUME_FREE_SETTINGS = frozenset((
     "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WARMUP_STEPS", "TRAIN_PREFETCH", "TRAIN_PREFETCH_QUEUE", "TRAIN_COPY_STREAM",
     "VAL_PREFETCH", "VAL_COPY_STREAM", "VAL_BYTECOUNT_DEVICE", "VAL_PROGRESS_LOG_EVERY", "VAL_LOSS_EVERY",
     "TRAIN_LOG_EVERY", "TRAINING_TIMING_BREAKDOWN", "TRAINING_TIMING_EVERY", "PROFILE", "PROFILE_STEPS",
-    "OVERWRITE_RUN"))
+    "OVERWRITE_RUN", "PEAK_TFLOPS", "TRACKER_SYSTEM"))
 
 
 @dataclass
@@ -4685,6 +4743,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
             rt.log("resume_note: this train_gpt.py differs from the one that wrote the checkpoint (CRC-32); the "
                    "settings match, but a change in the code's math would make this run differ from an unbroken one")
     replayed = (lambda ms: "") if h.clock is None else (lambda ms: f" replayed_time:{ms:.0f}ms")
+    meter = TrainMeter(rt, trainer, step, train_ms)
     trainer.data_wait_ms = 0.0
     wait_total, wait_max, wait_since_log, steps_since_log = 0.0, 0.0, 0.0, 0
     rt.sync()
@@ -4730,9 +4789,10 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
         if _PREFLIGHT[0] is not None:
             _PREFLIGHT[0].training_step(model.looping, sched.seq_len, sched.qat_on, approx_ms)
         if h.train_log_every > 0 and (step <= 10 or step % h.train_log_every == 0 or sched.stop_after is not None):
-            rt.log(f"step:{step}/{h.iterations} train_loss:{train_loss.item():.4f} "
-                   f"train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms "
-                   f"data_wait_ms:{wait_since_log / steps_since_log:.2f}" + replayed(schedule_ms))
+            loss, fields = meter.fields(trainer, train_loss, step, approx_ms, sched.seq_len, model.looping)
+            rt.log(f"step:{step}/{h.iterations} train_loss:{loss:.4f} train_time:{approx_ms:.0f}ms "
+                   f"step_avg:{approx_ms / step:.2f}ms{fields} data_wait_ms:{wait_since_log / steps_since_log:.2f}"
+                   + replayed(schedule_ms))
             wait_since_log, steps_since_log = 0.0, 0
         if timer is not None:
             timer.steps += 1

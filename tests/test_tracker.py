@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 import launcher
 import train_gpt as tg
@@ -112,6 +115,50 @@ def test_metrics_of_each_kind_of_line():
     assert t.metrics("Total submission size int6+lzma: 808898 bytes") == {
         "artifact/total_submission_size_int6_lzma_bytes": 808898}
     assert t.metrics("seed:1337") == {} and t.metrics("note: took 3: 4 bytes") == {} and t.step == 3
+
+
+class MatmulFlops(TorchDispatchMode):
+    """The model FLOPs of the matmuls run under it, from their own shapes: PyTorch's formulas (flop_registry: mm,
+    bmm, ...), linear's, and the CPU kernel of SDPA: forward QK^T and AV (sdpa_flop_count, GQA too), backward the four
+    gradient matmuls (dV, dP, dQ, dK: twice the forward), where sdpa_backward_flop_count adds a fifth, the kernel's
+    recompute of QK^T (hardware FLOPs, not the model's: MFU counts none)."""
+    flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out, op = func(*args, **(kwargs or {})), func._overloadpacket
+        if op is torch.ops.aten.linear:
+            self.flops += 2 * out.numel() * args[1].shape[-1]
+        elif op is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+            self.flops += sdpa_flop_count(*(a.shape for a in args[:3]))
+        elif op is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            self.flops += 2 * sdpa_flop_count(*(a.shape for a in args[1:4]))
+        elif op in flop_registry:
+            self.flops += flop_registry[op](*args, **(kwargs or {}), out_val=out)
+        return out
+
+
+# The presets' pieces at 5 layers of width 64: the depth loop over layers 1-2, two lanes from layer 3 (record_0427:
+# SmearGate v2, the sparse attention gate, XSA, VE), and the default model (bigram hash, SmearGate v1).
+FLOP_MODELS = {"record_0427": {"PRESET": "record_0427"}, "default": {"NUM_LOOPS": "1", "ATTN_GATE": "dense"}}
+
+
+@pytest.mark.parametrize("name", list(FLOP_MODELS))
+def test_train_flops_per_token_is_the_models_matmuls(name):
+    h = tg.Hyperparameters({"NUM_LAYERS": "5", "MODEL_DIM": "64", "NUM_HEADS": "4", "NUM_KV_HEADS": "2",
+                            "LOOP_START": "1", "LOOP_END": "2", "PARALLEL_RESIDUAL_START": "3", "XSA_LAST_N": "5",
+                            "VE_LAYERS": "3,4", "VOCAB_SIZE": "256", "BIGRAM_DIM": "16", "VE_DIM": "8",
+                            **FLOP_MODELS[name]})
+    model = tg.build_model(h).float()
+    model.set_compute_dtype(torch.float32)
+    ids = torch.randint(0, h.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    counted = {}
+    for looping in (False, True):
+        model.looping = looping
+        with MatmulFlops() as count:
+            tg.training_loss(h, model, ids, ids).backward()
+        counted[looping] = count.flops
+        assert count.flops == pytest.approx(tg.train_flops_per_token(h, 48, looping) * ids.numel(), rel=1e-12)
+    assert counted[True] > counted[False]  # the loop's two extra layer runs are in both counts
 
 
 def test_bad_tracker_settings_stop_at_start(monkeypatch, sample_data):
