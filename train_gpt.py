@@ -3332,24 +3332,37 @@ class Tracker:
     """TRACKER=wandb|tensorboard (issue 63; docs/running.md "Experiment trackers"), rank 0 only: the run's effective
     settings with their sources at start, then the numbers of every line the log gets (train and val lines at their
     step; scores, evaluation times and artifact bytes at the last step), read from the line's own text, so the tracker
-    holds what the log says. A tracker that cannot start stops the run before any work (ConfigError); one that fails
-    later costs one warning line, and the run goes on without it. Its package is imported here only."""
+    holds what the log says. A tracker that cannot start stops the run before any work (ConfigError, one line, its
+    package's `pip install` where an import failed); one that fails later costs one warning line, and the run goes on
+    without it. Its package is imported here only. Issue 72: one W&B run per RUN_ID (its id, wandb_run_id), resumed
+    after RESUME; W&B's system metrics unless TRACKER_SYSTEM=0; the artifact and the log as a W&B artifact at the
+    end; the *_exact lines also as TensorBoard text (its scalars are float32)."""
     PAIR = re.compile(r"(\w+):([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))(ms|s)?(?=[\s,]|$)")
 
-    def __init__(self, h):
-        self.kind, self.step, self.failed = h.tracker, 0, False
+    def __init__(self, h, resuming=False):
+        self.kind, self.step, self.failed, self.id = h.tracker, 0, False, wandb_run_id(h.run_id)
         settings = {name: {"value": value, "source": source} for name, (value, source) in h.effective.items()}
         try:
             os.makedirs(h.run_dir, exist_ok=True)
             if self.kind == "wandb":  # WANDB_MODE=offline (read by wandb) writes runs/$RUN_ID/wandb/offline-run-*
                 import wandb
-                self.run = wandb.init(project=h.tracker_project, name=h.run_id, dir=h.run_dir, config=settings,
-                                      settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+                self.run = wandb.init(project=h.tracker_project, name=h.run_id, id=self.id, dir=h.run_dir,
+                                      config=settings, resume="allow" if resuming else None, settings=wandb.Settings(
+                                          console="off", silent=True, x_disable_stats=not h.tracker_system))
             else:
                 from torch.utils.tensorboard import SummaryWriter
-                self.run = SummaryWriter(os.path.join(h.run_dir, "tensorboard"))
+                folder = os.path.join(h.run_dir, "tensorboard")
+                os.makedirs(folder, exist_ok=True)
+                probe = os.path.join(folder, f".write_test.{os.getpid()}")  # unwritable: refused here, before
+                open(probe, "wb").close()  # SummaryWriter, whose writer thread would print a traceback
+                os.remove(probe)
+                self.run = SummaryWriter(folder)
                 self.run.add_text("settings", "\n".join(f"    {name}={v['value']} [{v['source']}]"
                                                          for name, v in settings.items()))
+        except ImportError as e:
+            package = "tensorboard" if self.kind == "tensorboard" else self.kind
+            raise ConfigError(f"TRACKER={self.kind} cannot start: {type(e).__name__}: {first_line(e)} (pip install "
+                              f"{package}, or pip install --force-reinstall {package} if it is installed)") from None
         except Exception as e:
             raise ConfigError(f"TRACKER={self.kind} cannot start: {type(e).__name__}: {first_line(e)}") from None
 
@@ -3377,14 +3390,34 @@ class Tracker:
                     self.run.log(metrics, step=self.step)
                 for name, value in metrics.items() if self.kind == "tensorboard" else ():
                     self.run.add_scalar(name, value, self.step)
+                if self.kind == "tensorboard" and re.match(r"\w+_exact ", line):  # all its digits, as the log's
+                    self.run.add_text(f"eval/{line.split()[0]}", line, self.step)
         except Exception as e:
             self.failed = True
             rt.log(f"warning: TRACKER={self.kind} failed ({type(e).__name__}: {first_line(e)}); the run goes on "
                    "without it")
 
-    def close(self, code):
+    def close(self, code, rt=None):
+        """Ends the tracker's run; a finished run's artifact and log go to W&B as an artifact first."""
+        with contextlib.suppress(Exception):
+            if self.kind == "wandb" and code == 0 and rt is not None and not self.failed:
+                import wandb
+                art = wandb.Artifact(f"{self.id}-submission", type="model")
+                for path in (artifact_files(rt.h)[1], rt.log_path):
+                    if path is not None and os.path.isfile(path) and not rt.h.preflight:
+                        art.add_file(str(path))
+                if art.manifest.entries:
+                    self.run.log_artifact(art)
         with contextlib.suppress(Exception):
             self.run.finish(exit_code=code) if self.kind == "wandb" else self.run.close()
+
+
+def wandb_run_id(run_id):
+    """The W&B run id of RUN_ID (one W&B run per RUN_ID): RUN_ID itself where W&B takes it (letters, digits, - _ .;
+    at most 64), else its W&B-safe part and its CRC-32, so two RUN_IDs never share one."""
+    if re.fullmatch(r"[\w.-]{1,64}", run_id, re.ASCII):
+        return run_id
+    return f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', run_id)[:55]}-{zlib.crc32(run_id.encode()):08x}"
 
 
 # The settings that scale the model's memory; a refusal names the one that grew it most beyond its default.
@@ -3501,10 +3534,17 @@ def setup_runtime(h, resume=None):
         check_compile_backend(h.compile_backend)
     check_model_memory(h, device)
     threads = choose_cpu_threads(h)
-    if h.rank == 0 and not h.eval_only:
-        make_run_dir(h)
-    tracker = Tracker(h) if h.tracker and h.rank == 0 else None  # before the log: one that fails replaces none
-    log_path = open_log(h, append=resume is not None) if h.rank == 0 else None
+    fresh = h.rank == 0 and not os.path.exists(h.run_dir)
+    try:
+        if h.rank == 0 and not h.eval_only:
+            make_run_dir(h)
+        # the tracker before the log: one that fails replaces none
+        tracker = Tracker(h, resume is not None) if h.tracker and h.rank == 0 else None
+        log_path = open_log(h, append=resume is not None) if h.rank == 0 else None
+    except ConfigError:  # a refused start leaves no run folder it made (nor a failed tracker's files in it)
+        if fresh:
+            shutil.rmtree(h.run_dir, ignore_errors=True)
+        raise
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -7515,7 +7555,7 @@ def main():
             print(f"preflight: NOT READY: {message.removeprefix('error: ')}", file=sys.stderr, flush=True)
             code = 1
     if rt is not None and rt.tracker is not None:
-        rt.tracker.close(code)
+        rt.tracker.close(code, rt)
     leave(code)
 
 
