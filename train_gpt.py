@@ -3339,7 +3339,7 @@ class Tracker:
     end; the *_exact lines also as TensorBoard text (its scalars are float32)."""
     PAIR = re.compile(r"(\w+):([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))(ms|s)?(?=[\s,]|$)")
 
-    def __init__(self, h, resuming=False):
+    def __init__(self, h, resume=None):
         self.kind, self.step, self.failed, self.id = h.tracker, 0, False, wandb_run_id(h.run_id)
         settings = {name: {"value": value, "source": source} for name, (value, source) in h.effective.items()}
         try:
@@ -3347,7 +3347,7 @@ class Tracker:
             if self.kind == "wandb":  # WANDB_MODE=offline (read by wandb) writes runs/$RUN_ID/wandb/offline-run-*
                 import wandb
                 self.run = wandb.init(project=h.tracker_project, name=h.run_id, id=self.id, dir=h.run_dir,
-                                      config=settings, resume="allow" if resuming else None, settings=wandb.Settings(
+                                      config=settings, resume="allow" if resume else None, settings=wandb.Settings(
                                           console="off", silent=True, x_disable_stats=not h.tracker_system))
             else:
                 from torch.utils.tensorboard import SummaryWriter
@@ -3356,15 +3356,31 @@ class Tracker:
                 probe = os.path.join(folder, f".write_test.{os.getpid()}")  # unwritable: refused here, before
                 open(probe, "wb").close()  # SummaryWriter, whose writer thread would print a traceback
                 os.remove(probe)
-                self.run = SummaryWriter(folder)
+                self.run = SummaryWriter(folder, purge_step=1 if resume else None)  # the replay's steps, once
                 self.run.add_text("settings", "\n".join(f"    {name}={v['value']} [{v['source']}]"
                                                          for name, v in settings.items()))
+            if resume is not None:
+                self.replay(Path("logs") / f"{h.run_id}.txt", resume.manifest["step"])
         except ImportError as e:
             package = "tensorboard" if self.kind == "tensorboard" else self.kind
             raise ConfigError(f"TRACKER={self.kind} cannot start: {type(e).__name__}: {first_line(e)} (pip install "
                               f"{package}, or pip install --force-reinstall {package} if it is installed)") from None
         except Exception as e:
             raise ConfigError(f"TRACKER={self.kind} cannot start: {type(e).__name__}: {first_line(e)}") from None
+
+    def replay(self, log, resumed_step):
+        """A resumed run's steps up to its checkpoint's, from the log's step lines (the last of each, as a run
+        resumed twice logs some twice) that the tracker lacks: a process killed loses what its tracker had not
+        written (W&B keeps a block in memory); W&B says its next step where it knows it (online), TensorBoard
+        drops its earlier files' steps (purge_step)."""
+        lines = {}
+        for line in log.read_text(encoding="utf-8").splitlines() if log.is_file() else ():
+            step = re.match(r"step:(\d+)/\d+ (train|val)_loss:", line)
+            if step and int(step[1]) <= resumed_step:
+                lines[int(step[1]), step[2]] = line
+        first = getattr(self.run, "step", 0) if self.kind == "wandb" else 0
+        for key in sorted(k for k in lines if k[0] >= first):
+            self.send(None, lines[key])
 
     def metrics(self, line):
         """{name: number} of one log line: step:S/N lines as train/KEY or val/KEY (self.step = S), score lines and
@@ -3393,6 +3409,8 @@ class Tracker:
                 if self.kind == "tensorboard" and re.match(r"\w+_exact ", line):  # all its digits, as the log's
                     self.run.add_text(f"eval/{line.split()[0]}", line, self.step)
         except Exception as e:
+            if rt is None:  # at start (replay): the run does not start
+                raise
             self.failed = True
             rt.log(f"warning: TRACKER={self.kind} failed ({type(e).__name__}: {first_line(e)}); the run goes on "
                    "without it")
@@ -3539,7 +3557,7 @@ def setup_runtime(h, resume=None):
         if h.rank == 0 and not h.eval_only:
             make_run_dir(h)
         # the tracker before the log: one that fails replaces none
-        tracker = Tracker(h, resume is not None) if h.tracker and h.rank == 0 else None
+        tracker = Tracker(h, resume) if h.tracker and h.rank == 0 else None
         log_path = open_log(h, append=resume is not None) if h.rank == 0 else None
     except ConfigError:  # a refused start leaves no run folder it made (nor a failed tracker's files in it)
         if fresh:

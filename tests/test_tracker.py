@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -48,8 +49,27 @@ if sys.argv[1:] == ["fail"]:  # the tracker fails when the log reaches step 3: a
             raise OSError("No space left on device (forced by tests/test_tracker.py)")
         return metrics(self, line)
     tg.Tracker.metrics = failing
+if sys.argv[1:] == ["count"]:  # every host read of a tensor after each Trainer.step call (until the next), logged or not
+    import json, torch
+    steps = []
+    def counting(name):
+        read = getattr(torch.Tensor, name)
+        def counted(self, *a, **k):
+            if steps:
+                steps[-1][0] += 1
+            return read(self, *a, **k)
+        setattr(torch.Tensor, name, counted)
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+        counting(name)
+    step, fields = tg.Trainer.step, tg.TrainMeter.fields
+    tg.Trainer.step = lambda self, *a, **k: steps.append([0, False]) or step(self, *a, **k)
+    tg.TrainMeter.fields = lambda self, *a, **k: steps[-1].__setitem__(1, True) or fields(self, *a, **k)
 sys.argv[1:] = []
-tg.main()
+try:
+    tg.main()
+finally:
+    if "steps" in dir():
+        open("host_reads.json", "w").write(json.dumps(steps))
 """
 # TINY_ENV made smaller still (as tests/test_kernels.py's TINY_KERNEL_RUN): every line the tracker sends (train and
 # val steps, the three scores with sliding window and TTT, evaluation times, bytes) at a fraction of TINY_ENV's cost.
@@ -57,11 +77,14 @@ TINY_RUN = {**TINY_ENV, "NUM_LAYERS": "2", "MODEL_DIM": "32", "NUM_HEADS": "2", 
             "XSA_LAST_N": "1", "TRAIN_SEQ_LEN": "64", "EVAL_SEQ_LEN": "64", "TRAIN_BATCH_TOKENS": "512",
             "GRAD_ACCUM_STEPS": "1", "VAL_BATCH_SIZE": "4096", "TTT_CHUNK_TOKENS": "512", "EVAL_STRIDE": "32",
             "DIAGNOSTIC_POST_EMA": "0"}
+# tb and wb: MFU against a CPU "peak" of 1 TFLOP/s; wb: killed right after its step-2 checkpoint, then resumed.
 RUNS = {
-    "tb": {"TRACKER": "tensorboard" if HAS["tensorboard"] else ""},
+    "tb": {"TRACKER": "tensorboard" if HAS["tensorboard"] else "", "PEAK_TFLOPS": "1"},
     "fail": {"TRACKER": "tensorboard" if HAS["tensorboard"] else "", "TRACKER_PROJECT": "golf-b"},
-    "wb": {"TRACKER": "wandb" if HAS["wandb"] else "", "SEED": "42"},
+    "wb": {"TRACKER": "wandb" if HAS["wandb"] else "", "SEED": "42", "PEAK_TFLOPS": "1", "CHECKPOINT_EVERY": "2"},
 }
+# TRACKER unset, the host reads counted (RUN's "count"): 14 steps, steps 11-14 not logged, a cheap evaluation.
+PLAIN = {"ITERATIONS": "14", "TRAIN_LOG_EVERY": "100", "TTT_ENABLED": "0", "EVAL_STRIDE": "0"}
 
 
 def launch(cwd: Path, env: dict[str, str], *args: str):
@@ -75,10 +98,27 @@ def runs(tmp_path_factory, sample_data) -> Path:
     data = short_val_data(sample_data, cwd / "val", 1025)
     for run_id, extra in RUNS.items():
         env = {**TINY_RUN, **data, "RUN_ID": run_id, **extra}
+        if run_id == "wb":
+            killed = launch(cwd, {**env, "TEST_KILL_AT_CHECKPOINT": "2:after"})
+            assert killed.returncode == -9 and "error" not in killed.stderr, killed.stderr[-3000:]
+            env["RESUME"] = "auto"
         proc = launch(cwd, env, *(["fail"] if run_id == "fail" else []))
         assert proc.returncode == 0, proc.stderr[-3000:]
         (cwd / f"{run_id}.stdout").write_text(proc.stdout)
+    (cwd / "plain").mkdir()
+    proc = launch(cwd / "plain", {**TINY_RUN, **data, "RUN_ID": "plain", **PLAIN}, "count")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return cwd
+
+
+TRAIN_LINE = re.compile(r"^step:(\d+)/\d+ train_loss:.*$", re.M)
+NEW_NUMBERS = ("lr_", "muon_momentum", "grad_norm", "tok_s", "mfu")  # issue 72's, in each train line
+
+
+def new_numbers(log_text: str) -> dict[tuple[str, int], float]:
+    """(train/NAME, step) -> the number of each of issue 72's fields in the log's train lines."""
+    return {(f"train/{k}", int(m[1])): float(v) for m in TRAIN_LINE.finditer(log_text)
+            for k, v in re.findall(r" (\w+):([-+\d.e]+)(?= |$)", m[0]) if k.startswith(NEW_NUMBERS)}
 
 
 def expected(log: rl.RunLog) -> dict[tuple[str, int], float]:
@@ -94,7 +134,7 @@ def expected(log: rl.RunLog) -> dict[tuple[str, int], float]:
         out[(f"eval/{rl.EVAL_PREFIXES[name]}_exact/val_bpb", last)] = e.val_bpb
     out[("eval/evaluation_time/total_s", last)] = log.eval_total_s
     out[("artifact/total_submission_size_int6_lzma_bytes", last)] = log.total_bytes
-    return out
+    return {**out, **new_numbers(log.path.read_text(encoding="utf-8"))}
 
 
 # ---------------------------------------------------------------------------------------------- in process
@@ -217,20 +257,30 @@ def wandb_records(path: Path):
 
 
 @needs("wandb")
-def test_wandb_offline_gives_back_the_log(runs):
-    files = list((runs / "runs" / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(files) == 1, files
-    got, config = {}, {}
-    for r in wandb_records(files[0]):
-        kind = r.WhichOneof("record_type")
-        if kind == "history":
-            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-            got.update({(k, r.history.step.num): v for k, v in items.items() if not k.startswith("_")})
-        elif kind == "run":
-            assert (r.run.display_name, r.run.project) == ("wb", "parameter-golf")
-            config = {item.key: json.loads(item.value_json) for item in r.run.config.update}
+def test_wandb_offline_gives_back_the_log_in_one_run_across_a_resume(runs):
+    """The run killed after its step-2 checkpoint and resumed: W&B offline wrote a folder for each process (one if
+    both started in the same second), all under the one run id (wandb sync makes them one run). The killed
+    process's W&B kept its records in memory (a SIGKILL loses them), so the resumed one sent steps 1-2 again from the
+    log, then 3-4: its history has every step once."""
+    files = sorted((runs / "runs" / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [f.name for f in files] in (["run-wb.wandb"], ["run-wb.wandb"] * 2), files
+    got, config, steps = {}, {}, {}
+    for f in files:
+        for r in wandb_records(f):
+            kind = r.WhichOneof("record_type")
+            if kind == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+                got.update({(k, r.history.step.num): v for k, v in items.items() if not k.startswith("_")})
+                steps.setdefault(f, []).extend([r.history.step.num] if "train/train_loss" in items else [])
+            elif kind == "run":
+                assert (r.run.run_id, r.run.display_name, r.run.project) == ("wb", "wb", "parameter-golf")
+                config = {item.key: json.loads(item.value_json) for item in r.run.config.update}
+    assert steps.pop(files[-1]) == [1, 2, 3, 4]  # the resumed process's
+    assert all(set(s) <= {1, 2} for s in steps.values())  # the killed process's, if it wrote any
     want = expected(rl.parse_log(runs / "logs" / "wb.txt"))
-    assert {k: got[k] for k in want} == want  # W&B keeps the log's numbers exactly
+    assert {k for k in want if k[0].startswith("train/lr_")} == {
+        (f"train/lr_{g}", s) for g in ("embed", "scalar", "matrix") for s in (1, 2, 3, 4)}
+    assert {k: got[k] for k in want} == want  # W&B keeps the log's numbers exactly, issue 72's too
     assert config["SEED"] == {"value": 42, "source": "env"} and config["TRACKER_PROJECT"]["source"] == "default"
 
 
