@@ -3336,7 +3336,7 @@ class Tracker:
     package's `pip install` where an import failed); one that fails later costs one warning line, and the run goes on
     without it. Its package is imported here only. Issue 72: one W&B run per RUN_ID (its id, wandb_run_id), resumed
     after RESUME; W&B's system metrics unless TRACKER_SYSTEM=0; the artifact and the log as a W&B artifact at the
-    end; the *_exact lines also as TensorBoard text (its scalars are float32)."""
+    end; each exact score line also as TensorBoard text (its scalars are float32)."""
     PAIR = re.compile(r"(\w+):([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))(ms|s)?(?=[\s,]|$)")
 
     def __init__(self, h, resume=None):
@@ -3406,7 +3406,7 @@ class Tracker:
                     self.run.log(metrics, step=self.step)
                 for name, value in metrics.items() if self.kind == "tensorboard" else ():
                     self.run.add_scalar(name, value, self.step)
-                if self.kind == "tensorboard" and re.match(r"\w+_exact ", line):  # all its digits, as the log's
+                if self.kind == "tensorboard" and re.match(r"\w+_exact\s", line):  # all its digits, as the log's
                     self.run.add_text(f"eval/{line.split()[0]}", line, self.step)
         except Exception as e:
             if rt is None:  # at start (replay): the run does not start
@@ -3552,7 +3552,7 @@ def setup_runtime(h, resume=None):
         check_compile_backend(h.compile_backend)
     check_model_memory(h, device)
     threads = choose_cpu_threads(h)
-    fresh = h.rank == 0 and not os.path.exists(h.run_dir)
+    fresh = next((d for d in (os.path.dirname(h.run_dir), h.run_dir) if not os.path.exists(d)), None)  # made here
     try:
         if h.rank == 0 and not h.eval_only:
             make_run_dir(h)
@@ -3560,8 +3560,8 @@ def setup_runtime(h, resume=None):
         tracker = Tracker(h, resume) if h.tracker and h.rank == 0 else None
         log_path = open_log(h, append=resume is not None) if h.rank == 0 else None
     except ConfigError:  # a refused start leaves no run folder it made (nor a failed tracker's files in it)
-        if fresh:
-            shutil.rmtree(h.run_dir, ignore_errors=True)
+        if fresh and h.rank == 0:
+            shutil.rmtree(fresh, ignore_errors=True)
         raise
     if device.type == "cuda":
         torch.cuda.set_device(device)

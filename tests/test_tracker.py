@@ -49,13 +49,17 @@ if sys.argv[1:] == ["fail"]:  # the tracker fails when the log reaches step 3: a
             raise OSError("No space left on device (forced by tests/test_tracker.py)")
         return metrics(self, line)
     tg.Tracker.metrics = failing
+if sys.argv[1:2] and sys.argv[1].startswith("block:"):  # a module whose import fails, as a broken install's would
+    sys.modules[sys.argv[1].removeprefix("block:")] = None
 if sys.argv[1:] == ["count"]:  # every host read of a tensor after each Trainer.step call (until the next), logged or not
-    import json, torch
-    steps = []
+    import json, threading, torch
+    steps, main = [], threading.get_ident()
     def counting(name):
         read = getattr(torch.Tensor, name)
         def counted(self, *a, **k):
-            if steps:
+            # train_gpt.py's own reads in the main thread: not the loader threads' batches, nor torch.optim's AdamW
+            # reading its CPU step counters (never a device sync)
+            if steps and threading.get_ident() == main and sys._getframe(1).f_code.co_filename == tg.__file__:
                 steps[-1][0] += 1
             return read(self, *a, **k)
         setattr(torch.Tensor, name, counted)
@@ -217,6 +221,33 @@ def test_a_tracker_that_cannot_start_stops_the_run_in_one_line(tmp_path, sample_
     assert proc.stderr.strip().startswith("error: TRACKER=wandb cannot start: UsageError: Invalid project name 'a/b'")
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""
     assert not (tmp_path / "logs").exists()  # before any work: not even the log
+    assert not (tmp_path / "runs").joinpath("badproject").exists()  # nor the run folder it made (W&B's files in it)
+
+
+@pytest.mark.parametrize("kind,module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb.sdk")])
+def test_a_tracker_whose_import_fails_says_its_pip_line_and_leaves_no_run_folder(tmp_path, sample_data, kind, module):
+    if not HAS[kind]:
+        pytest.skip(f"{kind} is not installed")
+    proc = launch(tmp_path, {**TINY_ENV, **sample_data, "RUN_ID": "r", "TRACKER": kind}, f"block:{module}")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert re.fullmatch(rf"error: TRACKER={kind} cannot start: ModuleNotFoundError: [^\n]*'{re.escape(module)}[^\n]* "
+                        rf"\(pip install {kind}, or pip install --force-reinstall {kind} if it is installed\)\n",
+                        proc.stderr.replace("import of ", "'"))  # (the halted import's words)
+    assert list(tmp_path.iterdir()) == []  # no runs/r, no logs/
+
+
+@needs("tensorboard")
+def test_an_unwritable_tensorboard_folder_is_one_line_every_time(tmp_path, sample_data):
+    """A folder that exists but takes no file, even from root (as an unwritable one for a user): refused before
+    SummaryWriter starts its writer thread, which printed its own traceback in one start out of two."""
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "tensorboard").symlink_to("/proc/self/fdinfo")
+    for _ in range(2):
+        proc = launch(tmp_path, {**TINY_ENV, **sample_data, "RUN_ID": "r", "TRACKER": "tensorboard"})
+        assert (proc.returncode, proc.stdout) == (2, "")
+        assert re.fullmatch(r"error: TRACKER=tensorboard cannot start: (FileNotFoundError|PermissionError): "
+                            r"\[Errno \d+\] [^\n]*runs/r/tensorboard/\.write_test\.\d+'\n", proc.stderr), proc.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["r", "runs", "tensorboard"]  # as it was: no log
 
 
 # ---------------------------------------------------------------------------------------------- the three runs
@@ -234,6 +265,41 @@ def test_tensorboard_gives_back_the_log(runs):
         assert got[key] == pytest.approx(value, rel=1e-7), key  # TensorBoard keeps float32
     settings = acc.Tensors("settings/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "    TRACKER=tensorboard [env]" in settings and "    PRESET=record_0323 [default]" in settings
+    exact = {tag: [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)]
+             for tag in acc.Tags()["tensors"] if tag.endswith("_exact/text_summary")}
+    log = read_log(runs, "tb")
+    lines = re.findall(r"^(\w+_exact) val_loss:.*$", log, re.M)
+    assert len(lines) == 3 and exact == {  # every digit of the log's scores, beside the float32 scalars
+        f"eval/{m.group(1)}/text_summary": [(4, m.group(0))] for m in re.finditer(r"^(\w+_exact) val_loss:.*$", log, re.M)}
+
+
+def test_the_train_lines_new_numbers(runs):
+    """Issue 72's numbers in the train lines (PEAK_TFLOPS=1): every group's LR is its base LR x the step's one
+    schedule scale, Muon's momentum its warmup's, MFU = train_flops_per_token x tok/s over the peak (to the
+    printed digits), and a gradient norm at each step."""
+    h = tg.Hyperparameters({**TINY_RUN, "PEAK_TFLOPS": "1"})
+    base = {g: lr for g, (_, lr, _) in tg.group_settings(h).items()}
+    lines = TRAIN_LINE.findall(read_log(runs, "tb"))
+    numbers = new_numbers(read_log(runs, "tb"))
+    assert [int(s) for s in lines] == [1, 2, 3, 4]
+    flops = tg.train_flops_per_token(h, 64, False)
+    for step in (1, 2, 3, 4):
+        got = {k.removeprefix("train/"): v for (k, s), v in numbers.items() if s == step}
+        scale = got["lr_matrix"] / base["matrix"]
+        assert scale in (1.0, 0.5) and {g: got[f"lr_{g}"] for g in ("embed", "scalar")} == {
+            g: float(f"{base[g] * scale:.4g}") for g in ("embed", "scalar")}
+        assert got["muon_momentum"] == float(f"{tg.muon_momentum_at(h, step - 1):.4g}") and got["grad_norm"] > 0
+        assert got["mfu"] == pytest.approx(flops * got["tok_s"] / 1e12, rel=2e-3)
+    assert "mfu" not in "".join(TRAIN_LINE.findall(read_log(runs / "plain", "plain")))  # CPU: no peak, no MFU
+
+
+def test_the_steps_host_reads_are_unchanged_without_a_tracker(runs):
+    """TRACKER unset: after each training step one host read (the flags' all-reduce: loss finite, elapsed time),
+    and a logged step one more (its loss with the clip's gradient norm, read together): as before issue 72, whose
+    numbers add none."""
+    steps = json.loads((runs / "plain" / "host_reads.json").read_text())[-14:]
+    assert [logged for _, logged in steps] == [True] * 10 + [False] * 4
+    assert [reads for reads, _ in steps[:-1]] == [2] * 10 + [1] * 3  # (after the last: the evaluation's)
 
 
 def wandb_records(path: Path):

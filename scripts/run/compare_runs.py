@@ -3,9 +3,11 @@
 
 Each argument is a run's folder (runs/RUN_ID: its log is logs/RUN_ID.txt beside runs/) or a log file. One row a run:
 its id, preset, the settings that differ between the runs given (the logs' `setting NAME=value [source]` lines;
-RUN_ID and CHECKPOINT_DIR left out), the steps, the last step time, the final score (val_bpb), the scores before
-and after TTT, the evaluation's time, the artifact's bytes and whether the run finished. A log cut mid-line, a run
-still going (no evaluation_time line yet) and a failed run (its error line) never show as finished.
+PER_RUN's left out), the steps, the last step time, the final score (val_bpb), the scores before and after TTT, the
+evaluation's time, the artifact's bytes and whether the run finished. A log cut mid-line, a run still going (no
+evaluation_time line yet) and a failed run (its error line) never show as finished, and never pass a partial score
+for a final one: their scores carry PARTIAL's mark (a footnote under the table says why), and sorted by a score they
+come after every finished run.
 
 Examples:
     python3 scripts/run/compare_runs.py runs/* --sort val_bpb
@@ -23,10 +25,14 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import plot_logs  # noqa: E402  (needs the paths above)
 import recordlib as rl  # noqa: E402
 
-# Settings that differ between any two runs by construction: not a difference of recipe.
-PER_RUN = ("RUN_ID", "CHECKPOINT_DIR")
+# Settings that differ between runs by construction (a run's name and folder, a resumed part's RESUME): not a
+# difference of recipe.
+PER_RUN = ("RUN_ID", "CHECKPOINT_DIR", "RESUME", "TEST_KILL_AT_CHECKPOINT")
 COLUMNS_BEFORE = ("run", "preset")
 COLUMNS_AFTER = ("steps", "step_ms", "val_bpb", "pre_ttt_bpb", "post_ttt_bpb", "eval_s", "bytes", "status")
+SCORES = ("val_bpb", "pre_ttt_bpb", "post_ttt_bpb")
+PARTIAL = "*"  # after an unfinished run's score: not its final one
+FOOTNOTE = f"{PARTIAL} a partial score: the run did not finish (see its status)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,13 +52,7 @@ def log_path(arg: Path) -> Path:
     return arg.resolve().parent.parent / "logs" / f"{arg.resolve().name}.txt" if arg.is_dir() else arg
 
 
-def status(log: rl.RunLog) -> str:
-    """finished, failed (its error line), cut mid-line, or unfinished (running, or stopped without a line)."""
-    if log.error:
-        return "failed: " + log.error.removeprefix("error: ")
-    if log.truncated:
-        return "unfinished (cut mid-line)"
-    return "finished" if log.eval_total_s is not None else "unfinished"
+status = plot_logs.status
 
 
 def score(log: rl.RunLog, *names: str) -> float | None:
@@ -65,7 +65,7 @@ def row(log: rl.RunLog, differing: list[str]) -> dict[str, object]:
     final = score(log, *rl.METRIC_PREFERENCE)
     if final is None and log.val_steps:
         final = log.val_steps[-1].bpb
-    return {
+    out = {
         "run": log.path.stem, "preset": log.preset or "-",
         **{name: log.settings.get(name, "-") for name in differing},
         "steps": f"{log.final_step}/{last.total}" if last else "-",
@@ -73,6 +73,9 @@ def row(log: rl.RunLog, differing: list[str]) -> dict[str, object]:
         "val_bpb": final, "pre_ttt_bpb": score(log, "sliding", "roundtrip"), "post_ttt_bpb": score(log, "legal_ttt"),
         "eval_s": log.eval_total_s, "bytes": log.total_bytes, "status": status(log),
     }
+    if out["status"] != "finished":  # never a final score: marked, as text
+        out.update({k: cell(out[k]) + PARTIAL for k in SCORES if out[k] is not None})
+    return out
 
 
 def table(logs: list[rl.RunLog], sort: str | None = None) -> tuple[list[str], list[dict[str, object]]]:
@@ -88,10 +91,12 @@ def table(logs: list[rl.RunLog], sort: str | None = None) -> tuple[list[str], li
 
         def key(r):
             v = r[sort]
+            after = sort in SCORES and r["status"] != "finished"  # a partial score after every final one
+            v = v.removesuffix(PARTIAL) if after and isinstance(v, str) else v
             try:
-                return (v in (None, "-"), float(v), "")
+                return (after, v in (None, "-"), float(v), "")
             except (TypeError, ValueError):
-                return (v in (None, "-"), 0.0, str(v))
+                return (after, v in (None, "-"), 0.0, str(v))
 
         rows.sort(key=key)
     return columns, rows
@@ -113,8 +118,13 @@ def render_text(columns: list[str], rows: list[dict[str, object]]) -> str:
 
 def render_markdown(columns: list[str], rows: list[dict[str, object]]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(r[c]).replace("|", "\\|") for c in columns) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    lines += ["| " + " | ".join(cell(r[c]).replace("|", "\\|").replace(PARTIAL, "\\" + PARTIAL) for c in columns)
+              + " |" for r in rows]
+    return "\n".join(lines) + (f"\n\n\\{FOOTNOTE}" if any_partial(rows) else "") + "\n"
+
+
+def any_partial(rows: list[dict[str, object]]) -> bool:
+    return any(str(r[k]).endswith(PARTIAL) for r in rows for k in SCORES)
 
 
 def write_csv(path: Path, columns: list[str], rows: list[dict[str, object]]) -> None:
@@ -137,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         columns, rows = table(logs, args.sort)
     except rl.RecordError as e:
         parser.error(str(e))
-    print(render_text(columns, rows))
+    print(render_text(columns, rows) + (f"\n{FOOTNOTE}" if any_partial(rows) else ""))
     if args.csv:
         write_csv(args.csv, columns, rows)
     if args.markdown:

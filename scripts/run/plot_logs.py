@@ -3,7 +3,11 @@
 
 The 2x2 grid shows train loss and val bpb, each against step and against
 training time (s), with one line per log, so runs of different speed can be
-compared both per step and per second of the 10-minute budget.
+compared both per step and per second of the 10-minute budget. A run's status
+sets its line style (finished solid, unfinished dashed, cut mid-line
+dash-dotted, failed dotted; the legend says which), each run has its own marker (identical runs' curves
+stay visible), and a finished run's final score (its exact val_bpb) is a star
+with its value on the val bpb panels, at its last step.
 
 Example:
     python scripts/run/plot_logs.py logs/a.txt logs/b.txt --labels base,new -o curves.png
@@ -36,6 +40,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+STYLES = {"finished": "-", "unfinished": "--", "cut": "-.", "failed": ":"}  # kind(status) -> line style
+MARKERS = "osD^vP<>Xph*"
+
+
+def status(log: rl.RunLog) -> str:
+    """finished, failed (its error line), cut mid-line, or unfinished (running, or stopped without a line)."""
+    if log.error:
+        return "failed: " + log.error.removeprefix("error: ")
+    if log.truncated:
+        return "unfinished (cut mid-line)"
+    return "finished" if log.eval_total_s is not None else "unfinished"
+
+
+def kind(state: str) -> str:
+    """status's kind: finished, unfinished, cut or failed."""
+    return "cut" if state == "unfinished (cut mid-line)" else state.split(":")[0]
+
+
+def final_score(log: rl.RunLog) -> float | None:
+    """A finished run's final score: its first exact val_bpb in recordlib's preference; None for any other run."""
+    if status(log) != "finished":
+        return None
+    return next((log.exact[n].val_bpb for n in rl.METRIC_PREFERENCE if n in log.exact), None)
+
+
 def series(log: rl.RunLog, kind: str, y_attr: str, x_attr: str) -> tuple[list[float], list[float]]:
     steps = [s for s in log.steps if s.kind == kind]
     xs = [s.train_time_ms / 1000.0 if x_attr == "seconds" else s.step for s in steps]
@@ -53,10 +82,22 @@ def plot(logs: list[rl.RunLog], labels: list[str], output: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for (row, col), (kind, y_attr, y_label, x_attr, x_label) in PANELS.items():
         ax = axes[row][col]
-        for log, label in zip(logs, labels):
+        for i, (log, label) in enumerate(zip(logs, labels)):
             xs, ys = series(log, kind, y_attr, x_attr)
-            if xs:
-                ax.plot(xs, ys, label=label, marker="o" if kind == "val" else None, markersize=3)
+            state = status(log)
+            if not xs:
+                continue
+            # markers of decreasing size on every few points: two identical runs show both
+            line, = ax.plot(xs, ys, STYLES[kind(state)], label=label if state == "finished" else
+                            f"{label} ({kind(state)})", marker=MARKERS[i % len(MARKERS)],
+                            markersize=7 - 4 * i / max(len(logs), 1), markevery=max(len(xs) // 12, 1),
+                            fillstyle="none", alpha=0.9)
+            final = final_score(log)
+            if kind == "val" and final is not None:
+                x = xs[-1]
+                ax.plot([x], [final], "*", color=line.get_color(), markersize=12)
+                ax.annotate(f"{final:.5f}", (x, final), textcoords="offset points", xytext=(4, 4), fontsize="small",
+                            color=line.get_color())
         ax.set_xlabel(x_label)
         ax.set_ylabel(y_label)
         ax.set_title(f"{y_label} vs {x_label}")
