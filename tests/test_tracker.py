@@ -374,10 +374,16 @@ def test_a_tracker_failing_mid_run_leaves_the_exact_lines(runs):
 
 
 def test_compare_runs_table(runs, tmp_path, capsys, monkeypatch):
-    cut = tmp_path / "cut.txt"  # a log cut mid-line: its run still going, or stopped
+    """The three runs' table and plot, with two that did not finish: `cut`, a log cut mid-line (its run still going,
+    or stopped), and `stopped`, interrupted after its sliding-window score, made the lowest of all (1.0): a partial
+    score is marked, sorted after every final one, and never drawn as a final score."""
+    cut, stopped = tmp_path / "cut.txt", tmp_path / "stopped.txt"
     text = read_log(runs, "wb")
     cut.write_text(text[:text.index("step:3/4 train_loss:") + 16])
-    argv = [str(runs / "runs" / name) for name in ("tb", "wb", "fail")] + [str(cut), "--sort", "val_bpb"]
+    text = read_log(runs, "tb")
+    sliding = re.search(r"^final_int6_sliding_window_exact val_loss:\S+ val_bpb:(\S+)\n", text, re.M)
+    stopped.write_text(text[:sliding.start(1)] + "1.00000000\ninterrupted (Ctrl-C) during evaluation\n")
+    argv = [str(runs / "runs" / name) for name in ("tb", "wb", "fail")] + [str(stopped), str(cut), "--sort", "val_bpb"]
     import matplotlib.pyplot as plt
 
     figures = []
@@ -388,11 +394,11 @@ def test_compare_runs_table(runs, tmp_path, capsys, monkeypatch):
     with open(tmp_path / "t.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     trackers = ["TRACKER"] if HAS["wandb"] or HAS["tensorboard"] else []  # tensorboard, wandb (or "" without)
-    assert list(rows[0]) == ["run", "preset", "SEED", *trackers, "TRACKER_PROJECT", "steps", "step_ms", "val_bpb",
-                             "pre_ttt_bpb", "post_ttt_bpb", "eval_s", "bytes", "status"]
+    assert list(rows[0]) == ["run", "preset", "CHECKPOINT_EVERY", "PEAK_TFLOPS", "SEED", *trackers, "TRACKER_PROJECT",
+                             "steps", "step_ms", "val_bpb", "pre_ttt_bpb", "post_ttt_bpb", "eval_s", "bytes", "status"]
     logs = {name: rl.parse_log(runs / "logs" / f"{name}.txt") for name in ("tb", "wb", "fail")}
     order = sorted(logs, key=lambda n: (logs[n].exact["legal_ttt"].val_bpb, list(logs).index(n)))
-    assert [r["run"] for r in rows] == [*order, "cut"]
+    assert [r["run"] for r in rows] == [*order, "stopped", "cut"]  # the partial 1.0 after every final score
     for r in rows[:3]:
         log = logs[r["run"]]
         assert (r["status"], r["steps"], r["preset"]) == ("finished", "4/4", "record_0323")
@@ -401,10 +407,26 @@ def test_compare_runs_table(runs, tmp_path, capsys, monkeypatch):
         assert (int(r["bytes"]), float(r["eval_s"])) == (log.total_bytes, log.eval_total_s)
         assert r["SEED"] == ("42" if r["run"] == "wb" else "1337")
         assert r["TRACKER_PROJECT"] == ("golf-b" if r["run"] == "fail" else "parameter-golf")
-    assert rows[3]["status"] == "unfinished (cut mid-line)" and rows[3]["post_ttt_bpb"] == ""
-    assert printed[0].split() == list(rows[0]) and printed[-2].startswith("cut ") and len(printed) == 6
+    assert (rows[3]["status"], rows[3]["val_bpb"], rows[3]["pre_ttt_bpb"], rows[3]["post_ttt_bpb"]) == (
+        "failed: interrupted (Ctrl-C) during evaluation", "1*", "1*", "")
+    assert rows[4]["status"] == "unfinished (cut mid-line)" and rows[4]["post_ttt_bpb"] == rows[4]["val_bpb"] == ""
+    assert printed[0].split() == list(rows[0]) and printed[-3].startswith("cut ") and len(printed) == 8
+    assert printed[-2] == compare_runs.FOOTNOTE and printed[4].split()[9:11] == ["1*", "1*"]
     md = (tmp_path / "t.md").read_text().splitlines()
-    assert md[0] == "| " + " | ".join(rows[0]) + " |" and len(md) == 6
+    assert md[0] == "| " + " | ".join(rows[0]) + " |" and len(md) == 9 and md[-1] == "\\" + compare_runs.FOOTNOTE
+    assert "| 1\\* | 1\\* |" in md[5]
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    curves = [len(ax.get_lines()) for ax in figures[0].axes]
-    assert curves == [4, 4, 3, 3]  # train loss: one curve a log; val bpb: the three finished ones (none in the cut)
+    axes = figures[0].axes
+    curves = [[(ln.get_label(), ln.get_linestyle(), ln.get_marker()) for ln in ax.get_lines()] for ax in axes]
+    names = ["tb", "wb", "fail", "stopped (failed)", "cut (cut mid-line)"]
+    markers = [ln[2] for ln in curves[0]]
+    assert len(set(markers)) == 5  # one marker a run: identical runs stay visible
+    styles = ["-", "-", "-", ":", "-."]  # finished, failed, cut
+    assert curves[0] == curves[1] == list(zip(names, styles, markers))
+    for ax, lines in zip(axes[2:], curves[2:]):  # val bpb: no val line in the cut log; a star a finished run
+        assert [ln for ln in lines if ln[2] != "*"] == list(zip(names, styles, markers))[:4]
+        stars = [(ln.get_ydata()[0], ln.get_color()) for ln in ax.get_lines() if ln.get_marker() == "*"]
+        colors = [ln.get_color() for ln in ax.get_lines() if ln.get_marker() != "*"]  # each star its run's colour
+        assert stars == [(logs[n].exact["legal_ttt"].val_bpb, colors[i]) for i, n in enumerate(("tb", "wb", "fail"))]
+        assert [t.get_text() for t in ax.texts] == [f"{logs[n].exact['legal_ttt'].val_bpb:.5f}"
+                                                    for n in ("tb", "wb", "fail")]

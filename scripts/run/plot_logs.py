@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-STYLES = {"finished": "-", "unfinished": "--", "cut": "-.", "failed": ":"}  # kind(status) -> line style
+STYLES = {"finished": "-", "unfinished": "--", "cut": "-.", "failed": ":"}  # status_kind(status) -> line style
 MARKERS = "osD^vP<>Xph*"
 
 
@@ -53,7 +53,7 @@ def status(log: rl.RunLog) -> str:
     return "finished" if log.eval_total_s is not None else "unfinished"
 
 
-def kind(state: str) -> str:
+def status_kind(state: str) -> str:
     """status's kind: finished, unfinished, cut or failed."""
     return "cut" if state == "unfinished (cut mid-line)" else state.split(":")[0]
 
@@ -88,14 +88,14 @@ def plot(logs: list[rl.RunLog], labels: list[str], output: Path) -> None:
             if not xs:
                 continue
             # markers of decreasing size on every few points: two identical runs show both
-            line, = ax.plot(xs, ys, STYLES[kind(state)], label=label if state == "finished" else
-                            f"{label} ({kind(state)})", marker=MARKERS[i % len(MARKERS)],
+            line, = ax.plot(xs, ys, STYLES[status_kind(state)], label=label if state == "finished" else
+                            f"{label} ({status_kind(state).replace('cut', 'cut mid-line')})", marker=MARKERS[i % len(MARKERS)],
                             markersize=7 - 4 * i / max(len(logs), 1), markevery=max(len(xs) // 12, 1),
                             fillstyle="none", alpha=0.9)
             final = final_score(log)
             if kind == "val" and final is not None:
                 x = xs[-1]
-                ax.plot([x], [final], "*", color=line.get_color(), markersize=12)
+                ax.plot([x], [final], "*", color=line.get_color(), markersize=14 - 6 * i / max(len(logs), 1))
                 ax.annotate(f"{final:.5f}", (x, final), textcoords="offset points", xytext=(4, 4), fontsize="small",
                             color=line.get_color())
         ax.set_xlabel(x_label)
