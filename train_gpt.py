@@ -3435,7 +3435,7 @@ def wandb_run_id(run_id):
     at most 64), else its W&B-safe part and its CRC-32, so two RUN_IDs never share one."""
     if re.fullmatch(r"[\w.-]{1,64}", run_id, re.ASCII):
         return run_id
-    return f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', run_id)[:55]}-{zlib.crc32(run_id.encode()):08x}"
+    return f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', run_id)[:55].strip('-')}-{zlib.crc32(run_id.encode()):08x}"
 
 
 # The settings that scale the model's memory; a refusal names the one that grew it most beyond its default.

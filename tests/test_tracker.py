@@ -6,12 +6,15 @@ readers give back the numbers the logs say; the failing tracker leaves the exact
 table shows only the settings that differ."""
 from __future__ import annotations
 
+import base64
 import csv
+import hashlib
 import importlib.util
 import json
 import re
 import struct
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -205,6 +208,26 @@ def test_train_flops_per_token_is_the_models_matmuls(name):
     assert counted[True] > counted[False]  # the loop's two extra layer runs are in both counts
 
 
+@pytest.mark.parametrize("system", ["1", "0"])
+def test_wandb_init_gets_the_run_id_resume_and_system_metrics(monkeypatch, tmp_path, system):
+    """What wandb.init is asked (a stand-in records it): the id of RUN_ID (a RUN_ID W&B would refuse gets a safe one
+    with its CRC-32), resume="allow" only for RESUME's resumed run, system metrics unless TRACKER_SYSTEM=0."""
+    if not HAS["wandb"]:
+        pytest.skip("wandb is not installed")
+    hs = [tg.Hyperparameters({"RUN_ID": run_id, "TRACKER": "wandb", "TRACKER_SYSTEM": system})
+          for run_id in ("a.b-c_1", "my run (2)")]
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", type(sys)("wandb"))
+    sys.modules["wandb"].init = lambda **kw: calls.append(kw) or type("Run", (), {"step": 0})()
+    sys.modules["wandb"].Settings = dict
+    monkeypatch.chdir(tmp_path)
+    for h, resume in zip(hs, (None, tg.ResumePoint(tmp_path, {"step": 5}))):
+        tg.Tracker(h, resume)
+    assert [(c["id"], c["name"], c["resume"], c["settings"]["x_disable_stats"]) for c in calls] == [
+        ("a.b-c_1", "a.b-c_1", None, system == "0"),
+        (f"my-run-2-{zlib.crc32(b'my run (2)'):08x}", "my run (2)", "allow", system == "0")]
+
+
 def test_bad_tracker_settings_stop_at_start(monkeypatch, sample_data):
     env = {**TINY_ENV, **sample_data}
     assert "TRACKER='mlflow' must be wandb or tensorboard" in config_error({**env, "TRACKER": "mlflow"})
@@ -330,7 +353,7 @@ def test_wandb_offline_gives_back_the_log_in_one_run_across_a_resume(runs):
     log, then 3-4: its history has every step once."""
     files = sorted((runs / "runs" / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert [f.name for f in files] in (["run-wb.wandb"], ["run-wb.wandb"] * 2), files
-    got, config, steps = {}, {}, {}
+    got, config, steps, artifacts = {}, {}, {}, 0
     for f in files:
         for r in wandb_records(f):
             kind = r.WhichOneof("record_type")
@@ -341,7 +364,13 @@ def test_wandb_offline_gives_back_the_log_in_one_run_across_a_resume(runs):
             elif kind == "run":
                 assert (r.run.run_id, r.run.display_name, r.run.project) == ("wb", "wb", "parameter-golf")
                 config = {item.key: json.loads(item.value_json) for item in r.run.config.update}
-    assert steps.pop(files[-1]) == [1, 2, 3, 4]  # the resumed process's
+            elif kind == "artifact":  # at the end: the artifact and the log, as they are on disk
+                assert (f, r.artifact.name, r.artifact.type) == (files[-1], "wb-submission", "model")
+                assert {e.path: e.digest for e in r.artifact.manifest.contents} == {
+                    p.name: base64.b64encode(hashlib.md5(p.read_bytes()).digest()).decode()
+                    for p in (runs / "runs" / "wb" / "final_model.int6.ptz", runs / "logs" / "wb.txt")}
+                artifacts += 1
+    assert steps.pop(files[-1]) == [1, 2, 3, 4] and artifacts == 1  # the resumed process's
     assert all(set(s) <= {1, 2} for s in steps.values())  # the killed process's, if it wrote any
     want = expected(rl.parse_log(runs / "logs" / "wb.txt"))
     assert {k for k in want if k[0].startswith("train/lr_")} == {
