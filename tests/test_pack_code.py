@@ -847,7 +847,7 @@ def _result_lines(log: str) -> list[str]:
     for line in log.splitlines():
         if re.match(r"^step:\d+/\d+ (train|val)_loss:", line):
             out.append(" ".join(f for f in line.split() if not f.startswith(("train_time:", "step_avg:",
-                                                                              "data_wait_ms:"))))
+                                                                              "data_wait_ms:", "tok_s:", "mfu:"))))
         elif re.match(r"^(\w+_exact|DIAGNOSTIC post_ema|Serialized model)", line):
             out.append(re.sub(r" eval_time:\S+", "", line))
     return out
