@@ -3922,21 +3922,21 @@ class StepTimer:
 
 
 def train_flops_per_token(h, seq_len, looping):
-    """Training's matmul FLOPs per token of the model as configured (docs/log_format.md "MFU"): 6 x the matmul
-    weights a token passes through (forward 2 FLOPs a multiply-add, backward twice the forward), each layer once per
-    run in the current order (the depth loop runs some twice; the two lanes add no matmul), plus 12 x seq_len x
-    model_dim a layer run for attention's QK^T and AV over the whole context (the usual convention: no causal
-    halving), plus SmearGate v2's gate on all tokens but the first."""
+    """Training's matmul FLOPs per token of the model as configured (docs/log_format.md, "The train line's numbers"):
+    6 x the matmul weights a token passes through (forward 2 FLOPs a multiply-add, backward twice the forward), each
+    layer once per run in the current order (the depth loop runs some twice; the two lanes add no matmul), plus 12 x
+    seq_len x model_dim a layer run for attention's QK^T and AV over the whole context (the usual convention: no
+    causal halving), plus SmearGate v2's gate on all tokens but the first."""
     d, kv, heads = h.model_dim, h.num_kv_heads * h.head_dim, h.num_heads
     encoder, decoder = virtual_layers(h.num_layers, *((h.num_loops, h.loop_start, h.loop_end) if looping else ()))
     gate = {"none": 0, "dense": heads * d}.get(h.attn_gate, heads * h.gate_window)
     layer = 2 * d * d + 2 * kv * d + 2 * d * h.mlp_hidden + gate + 2 * seq_len * d
-    once = (h.vocab_size * d + h.bigram_dim * d * (h.bigram_vocab_size > 0) + h.ve_dim * kv * bool(h.ve_enabled and h.ve_layers)
-            + h.gate_window * (seq_len - 1) / seq_len * (h.smear_gate == 2))
+    once = (h.vocab_size * d + h.bigram_dim * d * (h.bigram_vocab_size > 0) + h.gate_window * (seq_len - 1) / seq_len
+            * (h.smear_gate == 2) + h.ve_dim * kv * bool(h.ve_enabled and h.ve_layers))
     return 6 * ((len(encoder) + len(decoder)) * layer + once)
 
 
-# One GPU's dense bf16 peak TFLOP/s (NVIDIA's data sheets), by name, first match: MFU's denominator (PEAK_TFLOPS sets it)
+# One GPU's dense bf16 peak TFLOP/s (NVIDIA's data sheets), by name, first match: MFU's denominator (or PEAK_TFLOPS)
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
 
 
@@ -3954,7 +3954,7 @@ class TrainMeter:
         name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU"
         known = next((p for key, p in PEAK_BF16_TFLOPS if key in name), None) if rt.autocast_dtype else None
         self.peak = h.peak_tflops or known
-        source = "PEAK_TFLOPS" if h.peak_tflops else f"{name} bf16" if known else f"{name}: unknown, PEAK_TFLOPS sets it"
+        source = "PEAK_TFLOPS" if h.peak_tflops else f"{name} bf16" if known else f"{name}: unknown; PEAK_TFLOPS=..."
         rt.log(f"mfu: train_flops_per_token:{train_flops_per_token(h, h.train_seq_len, False):.6g} "
                f"peak_tflops:{self.peak or '-'} ({source}; docs/log_format.md)")
 

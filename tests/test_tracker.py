@@ -54,7 +54,7 @@ if sys.argv[1:] == ["fail"]:  # the tracker fails when the log reaches step 3: a
     tg.Tracker.metrics = failing
 if sys.argv[1:2] and sys.argv[1].startswith("block:"):  # a module whose import fails, as a broken install's would
     sys.modules[sys.argv[1].removeprefix("block:")] = None
-if sys.argv[1:] == ["count"]:  # every host read of a tensor after each Trainer.step call (until the next), logged or not
+if sys.argv[1:] == ["count"]:  # every host read of a tensor from each Trainer.step call to the next, and if it logged
     import json, threading, torch
     steps, main = [], threading.get_ident()
     def counting(name):
@@ -232,6 +232,7 @@ def test_wandb_init_gets_the_run_id_resume_and_system_metrics(monkeypatch, tmp_p
 def test_bad_tracker_settings_stop_at_start(monkeypatch, sample_data):
     env = {**TINY_ENV, **sample_data}
     assert "TRACKER='mlflow' must be wandb or tensorboard" in config_error({**env, "TRACKER": "mlflow"})
+    assert config_error({**env, "PEAK_TFLOPS": "-1"}).startswith("PEAK_TFLOPS=-1 must be a device's peak TFLOP/s")
     hide_modules(monkeypatch, "wandb")
     assert config_error({**env, "TRACKER": "wandb"}).startswith("TRACKER=wandb needs the wandb package")
     assert tg.Hyperparameters(env).tracker == ""  # default off
@@ -293,10 +294,9 @@ def test_tensorboard_gives_back_the_log(runs):
     assert "    TRACKER=tensorboard [env]" in settings and "    PRESET=record_0323 [default]" in settings
     exact = {tag: [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)]
              for tag in acc.Tags()["tensors"] if tag.endswith("_exact/text_summary")}
-    log = read_log(runs, "tb")
-    lines = re.findall(r"^(\w+_exact) val_loss:.*$", log, re.M)
+    lines = list(re.finditer(r"^(\w+_exact) val_loss:.*$", read_log(runs, "tb"), re.M))
     assert len(lines) == 3 and exact == {  # every digit of the log's scores, beside the float32 scalars
-        f"eval/{m.group(1)}/text_summary": [(4, m.group(0))] for m in re.finditer(r"^(\w+_exact) val_loss:.*$", log, re.M)}
+        f"eval/{m.group(1)}/text_summary": [(4, m.group(0))] for m in lines}
 
 
 def test_the_train_lines_new_numbers(runs):

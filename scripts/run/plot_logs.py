@@ -88,8 +88,9 @@ def plot(logs: list[rl.RunLog], labels: list[str], output: Path) -> None:
             if not xs:
                 continue
             # markers of decreasing size on every few points: two identical runs show both
+            shown = status_kind(state).replace("cut", "cut mid-line")
             line, = ax.plot(xs, ys, STYLES[status_kind(state)], label=label if state == "finished" else
-                            f"{label} ({status_kind(state).replace('cut', 'cut mid-line')})", marker=MARKERS[i % len(MARKERS)],
+                            f"{label} ({shown})", marker=MARKERS[i % len(MARKERS)],
                             markersize=7 - 4 * i / max(len(logs), 1), markevery=max(len(xs) // 12, 1),
                             fillstyle="none", alpha=0.9)
             final = final_score(log)
