@@ -7,7 +7,8 @@ but the model's and the run's sizes), and their loss lines and artifact bytes co
 
 COMMIT (default HEAD) is read with `git show COMMIT:train_gpt.py` into a temporary folder; the sample data is built
 there by this checkout's data/build_sample_data.py (both runs read the same files). Compared: every log line with a
-loss in it (train_loss, val_loss, val_bpb; the time fields removed, which differ run to run), model_params, and the
+loss in it (train_loss, val_loss, val_bpb; the time fields removed, which differ run to run, and fields only one side
+logs: common_fields), model_params, and the
 bytes of final_model.int6.ptz (final_model.pt's size too, in its log line). Prints one line per difference and exits 1, or one line saying what was equal and
 exits 0. --script PATH runs that file instead of this checkout's train_gpt.py; --keep DIR keeps both run folders.
 A COMMIT whose train_gpt.py is the checked file's, byte for byte, is refused in one line (nothing to compare).
@@ -63,7 +64,8 @@ PRESET_RUNS = {
 VAL_TOKENS = 4097  # the short validation shard: 32 rows of 128 targets
 CASEOPS_VAL_TOKENS = 1200  # the CaseOps sample's validation cut (with its byte sidecar)
 LOSS = re.compile(r"train_loss|val_loss|val_bpb|model_params|Serialized model")
-TIMES = re.compile(r"\s*\b\w*(time|_ms|avg)\w*:\S+")  # train_time:, step_avg:, eval_time:, data_wait_ms:
+# train_time:, step_avg:, eval_time:, data_wait_ms:, tok_s:, mfu:
+TIMES = re.compile(r"\s*\b(\w*(time|_ms|avg)\w*|tok_s|mfu):\S+")
 
 
 def sample_data(folder, caseops=False):
@@ -103,9 +105,17 @@ def run(script, cwd, env):
     return lines, (cwd / "runs" / "check" / "final_model.int6.ptz").read_bytes()
 
 
+def common_fields(a, b):
+    """Two lines without the NAME:value fields only one of them has (a field one commit's log added, e.g. issue
+    72's lr_*:, muon_momentum:, grad_norm: in the train lines): what both logged is compared."""
+    names = [{f.split(":")[0] for f in line.split() if ":" in f} for line in (a, b)]
+    keep = names[0] & names[1]
+    return tuple(" ".join(f for f in line.split() if ":" not in f or f.split(":")[0] in keep) for line in (a, b))
+
+
 def compare(commit, name, want, got, want_bytes, got_bytes):
     """(lines to print, changed): one line per difference, then one saying what was compared."""
-    diffs = [f"- {a}\n+ {b}" for a, b in zip(want, got) if a != b]
+    diffs = [f"- {a}\n+ {b}" for a, b in map(common_fields, want, got) if a != b]
     if len(want) != len(got):
         diffs.append(f"{len(want)} loss lines at {commit}, {len(got)} now")
     if want_bytes != got_bytes:
