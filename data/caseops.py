@@ -20,6 +20,8 @@ UTF-8 bytes of the original text each one stands for (operators 0): the values
 of the records' validation byte sidecar.
 """
 
+import re
+
 TITLE, ALLCAPS, CAPNEXT, ESC = "\ue001", "\ue002", "\ue003", "\ue004"
 OPERATORS = (TITLE, ALLCAPS, CAPNEXT, ESC)
 # ids 0-3 pad/BOS/EOS/UNK, 4-7 the operators as user-defined symbols: the first 8 ids are reserved.
@@ -38,36 +40,43 @@ def _ascii_upper(ch):
     return "A" <= ch <= "Z"
 
 
-def _encode_run(word, out):
-    """Append the encoding of one maximal ASCII letter run."""
+def _encode_run(word):
+    """The encoding of one maximal ASCII letter run that holds a capital."""
     lower = word.lower()
-    if word == lower:
-        out.append(word)
-    elif len(word) >= 2 and word == word.upper():
-        out.append(ALLCAPS + lower)
-    elif _ascii_upper(word[0]) and word[1:] == lower[1:]:
-        out.append(TITLE + lower)  # also a lone capital letter
-    else:
-        out.append(TITLE if _ascii_upper(word[0]) else "")
-        out.append(lower[0])
-        out.extend(CAPNEXT + c if _ascii_upper(o) else c for o, c in zip(word[1:], lower[1:]))
+    if len(word) >= 2 and word == word.upper():
+        return ALLCAPS + lower
+    if _ascii_upper(word[0]) and word[1:] == lower[1:]:
+        return TITLE + lower  # also a lone capital letter
+    out = [TITLE if _ascii_upper(word[0]) else "", lower[0]]
+    out.extend(CAPNEXT + c if _ascii_upper(o) else c for o, c in zip(word[1:], lower[1:]))
+    return "".join(out)
+
+
+# A maximal ASCII letter run holding a capital: the look-behind starts it only at a run's first letter, so each
+# run is tried once (linear time); runs without a capital, and all other text, are never touched by Python code.
+_CAPITAL_RUN = re.compile(r"(?<![A-Za-z])[a-z]*[A-Z][A-Za-z]*")
+_ESCAPES = {ord(op): ESC + op for op in OPERATORS}
 
 
 def encode(text):
     """The CaseOps encoding of `text` (see the module docstring)."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        ch = text[i]
-        if _ascii_letter(ch):
-            j = i + 1
-            while j < n and _ascii_letter(text[j]):
-                j += 1
-            _encode_run(text[i:j], out)
-            i = j
-            continue
-        out.append(ESC + ch if ch in OPERATORS else ch)
-        i += 1
-    return "".join(out)
+    if not text.isascii() and any(op in text for op in OPERATORS):
+        text = text.translate(_ESCAPES)  # operators are not letters: escaping them first changes no run
+    return _CAPITAL_RUN.sub(_encoded_run, text)
+
+
+_RUN_CACHE = {}  # capital runs repeat ("The", "I", "USA"): each is encoded once (up to _RUN_CACHE_SIZE of them)
+_RUN_CACHE_SIZE = 1 << 16
+
+
+def _encoded_run(match):
+    word = match.group()
+    out = _RUN_CACHE.get(word)
+    if out is None:
+        if len(_RUN_CACHE) >= _RUN_CACHE_SIZE:
+            _RUN_CACHE.clear()
+        out = _RUN_CACHE[word] = _encode_run(word)
+    return out
 
 
 class _Decoder:
