@@ -24,6 +24,7 @@ import re
 
 TITLE, ALLCAPS, CAPNEXT, ESC = "\ue001", "\ue002", "\ue003", "\ue004"
 OPERATORS = (TITLE, ALLCAPS, CAPNEXT, ESC)
+_OPERATOR_SET = frozenset(OPERATORS)
 # ids 0-3 pad/BOS/EOS/UNK, 4-7 the operators as user-defined symbols: the first 8 ids are reserved.
 RESERVED_IDS = 8
 
@@ -133,19 +134,57 @@ class _Decoder:
             raise CaseOpsError("encoded text ends with a dangling operator")
 
 
-def decode(text):
-    """The original text of an encoded string; CaseOpsError if encode() cannot have produced it."""
+def decode_slowly(text):
+    """decode(text), one character at a time (its errors say what is wrong)."""
     d = _Decoder()
     out = [d.emit(ch) for ch in text]
     d.finish()
     return "".join(out)
 
 
+# Each operator's effect, without checking that it is allowed there: ESC x -> x, ALLCAPS run -> upper run,
+# TITLE or CAPNEXT letter -> upper letter.
+_OPERATOR_USE = re.compile("\ue004([\\s\\S])|\ue002([a-z]+)|[\ue001\ue003]([a-z])")
+
+
+def _undo(match):
+    escaped, run, letter = match.groups()
+    return escaped if escaped is not None else (run or letter).upper()
+
+
+def decode(text):
+    """The original text of an encoded string; CaseOpsError if encode() cannot have produced it.
+
+    Fast path: the operators are undone by one regex pass and the result encoded again; when that gives `text`
+    back, `text` is an encoding and the result is what decode_slowly(text) gives (decode(encode(t)) == t).
+    Otherwise decode_slowly decides (it raises, or accepts a redundant spelling such as ALLCAPS before one
+    letter)."""
+    original = _OPERATOR_USE.sub(_undo, text) if not text.isascii() else text
+    return original if encode(original) == text else decode_slowly(text)
+
+
 def original_byte_counts(pieces):
     """For consecutive fragments `pieces` of an encoded text, the UTF-8 byte count of the original text each
     one decodes to (operators count 0, case changes none). Their sum is len(decode("".join(pieces)) in UTF-8).
     A fragment may be `bytes` (a tokenizer's byte-fallback piece): part of a non-ASCII character, it counts
-    its length."""
+    its length.
+
+    When every operator is a fragment of its own (the tokenizers hold them as user-defined symbols), a fragment
+    counts its UTF-8 bytes, an operator 0 (3 when escaped, a literal); the text is then checked as decode
+    checks it."""
+    if all(type(p) is str for p in pieces):
+        joined = "".join(pieces)
+        if sum(joined.count(op) for op in OPERATORS) == sum(p in _OPERATOR_SET for p in pieces):
+            counts, escaped = [], False
+            for p in pieces:
+                if p in _OPERATOR_SET:
+                    counts.append(3 if escaped else 0)
+                    escaped = p == ESC and not escaped
+                else:
+                    counts.append(len(p.encode("utf-8")))
+                    escaped = False
+            if encode(_OPERATOR_USE.sub(_undo, joined)) == joined:  # an encoding: nothing else to check
+                return counts
     d = _Decoder()
     counts = []
     for piece in pieces:
