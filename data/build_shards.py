@@ -38,6 +38,7 @@ uninterrupted build. A bad line (not UTF-8, not JSON, no "text" string) is one e
 
 import hashlib
 import io
+from itertools import islice
 import json
 import os
 import shlex
@@ -58,6 +59,8 @@ CHUNK_BYTES = 1 << 22  # a work item: the whole lines starting in 4 MiB of the d
 TOKENIZER_DOCS = 200_000
 VAL_OVERLAP_TOLERANCE = 0.001  # exact duplicates occur in web text; as cached_challenge_fineweb.py allows
 BOS_ID = 1
+WORD_CACHE_SIZE = 1 << 19  # words a worker keeps
+WORD_CHECK_EVERY = 64  # every 64th train document is also encoded whole: the word cache must agree
 STATE = "build_state.json"
 MANIFEST = "manifest.json"
 MODEL = "tokenizer.model"
@@ -91,6 +94,8 @@ def parse_args(argv):
     p.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES,
                    help=f"a work item: the lines starting in this many bytes (default {CHUNK_BYTES}); any value "
                         f"gives the same shards")
+    p.add_argument("--no-word-cache", action="store_true",
+                   help="encode every document whole (default: words through a cache, the same tokens, checked)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: cores)")
     args = p.parse_args(argv)
     if not 256 + 8 < args.vocab_size <= 65536:
@@ -225,12 +230,51 @@ def byte_table(sp):
 class Encoder:
     """Tokenizes one chunk of the documents file (in a worker process)."""
 
-    def __init__(self, model_bytes, docs, val_docs, use_caseops):
+    def __init__(self, model_bytes, docs, val_docs, use_caseops, word_cache=True):
         import sentencepiece as spm
 
         self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         self.docs, self.val_docs, self.caseops = docs, val_docs, use_caseops
         self.table = byte_table(self.sp)
+        # Word cache: SentencePiece segments each word (a run up to the next blank) on its own when no piece holds
+        # a blank after its start, so a word's tokens can be looked up (in the normalised text) instead of found
+        # again. Every WORD_CHECK_EVERY-th document is also encoded whole and must match.
+        pieces = (self.sp.id_to_piece(i) for i in range(self.sp.vocab_size()) if not self.sp.is_byte(i))
+        word_cache = word_cache and not any("\u2581" in p[1:] for p in pieces)
+        self.words = {} if word_cache else None  # word -> its ids after a blank
+        self.heads = {}  # a text's first word (no blank before it) -> its ids
+        self.prefix = self.sp.encode("a", out_type=int)
+
+    def _encode_words(self, texts, first):
+        """The token ids of each text, as SentencePiece's encode gives them, word by word through the cache: the
+        chunk's new words are encoded in one call, each after "a" and a blank (so that it starts a word)."""
+        sp, words, heads, prefix = self.sp, self.words, self.heads, self.prefix
+        if words is None:
+            return sp.encode(texts, out_type=int, num_threads=1)
+        if len(words) + len(heads) >= WORD_CACHE_SIZE:
+            words.clear()
+            heads.clear()
+        splits = [n.split("\u2581") for n in sp.normalize(texts)]
+        new = set().union(*splits).difference(words)  # first words too: harmless, and one pass in C
+        new.discard("")  # a blank no normalisation removed: such texts are encoded whole below
+        new = sorted(new)
+        for w, got in zip(new, sp.encode(["a\u2581" + w for w in new], out_type=int, num_threads=1)):
+            if got[:len(prefix)] != prefix:
+                raise BuildError(f"the tokenizer merges a word with the blank before it ({w!r})")
+            words[w] = got[len(prefix):]
+        new = sorted({ws[0] for ws in splits}.difference(heads))
+        heads.update(zip(new, sp.encode(new, out_type=int, num_threads=1)))
+        out = []
+        for k, ws in enumerate(splits):
+            if "" in ws and "" in ws[1:]:
+                out.append(sp.encode(texts[k], out_type=int))
+                continue
+            ids = heads[ws[0]] + [i for w in islice(ws, 1, None) for i in words[w]]
+            if (first + k) % WORD_CHECK_EVERY == 0 and ids != sp.encode(texts[k], out_type=int):
+                raise BuildError(f"{self.docs} line {first + k + 1}: the word cache's tokens differ from "
+                                 f"SentencePiece's; rerun with --no-word-cache")
+            out.append(ids)
+        return out
 
     def __call__(self, chunk):
         """(val tokens, val byte sidecar or None, train tokens, train document fingerprints) of a chunk, as
@@ -246,7 +290,7 @@ class Encoder:
         train = texts[n_val:]
         if self.caseops:
             train = [caseops.encode(t) for t in train]
-        train = self._join(self.sp.encode(train, out_type=int, num_threads=1)) if train else np.zeros(0, np.uint16)
+        train = self._join(self._encode_words(train, first + n_val)) if train else np.zeros(0, np.uint16)
         prints = document_fingerprints(np.append(train, np.uint16(BOS_ID)), BOS_ID)
         return (self._join(val) if n_val else np.zeros(0, np.uint16), side, train, prints, self.edge_whitespace,
                 self.normalised)
@@ -432,7 +476,7 @@ def open_partial(out, settings):
 
 def chunk_results(chunks, todo, model_bytes, args):
     """(index, result) of chunks[i] for i in todo, in order, from args.workers processes."""
-    init = (model_bytes, args.docs, args.val_docs, args.caseops)
+    init = (model_bytes, args.docs, args.val_docs, args.caseops, not args.no_word_cache)
     if args.workers == 1:
         _init_worker(*init)
         for i in todo:

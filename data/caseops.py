@@ -53,9 +53,10 @@ def _encode_run(word):
     return "".join(out)
 
 
-# A maximal ASCII letter run holding a capital: the look-behind starts it only at a run's first letter, so each
-# run is tried once (linear time); runs without a capital, and all other text, are never touched by Python code.
-_CAPITAL_RUN = re.compile(r"(?<![A-Za-z])[a-z]*[A-Z][A-Za-z]*")
+# From a capital to the end of its ASCII letter run. A match that starts a run is the run; one that follows
+# lowercase letters is the rest of a mixed run, whose lowercase head the encoding leaves as it is.
+_FROM_CAPITAL = re.compile(r"[A-Z][A-Za-z]*")
+_LOWER = frozenset("abcdefghijklmnopqrstuvwxyz")
 _ESCAPES = {ord(op): ESC + op for op in OPERATORS}
 
 
@@ -63,7 +64,7 @@ def encode(text):
     """The CaseOps encoding of `text` (see the module docstring)."""
     if not text.isascii() and any(op in text for op in OPERATORS):
         text = text.translate(_ESCAPES)  # operators are not letters: escaping them first changes no run
-    return _CAPITAL_RUN.sub(_encoded_run, text)
+    return _FROM_CAPITAL.sub(_encoded_run, text)
 
 
 _RUN_CACHE = {}  # capital runs repeat ("The", "I", "USA"): each is encoded once (up to _RUN_CACHE_SIZE of them)
@@ -71,12 +72,16 @@ _RUN_CACHE_SIZE = 1 << 16
 
 
 def _encoded_run(match):
-    word = match.group()
-    out = _RUN_CACHE.get(word)
+    start = match.start()
+    key = (match.group(), start > 0 and match.string[start - 1] in _LOWER)
+    out = _RUN_CACHE.get(key)
     if out is None:
         if len(_RUN_CACHE) >= _RUN_CACHE_SIZE:
             _RUN_CACHE.clear()
-        out = _RUN_CACHE[word] = _encode_run(word)
+        word, tail = key
+        # The tail of a mixed run: CAPNEXT before every capital (as _encode_run writes after the first letter).
+        out = _RUN_CACHE[key] = ("".join(CAPNEXT + c.lower() if _ascii_upper(c) else c for c in word) if tail
+                                 else _encode_run(word))
     return out
 
 
@@ -174,15 +179,16 @@ def original_byte_counts(pieces):
     checks it."""
     if all(type(p) is str for p in pieces):
         joined = "".join(pieces)
-        if sum(joined.count(op) for op in OPERATORS) == sum(p in _OPERATOR_SET for p in pieces):
-            counts, escaped = [], False
-            for p in pieces:
-                if p in _OPERATOR_SET:
-                    counts.append(3 if escaped else 0)
-                    escaped = p == ESC and not escaped
-                else:
-                    counts.append(len(p.encode("utf-8")))
-                    escaped = False
+        counts = [0 if p in _OPERATOR_SET else len(p.encode("utf-8")) for p in pieces]
+        if sum(joined.count(op) for op in OPERATORS) == counts.count(0) - pieces.count(""):
+            if ESC in joined:  # an escaped operator is a literal character of the original: 3 bytes
+                escaped = False
+                for i, p in enumerate(pieces):
+                    if p in _OPERATOR_SET:
+                        counts[i] = 3 if escaped else 0
+                        escaped = p == ESC and not escaped
+                    else:
+                        escaped = False
             if encode(_OPERATOR_USE.sub(_undo, joined)) == joined:  # an encoding: nothing else to check
                 return counts
     d = _Decoder()

@@ -237,3 +237,25 @@ def test_val_document_in_train_is_found(tmp_path, docs):
     dup.write_bytes(b"".join(lines) + lines[7] + lines[11])
     assert build_shards.main(["--docs", str(dup), "--out", str(tmp_path / "sp"), *SMALL, "--workers", "1"]) == 1
     assert not (tmp_path / "sp").exists()
+
+
+TRICKY = ["", " ", "a", "a  b", "\u2581", "a\u2581\u2581b", "x \u00b4y", "\ufb01ne", "\u3000word", "tab\there\n\nnext",
+          "  lead", "trail  ", "12345 678", "\u6f22\u5b57 \u304b\u306a", "\U0001f600 x", "a\u00a0b", "\u2581 \u2581",
+          "The END. iPhone \ue001x \ue004\ue001", "e\u0301 \u0301e", "\x00 nul", "x" * 5000 + " y"]
+
+
+@pytest.mark.parametrize("side", ["plain", "cased"])
+def test_word_cache_gives_sentencepiece_tokens(docs, side, request):
+    """Words through the cache (the default) give SentencePiece's own tokens of each whole document: every test
+    document and odd blanks, normalisations and operators, cold and warm; --no-word-cache encodes whole."""
+    folder = request.getfixturevalue(side)
+    model = (folder / "tokenizer.model").read_bytes()
+    enc = build_shards.Encoder(model, str(docs), VAL_DOCS, side == "cased")
+    assert enc.words is not None
+    texts = [json.loads(line)["text"] for line in docs.read_text(encoding="utf-8").splitlines()] + TRICKY
+    if side == "cased":
+        texts = [caseops.encode(t) for t in texts]
+    whole = enc.sp.encode(texts, out_type=int)
+    assert enc._encode_words(texts, 1) == whole  # cold
+    assert enc._encode_words(texts[::-1], 1) == whole[::-1]  # warm
+    assert build_shards.Encoder(model, str(docs), VAL_DOCS, side == "cased", word_cache=False).words is None
