@@ -1,6 +1,7 @@
 """Download the challenge's published FineWeb exports from the Hugging Face hub.
 
     python data/cached_challenge_fineweb.py --variant sp1024|sp4096|sp8192|sp8192_caseops [--train-shards N]
+    python data/cached_challenge_fineweb.py --with-docs [--variant ...]
 
 fetches the variant's tokenizer, every val shard and the first N train shards
 (all of them when the export publishes fewer; an sp1024 shard holds 100M
@@ -29,8 +30,19 @@ lives in its datasets/ folder and datasets/manifest.json lists the files (withou
 a manifest the conventional file names are used). Shards already on disk with a
 valid header and size are skipped, so an interrupted download can simply be
 run again. Without network access use build_sample_data.py.
+
+--with-docs fetches the challenge's documents, from which its exports were
+tokenized and build_shards.py builds any variant: datasets/docs_selected.jsonl
+and its datasets/docs_selected.source_manifest.json from the challenge's repo
+(willdepueoai/parameter-golf, or MATCHED_FINEWEB_REPO_ID). The documents are
+checked against that manifest (its document count, and its sha256 and byte
+size where it gives them) before they are moved into place; a copy already
+there is checked the same way and kept when it passes. An interrupted download
+resumes where it stopped (huggingface_hub keeps the partial file in the staging
+folder) when run again.
 """
 
+import hashlib
 import http.client
 import json
 import os
@@ -85,17 +97,26 @@ class RemoteFileMissing(Exception):
     """The hub answered, but the repo has no such file."""
 
 
+DOCS = "docs_selected.jsonl"  # the challenge's document stream (--with-docs)
+DOCS_MANIFEST = "docs_selected.source_manifest.json"
+DOCS_REPO = VARIANTS["sp1024"][2]
+
+
 def parse_args(argv):
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     repos = "; ".join(f"{v} from {VARIANTS[v][2]}" for v in sorted(VARIANTS))
-    p.add_argument("--variant", required=True,
+    p.add_argument("--with-docs", action="store_true",
+                   help=f"also fetch the challenge's documents ({DOCS} and {DOCS_MANIFEST}, from {DOCS_REPO})")
+    p.add_argument("--variant",
                    help=f"tokenizer variant of the export: {repos} ({REPO_ENV} replaces the repo)")
     defaults = ", ".join(f"{v} {VARIANTS[v][3]}" for v in sorted(VARIANTS))
     p.add_argument("--train-shards", type=int, default=None,
                    help=f"number of train shards to fetch, 0..{MAX_TRAIN_SHARDS} "
                         f"(default per variant: {defaults}; all published if fewer)")
     args = p.parse_args(argv)
-    if args.variant not in VARIANTS:
+    if args.variant is None and not args.with_docs:
+        raise UsageError("give --variant, --with-docs or both")
+    if args.variant is not None and args.variant not in VARIANTS:
         raise UsageError(f"unknown --variant {args.variant!r}; choose from {', '.join(sorted(VARIANTS))}")
     if args.train_shards is not None and not 0 <= args.train_shards <= MAX_TRAIN_SHARDS:
         raise UsageError(f"--train-shards must be in 0..{MAX_TRAIN_SHARDS}, got {args.train_shards}")
@@ -397,6 +418,74 @@ def download(variant, train_shards):
           f"tokenizer in {tokenizer_dir}")
 
 
+def docs_problem(path, meta):
+    """Why the documents at `path` do not match their source manifest `meta` (None when they do): the
+    document count (num_docs), and the sha256 (docs_sha256) and byte size (docs_bytes) where given."""
+    size = os.path.getsize(path)
+    want_size = meta.get("docs_bytes")
+    if isinstance(want_size, int) and size != want_size:
+        return f"{size} bytes, the manifest says {want_size}"
+    digest, lines, last = hashlib.sha256(), 0, b"\n"
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+            lines += block.count(b"\n")
+            last = block[-1:]
+    lines += last != b"\n"  # a last line without its newline
+    want_docs = meta.get("num_docs")
+    if isinstance(want_docs, int) and lines != want_docs:
+        return f"{lines} documents, the manifest says {want_docs}"
+    want_sha = meta.get("docs_sha256")
+    if isinstance(want_sha, str) and digest.hexdigest() != want_sha.lower():
+        return f"sha256 {digest.hexdigest()}, the manifest says {want_sha}"
+    return None
+
+
+def download_docs():
+    """The challenge's documents and their source manifest into datasets/, checked against the manifest."""
+    repo_id = os.environ.get(REPO_ENV) or DOCS_REPO
+    if os.environ.get(REPO_ENV):
+        resolve_repo("sp1024")  # a bad repo id: one line before the network
+    dest_dir = os.path.join(DATA_DIR, "datasets")
+    staging_dir = os.path.join(dest_dir, ".hf_staging")
+    print(f"documents: dataset repo {repo_id}")
+    check_hub_reachable(repo_id, f"{REMOTE_ROOT}/{DOCS_MANIFEST}")
+    fetch(repo_id, DOCS_MANIFEST, os.path.join(dest_dir, DOCS_MANIFEST), staging_dir)
+    try:
+        with open(os.path.join(dest_dir, DOCS_MANIFEST), encoding="utf-8") as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        os.remove(os.path.join(dest_dir, DOCS_MANIFEST))
+        raise FetchError(f"{DOCS_MANIFEST} of {repo_id} is not a readable JSON object ({e})") from None
+    dest = os.path.join(dest_dir, DOCS)
+    if os.path.exists(dest):
+        problem = docs_problem(dest, meta)
+        if problem is None:
+            print(f"exists: {dest} (matches {DOCS_MANIFEST})")
+            return dest
+        print(f"re-downloading {dest}: {problem}")
+        os.remove(dest)
+    try:
+        staged = hub_download(repo_id, f"{REMOTE_ROOT}/{DOCS}", staging_dir)
+    except RemoteFileMissing as e:
+        raise FetchError(f"{e} does not exist") from None
+    problem = docs_problem(staged, meta)
+    if problem is not None:
+        os.remove(staged)
+        raise FetchError(f"downloaded {DOCS} does not match {DOCS_MANIFEST}: {problem}; run again to retry")
+    if os.path.islink(staged):  # old huggingface_hub versions link big files into their cache
+        shutil.copyfile(os.path.realpath(staged), dest + ".tmp")
+        os.replace(dest + ".tmp", dest)
+    else:
+        os.replace(staged, dest)
+    shutil.rmtree(staging_dir, ignore_errors=True)
+    print(f"fetched: {dest} ({os.path.getsize(dest) / 1e9:.2f} GB, {meta.get('num_docs', '?')} documents, "
+          f"checked against {DOCS_MANIFEST})")
+    return dest
+
+
 def fail(prog, err):
     """Report err as the one line on stderr."""
     print(f"{prog}: error: " + " ".join(str(err).splitlines()), file=sys.stderr)
@@ -406,7 +495,10 @@ def main(argv=None):
     prog = os.path.basename(sys.argv[0])
     try:
         args = parse_args(argv)
-        download(args.variant, args.train_shards)
+        if args.with_docs:
+            download_docs()
+        if args.variant is not None:
+            download(args.variant, args.train_shards)
     except UsageError as e:
         fail(prog, e)
         return 2

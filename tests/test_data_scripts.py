@@ -569,3 +569,32 @@ def test_download_caseops_variant_with_sidecars_and_overlap_check(fake_hub, tmp_
     assert dl.main(["--variant", "sp8192_caseops"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "5 of the 19 validation documents also occur in the 2 train shards" in err[0]
+
+
+def test_download_docs_checked_against_their_manifest(fake_hub, capsys):
+    """--with-docs: docs_selected.jsonl and its source manifest from the challenge's repo, checked (count, sha256,
+    size) before they are moved into place; a good copy is kept, a damaged one fetched again, a download that does
+    not match is refused in one line and leaves no documents file."""
+    import hashlib
+
+    hub, local = fake_hub
+    body = b"".join(json.dumps({"text": f"document {i}"}).encode() + b"\n" for i in range(5))
+    meta = {"num_docs": 5, "docs_sha256": hashlib.sha256(body).hexdigest(), "docs_bytes": len(body), "docs_val": 2}
+    (hub.root / "datasets" / "docs_selected.jsonl").write_bytes(body)
+    (hub.root / "datasets" / "docs_selected.source_manifest.json").write_text(json.dumps(meta))
+    docs = local / "datasets" / "docs_selected.jsonl"
+    assert dl.main(["--with-docs"]) == 0
+    assert docs.read_bytes() == body and not (local / "datasets" / ".hf_staging").exists()
+    assert hub.paths() == ["datasets/docs_selected.jsonl", "datasets/docs_selected.source_manifest.json"]
+    hub.downloads.clear()
+    assert dl.main(["--with-docs"]) == 0 and hub.paths() == []  # a good copy is kept
+    assert "matches docs_selected.source_manifest.json" in capsys.readouterr().out
+    docs.write_bytes(body[:-7])  # cut short, as by an interrupted copy
+    assert dl.main(["--with-docs"]) == 0 and docs.read_bytes() == body
+    assert hub.paths() == ["datasets/docs_selected.jsonl"]
+    docs.unlink()
+    (hub.root / "datasets" / "docs_selected.jsonl").write_bytes(body.replace(b"document 3", b"document 8"))
+    assert dl.main(["--with-docs"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not match" in err[0] and "sha256" in err[0], err
+    assert not docs.exists()
