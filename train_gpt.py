@@ -1735,6 +1735,20 @@ def load_byte_sidecar(pattern, val_tokens, luts):
     return replace(luts, sidecar=sidecar), "sidecar"
 
 
+def data_split_note(data_path):
+    """The split of a variant built by data/build_shards.py, from its manifest.json beside the shards: a log line
+    ('data_split: ...'), or None for data without one (the published exports: the challenge's split)."""
+    try:
+        with open(os.path.join(data_path, "manifest.json"), encoding="utf-8") as f:
+            split = json.load(f).get("split")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(split, dict) or "val_docs" not in split:
+        return None
+    kind = "the challenge's" if split.get("challenge") else "NOT the challenge's"
+    return f"data_split: {kind}: the first {split['val_docs']} documents are validation (manifest.json)"
+
+
 # ==================================================
 # MODEL
 # ==================================================
@@ -7416,6 +7430,8 @@ def run(rt):
         rt.log(f"cpu_threads: {rt.threads_note}")
         rt.log("cpu: FlashAttention and CUDA copy streams need CUDA; torch.compile is off unless COMPILE=1")
     rt.log(rt.describe_data_path())
+    if (split_note := data_split_note(h.data_path)) is not None:
+        rt.log(split_note)
     plan = scored_evaluations(h)
     rt.log(f"eval_stride:{h.eval_stride}")
     rt.log(f"ttt_enabled:{int(h.ttt_enabled)}")

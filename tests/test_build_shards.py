@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -259,3 +260,27 @@ def test_word_cache_gives_sentencepiece_tokens(docs, side, request):
     assert enc._encode_words(texts, 1) == whole  # cold
     assert enc._encode_words(texts[::-1], 1) == whole[::-1]  # warm
     assert build_shards.Encoder(model, str(docs), VAL_DOCS, side == "cased", word_cache=False).words is None
+
+
+# ------------------------------------------------------------ training on it
+
+def test_train_gpt_runs_on_a_built_variant_and_refuses_another_vocab(plain, tmp_path):
+    """train_gpt.py on the built variant (vocabulary 400, which no preset uses): training, the artifact, the
+    evaluations and TTT, the split said in the log. VOCAB_SIZE other than the tokenizer's: one line at start."""
+    from conftest import TINY_ENV, read_log, run_training
+
+    env = {**TINY_ENV, "DATA_PATH": str(plain), "TOKENIZER_PATH": str(plain / "tokenizer.model"),
+           "VOCAB_SIZE": "1024", "RUN_ID": "other_vocab"}
+    proc = run_training(env, tmp_path)
+    assert proc.returncode != 0
+    err = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(err) == 1 and f"{plain / 'tokenizer.model'} has {VOCAB} pieces but VOCAB_SIZE=1024" in err[0], err
+    assert not re.search(r"^(warmup_)?step:\d", read_log(tmp_path, "other_vocab"), re.M)  # refused before training
+    env = {**env, "VOCAB_SIZE": str(VOCAB), "RUN_ID": "own_vocab", "ITERATIONS": "2", "TTT_EPOCHS": "1",
+           "TTT_CHUNK_TOKENS": "512", "EVAL_STRIDE": "64"}
+    proc = run_training(env, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = read_log(tmp_path, "own_vocab")
+    for line in (f"data_split: NOT the challenge's: the first {VAL_DOCS} documents are validation",
+                 "step:2/2", "final_int6_roundtrip_exact", "legal_ttt_exact val_loss:"):
+        assert line in log, line
