@@ -50,7 +50,7 @@ import numpy as np
 
 import caseops
 from shards import (HEADER_BYTES, OneLineParser, UsageError, document_fingerprints, read_shard,
-                    shard_num_tokens, write_shard)
+                    run_command, shard_num_tokens, write_file_atomic, write_shard)
 
 CHALLENGE_VAL_DOCS = 50_000  # the challenge's split: the first 50,000 documents are validation
 SHARD_TOKENS = 10**8  # the challenge's export (download_hf_docs_and_tokenize.py)
@@ -422,18 +422,7 @@ def write_hashed(path, tokens):
 
 
 def write_json_atomic(path, obj):
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    write_file_atomic(path, (json.dumps(obj, indent=1) + "\n").encode("utf-8"))
 
 
 def sha256_file(path):
@@ -553,9 +542,9 @@ def build(args, argv):
         print(f"tokenizer trained in {time.perf_counter() - t0:.1f}s")
     sp = load_tokenizer(model_bytes, args)
     if not os.path.isfile(model_path):
-        write_bytes_atomic(model_path, model_bytes)
+        write_file_atomic(model_path, model_bytes)
         vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.vocab_size()))
-        write_bytes_atomic(model_path[:-len(".model")] + ".vocab", vocab.encode("utf-8"))
+        write_file_atomic(model_path[:-len(".model")] + ".vocab", vocab.encode("utf-8"))
     state["tokenizer_sha256"] = hashlib.sha256(model_bytes).hexdigest()
     save()
 
@@ -640,37 +629,10 @@ def build(args, argv):
     print(f"done: {out} (manifest.json), {time.perf_counter() - start_time:.1f}s")
 
 
-def write_bytes_atomic(path, data):
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def fail(prog, err):
-    print(f"{prog}: error: " + " ".join(str(err).splitlines()), file=sys.stderr)
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    prog = os.path.basename(sys.argv[0])
-    try:
-        build(parse_args(argv), argv)
-    except UsageError as e:
-        fail(prog, e)
-        return 2
-    except (BuildError, OSError, RuntimeError, ValueError) as e:
-        fail(prog, e)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted; run the same command again to continue", file=sys.stderr)
-        return 130
-    return 0
+    return run_command(lambda: build(parse_args(argv), argv), (BuildError, OSError, RuntimeError, ValueError),
+                       "interrupted; run the same command again to continue")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,8 @@ import urllib.request
 
 import numpy as np
 
-from shards import OneLineParser, UsageError, read_shard, shard_num_tokens, val_documents_in_train
+from shards import (OneLineParser, UsageError, read_shard, run_command, shard_num_tokens,
+                    val_documents_in_train)
 
 # huggingface_hub (imported lazily below) reads these when it is imported; they
 # bound each network wait.
@@ -486,29 +487,15 @@ def download_docs():
     return dest
 
 
-def fail(prog, err):
-    """Report err as the one line on stderr."""
-    print(f"{prog}: error: " + " ".join(str(err).splitlines()), file=sys.stderr)
-
-
 def main(argv=None):
-    prog = os.path.basename(sys.argv[0])
-    try:
+    def body():
         args = parse_args(argv)
         if args.with_docs:
             download_docs()
         if args.variant is not None:
             download(args.variant, args.train_shards)
-    except UsageError as e:
-        fail(prog, e)
-        return 2
-    except (FetchError, OSError) as e:
-        fail(prog, e)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted; run again to resume", file=sys.stderr)
-        return 130
-    return 0
+
+    return run_command(body, (FetchError, OSError), "interrupted; run again to resume")
 
 
 if __name__ == "__main__":

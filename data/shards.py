@@ -13,6 +13,7 @@ so a valid file is exactly HEADER_BYTES + 2 * n bytes long.
 
 import argparse
 import os
+import sys
 
 import numpy as np
 
@@ -47,11 +48,18 @@ def write_shard(path, tokens):
     header[0] = SHARD_MAGIC
     header[1] = SHARD_VERSION
     header[2] = arr.size
+    write_file_atomic(path, header.tobytes(), arr.astype("<u2").tobytes())
+
+
+def write_file_atomic(path, *parts):
+    """Write the bytes `parts` to `path + '.tmp'`, flushed to disk, then rename it over `path`: a failed write
+    (a full disk, a kill) never leaves a partial file under `path`, nor the temporary one after an error."""
+    path = os.fspath(path)
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb") as f:
-            f.write(header.tobytes())
-            f.write(arr.astype("<u2").tobytes())
+            for part in parts:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -149,3 +157,26 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UsageError(message)
+
+
+def fail(prog, err):
+    """Report err as the one line on stderr."""
+    print(f"{prog}: error: " + " ".join(str(err).splitlines()), file=sys.stderr)
+
+
+def run_command(body, failures, interrupted):
+    """A data script's main: body(); a UsageError is one stderr line and exit status 2, one of `failures` one
+    line and 1, Ctrl-C the line `interrupted` and 130."""
+    prog = os.path.basename(sys.argv[0])
+    try:
+        body()
+    except UsageError as e:
+        fail(prog, e)
+        return 2
+    except failures as e:
+        fail(prog, e)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: {interrupted}", file=sys.stderr)
+        return 130
+    return 0
