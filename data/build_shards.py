@@ -38,7 +38,6 @@ uninterrupted build. A bad line (not UTF-8, not JSON, no "text" string) is one e
 
 import hashlib
 import io
-from itertools import islice
 import json
 import os
 import shlex
@@ -245,12 +244,13 @@ class Encoder:
         self.heads = {}  # a text's first word (no blank before it) -> its ids
         self.prefix = self.sp.encode("a", out_type=int)
 
-    def _encode_words(self, texts, first):
-        """The token ids of each text, as SentencePiece's encode gives them, word by word through the cache: the
-        chunk's new words are encoded in one call, each after "a" and a blank (so that it starts a word)."""
+    def _encode_train(self, texts, first):
+        """<s> + the token ids of each text, as SentencePiece's encode gives them, as one uint16 array; through the
+        word cache when on: the chunk's new words are encoded in one call, each after "a" and a blank (so that it
+        starts a word), and a text is the join of its words' cached little-endian bytes."""
         sp, words, heads, prefix = self.sp, self.words, self.heads, self.prefix
         if words is None:
-            return sp.encode(texts, out_type=int, num_threads=1)
+            return self._join(sp.encode(texts, out_type=int, num_threads=1))
         if len(words) + len(heads) >= WORD_CACHE_SIZE:
             words.clear()
             heads.clear()
@@ -261,20 +261,22 @@ class Encoder:
         for w, got in zip(new, sp.encode(["a\u2581" + w for w in new], out_type=int, num_threads=1)):
             if got[:len(prefix)] != prefix:
                 raise BuildError(f"the tokenizer merges a word with the blank before it ({w!r})")
-            words[w] = got[len(prefix):]
+            words[w] = np.asarray(got[len(prefix):], "<u2").tobytes()
         new = sorted({ws[0] for ws in splits}.difference(heads))
-        heads.update(zip(new, sp.encode(new, out_type=int, num_threads=1)))
-        out = []
+        heads.update((w, np.asarray(got, "<u2").tobytes())
+                     for w, got in zip(new, sp.encode(new, out_type=int, num_threads=1)))
+        bos, parts = np.asarray([BOS_ID], "<u2").tobytes(), []
         for k, ws in enumerate(splits):
             if "" in ws and "" in ws[1:]:
-                out.append(sp.encode(texts[k], out_type=int))
-                continue
-            ids = heads[ws[0]] + [i for w in islice(ws, 1, None) for i in words[w]]
-            if (first + k) % WORD_CHECK_EVERY == 0 and ids != sp.encode(texts[k], out_type=int):
-                raise BuildError(f"{self.docs} line {first + k + 1}: the word cache's tokens differ from "
-                                 f"SentencePiece's; rerun with --no-word-cache")
-            out.append(ids)
-        return out
+                doc = np.asarray(sp.encode(texts[k], out_type=int), "<u2").tobytes()
+            else:
+                doc = heads[ws[0]] + b"".join(map(words.__getitem__, ws[1:]))
+                if (first + k) % WORD_CHECK_EVERY == 0 and \
+                        np.frombuffer(doc, "<u2").tolist() != sp.encode(texts[k], out_type=int):
+                    raise BuildError(f"{self.docs} line {first + k + 1}: the word cache's tokens differ from "
+                                     f"SentencePiece's; rerun with --no-word-cache")
+            parts += (bos, doc)
+        return np.frombuffer(b"".join(parts), "<u2")
 
     def __call__(self, chunk):
         """(val tokens, val byte sidecar or None, train tokens, train document fingerprints) of a chunk, as
@@ -290,7 +292,7 @@ class Encoder:
         train = texts[n_val:]
         if self.caseops:
             train = [caseops.encode(t) for t in train]
-        train = self._join(self._encode_words(train, first + n_val)) if train else np.zeros(0, np.uint16)
+        train = self._encode_train(train, first + n_val) if train else np.zeros(0, np.uint16)
         prints = document_fingerprints(np.append(train, np.uint16(BOS_ID)), BOS_ID)
         return (self._join(val) if n_val else np.zeros(0, np.uint16), side, train, prints, self.edge_whitespace,
                 self.normalised)

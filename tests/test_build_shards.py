@@ -255,9 +255,10 @@ def test_word_cache_gives_sentencepiece_tokens(docs, side, request):
     texts = [json.loads(line)["text"] for line in docs.read_text(encoding="utf-8").splitlines()] + TRICKY
     if side == "cased":
         texts = [caseops.encode(t) for t in texts]
-    whole = enc.sp.encode(texts, out_type=int)
-    assert enc._encode_words(texts, 1) == whole  # cold
-    assert enc._encode_words(texts[::-1], 1) == whole[::-1]  # warm
+    whole = np.concatenate([[1] + ids for ids in enc.sp.encode(texts, out_type=int)]).astype(np.uint16)
+    assert np.array_equal(enc._encode_train(texts, 1), whole)  # cold
+    back = np.concatenate([[1] + ids for ids in enc.sp.encode(texts[::-1], out_type=int)]).astype(np.uint16)
+    assert np.array_equal(enc._encode_train(texts[::-1], 1), back)  # warm
     assert build_shards.Encoder(model, str(docs), VAL_DOCS, side == "cased", word_cache=False).words is None
 
 
