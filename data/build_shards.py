@@ -566,7 +566,7 @@ def build(args, argv):
     index = None if not state["val_done"] else ValIndex(part, val.shards)
     first_chunk = train.chunk if state["val_done"] else val.chunk
     t0, tokens_done = time.perf_counter(), 0
-    todo = range(first_chunk, len(chunks))
+    todo = range(len(chunks) if state.get("train_done") else first_chunk, len(chunks))
     # Counts are added after the chunk's shards are recorded: a build resumed at this chunk counts it again.
     for i, (val_toks, side, train_toks, prints, edge, normalised) in chunk_results(chunks, todo, model_bytes, args):
         begin, n = chunks[i][2], chunks[i][3]
@@ -588,6 +588,8 @@ def build(args, argv):
             rate = tokens_done / max(time.perf_counter() - t0, 1e-9)
             print(f"chunk {i + 1}/{len(chunks)}: {rate:,.0f} tokens/s")
     train.flush(on_shard)
+    state["train_done"] = True  # the last, shorter shard is written: a resumed build only checks and finishes
+    save()
     elapsed = time.perf_counter() - t0
 
     n_val = index.n

@@ -142,8 +142,8 @@ def test_caseops_equals_the_records_script(docs, cased, tmp_path, monkeypatch):
 
 def test_workers_chunks_and_resume_give_the_same_bytes(docs, plain, tmp_path, monkeypatch, capsys):
     """2 workers and other chunks: the same shards and tokenizer as 1 worker. A build killed at its 5th shard,
-    run again and stopped by a full disk 9 shards later, then run again with the same command, ends byte for byte
-    as the uninterrupted one."""
+    run again and stopped by a full disk 9 shards later, run again and killed with every shard written, then run
+    again with the same command, ends byte for byte as the uninterrupted one."""
     args = ["--docs", str(docs), "--out", str(tmp_path / "sp"), *SMALL, "--tokenizer-sample", "first",
             "--workers", "2", "--chunk-bytes", "7000"]
     real, calls = build_shards.write_shard, []
@@ -164,6 +164,16 @@ def test_workers_chunks_and_resume_give_the_same_bytes(docs, plain, tmp_path, mo
     assert build_shards.main(args) == 1
     assert capsys.readouterr().err.count("No space left") == 1
     monkeypatch.setattr(build_shards, "write_shard", real)
+    write_json = build_shards.write_json_atomic
+
+    def killed_at_manifest(path, obj):
+        if path.endswith("manifest.json"):
+            raise KeyboardInterrupt
+        write_json(path, obj)
+
+    monkeypatch.setattr(build_shards, "write_json_atomic", killed_at_manifest)  # every shard written, then a kill
+    assert build_shards.main(args) == 130
+    monkeypatch.setattr(build_shards, "write_json_atomic", write_json)
     assert build_shards.main(args) == 0
     assert "resuming the build" in capsys.readouterr().out
     assert files(tmp_path / "sp") == files(plain)
