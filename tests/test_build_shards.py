@@ -41,7 +41,9 @@ def write_documents(path: Path) -> Path:
     paras = [p.strip() for k in sorted(pydoc_data.topics.topics) for p in pydoc_data.topics.topics[k].split("\n\n")]
     docs = list(dict.fromkeys(p for p in paras if len(p) >= 80))[:360]  # no document twice
     docs[3:3] = ["The USA and the UK: McDonald's iPhone, HTTPServer. ÉCOLE été 漢字 😀 \ue001 \ue004 ﬁne",
-                 "  edge  whitespace\tand\u00a0NBSP  ", "ALL CAPS LINE\nTitle Line\nx1Y2Z"]
+                 "  edge  whitespace\tand\u00a0NBSP  ", "ALL CAPS LINE\nTitle Line\nx1Y2Z",
+                 "\x07Bell and \ufeffBOM, Mid\x07dle ＦＵＬＬ ｗｉｄｔｈ e\u0301t\u00e9 A\u0308BC\x07",
+                 "\u2581Lead \u2581 Blank Sign, zero\u200bwidth, x\u2028y \u00b4acute"]
     with open(path, "w", encoding="utf-8") as f:
         for d in docs:
             f.write(json.dumps({"text": d}) + "\n")
@@ -132,10 +134,11 @@ def test_caseops_equals_the_records_script(docs, cased, tmp_path, monkeypatch):
     val = np.concatenate([shards.read_shard(cased / n) for n in ours if n.startswith("fineweb_val_0")])
     side = np.concatenate([shards.read_shard(cased / n) for n in ours if n.startswith("fineweb_val_bytes_")])
     texts = [json.loads(line)["text"] for line in docs.read_text(encoding="utf-8").splitlines()[:VAL_DOCS]]
-    # The sidecar counts each document's UTF-8 bytes but the edge whitespace no token stands for (doc 4's).
+    # The sidecar counts each document's UTF-8 bytes but what SentencePiece drops at its start or end (no token
+    # stands for it): document 4's two blanks at each end, document 6's first bell, document 7's first blank sign.
     assert side.size == val.size and int(side[val == 1].max()) == 0
-    assert int(side.sum()) == sum(len(t.strip().encode("utf-8")) for t in texts)
-    assert json.loads((cased / "manifest.json").read_text())["checks"]["val_documents_with_uncounted_edge_whitespace"] == 1
+    assert int(side.sum()) == sum(len(t.encode("utf-8")) for t in texts) - 4 - 1 - 3
+    assert json.loads((cased / "manifest.json").read_text())["checks"]["val_documents_with_uncounted_edges"] == 3
 
 
 # ------------------------------------------------------------- same bytes always
