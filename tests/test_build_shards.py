@@ -289,8 +289,8 @@ def test_train_gpt_runs_on_a_built_variant_and_refuses_another_vocab(plain, tmp_
     err = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(err) == 1 and f"{plain / 'tokenizer.model'} has {VOCAB} pieces but VOCAB_SIZE=1024" in err[0], err
     assert not re.search(r"^(warmup_)?step:\d", read_log(tmp_path, "other_vocab"), re.M)  # refused before training
-    env = {**env, "VOCAB_SIZE": str(VOCAB), "RUN_ID": "own_vocab", "ITERATIONS": "2", "TTT_EPOCHS": "1",
-           "TTT_CHUNK_TOKENS": "512", "EVAL_STRIDE": "64"}
+    env = {**env, "VOCAB_SIZE": str(VOCAB), "RUN_ID": "own_vocab", "ITERATIONS": "2", "TRAIN_BATCH_TOKENS": "2048",
+           "TTT_EPOCHS": "1", "TTT_CHUNK_TOKENS": "1024", "EVAL_STRIDE": "64"}
     proc = run_training(env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = read_log(tmp_path, "own_vocab")
