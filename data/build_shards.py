@@ -2,7 +2,7 @@
 
     python3 data/build_shards.py --docs DOCS.jsonl --vocab-size V [--caseops] [--tokenizer MODEL] --out DIR
         [--val-docs 50000] [--shard-tokens N] [--tokenizer-docs 200000] [--tokenizer-sample train|first]
-        [--workers N]
+        [--workers N] [--chunk-bytes B] [--no-word-cache]
 
 DOCS.jsonl holds one JSON object with a "text" string a line (cached_challenge_fineweb.py --with-docs fetches
 the challenge's). The first --val-docs documents (50,000, the challenge's split) are validation, the rest
@@ -24,8 +24,12 @@ of each split shorter) in the challenge's shard format (data/shards.py):
     DIR/manifest.json                  (counts, the split, sha256 of the tokenizer and of every shard, the
                                         checks, the command)
 
-The work is cut into chunks of whole lines fixed by the file alone, tokenized by --workers processes (default:
-every core) and written in file order, so the bytes do not depend on the number of workers. Before the
+The work is cut into chunks of whole lines fixed by the file alone (--chunk-bytes, 4 MiB), tokenized by
+--workers processes (default: every core) and written in file order, so the bytes do not depend on the number
+of workers (nor on the chunk size). Train documents are encoded word by word through a cache of each word's
+tokens: SentencePiece segments every blank-led word on its own when no piece holds a blank after its start
+(checked on the model), so the tokens are the same; every 64th document is also encoded whole and compared
+(--no-word-cache: every document whole). Val documents are always encoded whole. Before the
 manifest is written: every val document decodes back to its text (through the CaseOps inverse with --caseops;
 plain: the text as the tokenizer normalises it), its byte count as the evaluation counts it (the sidecar, or
 the tokenizer's byte tables) equals the UTF-8 bytes of that text, and the train shards hold no more than
