@@ -136,6 +136,11 @@ def parse_line(raw, line_no, path):
     text = obj.get("text") if isinstance(obj, dict) else None
     if not isinstance(text, str):
         raise BuildError(f"{path} line {line_no}: no \"text\" string")
+    if b"\\ud" in raw or b"\\uD" in raw:  # a JSON escape of a lone surrogate is no character of UTF-8 text
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BuildError(f"{path} line {line_no}: not UTF-8 text (a lone surrogate {text[e.start]!r})") from None
     return text
 
 

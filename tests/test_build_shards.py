@@ -189,7 +189,8 @@ def test_workers_chunks_and_resume_give_the_same_bytes(docs, plain, tmp_path, mo
 # ------------------------------------------------------------------ bad inputs
 
 @pytest.mark.parametrize("line, words", [(b"{not json}\n", "not JSON"), (b'{"txt": "a"}\n', 'no "text" string'),
-                                         (b'{"text": "caf\xe9"}\n', "not UTF-8")])
+                                         (b'{"text": "caf\xe9"}\n', "not UTF-8"),
+                                         (b'{"text": "a\\ud800b"}\n', "not UTF-8 text")])
 def test_bad_line_is_one_line_naming_it(docs, tmp_path, capsys, line, words):
     lines = docs.read_bytes().splitlines(keepends=True)
     bad = tmp_path / "bad.jsonl"
