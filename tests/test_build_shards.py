@@ -298,3 +298,17 @@ def test_train_gpt_runs_on_a_built_variant_and_refuses_another_vocab(plain, tmp_
     for line in (f"data_split: NOT the challenge's: the first {VAL_DOCS} documents are validation",
                  "step:2/2", "final_int6_roundtrip_exact", "legal_ttt_exact val_loss:"):
         assert line in log, line
+
+
+def test_train_gpt_reads_the_caseops_variant_with_its_sidecars(cased):
+    """train_gpt.py's own readers take the CaseOps build: its tokenizer is a CaseOps one (operators at 4-7) and the
+    val bytes come from the sidecars, equal to their sum over the scored targets."""
+    import train_gpt as tg
+
+    luts = tg.build_byte_luts(str(cased / "tokenizer.model"), VOCAB)
+    pattern = str(cased / "fineweb_val_*.bin")
+    val = tg.load_validation_tokens(pattern, 128, VOCAB, include_tail=True)
+    luts, kind = tg.load_byte_sidecar(pattern, val, luts)
+    assert luts.caseops and kind == "sidecar"
+    side = np.concatenate([shards.read_shard(f) for f in sorted(cased.glob("fineweb_val_bytes_*.bin"))])
+    assert int(luts.sidecar.sum()) == int(side[:val.numel()].sum()) and luts.sidecar.numel() == val.numel()
