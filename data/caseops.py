@@ -191,6 +191,11 @@ def original_byte_counts(pieces):
                         escaped = False
             if encode(_OPERATOR_USE.sub(_undo, joined)) == joined:  # an encoding: nothing else to check
                 return counts
+    return byte_counts_slowly(pieces)
+
+
+def byte_counts_slowly(pieces):
+    """original_byte_counts(pieces), one character at a time through the decoder (its errors say what is wrong)."""
     d = _Decoder()
     counts = []
     for piece in pieces:

@@ -312,3 +312,26 @@ def test_train_gpt_reads_the_caseops_variant_with_its_sidecars(cased):
     assert luts.caseops and kind == "sidecar"
     side = np.concatenate([shards.read_shard(f) for f in sorted(cased.glob("fineweb_val_bytes_*.bin"))])
     assert int(luts.sidecar.sum()) == int(side[:val.numel()].sum()) and luts.sidecar.numel() == val.numel()
+
+
+def test_caseops_fast_paths_equal_the_character_decoder():
+    """caseops.decode and original_byte_counts's fast paths (build_shards checks every val document with them) give
+    what the character-at-a-time decoder gives, or refuse what it refuses, on random strings and random cuts."""
+    import random
+
+    rng = random.Random(0)
+    alphabet = "aAbZ \n1\u00e9" + "".join(caseops.OPERATORS)
+
+    def outcome(fn, arg):
+        try:
+            return fn(arg)
+        except caseops.CaseOpsError:
+            return "refused"
+
+    for _ in range(6000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 10)))
+        assert outcome(caseops.decode, text) == outcome(caseops.decode_slowly, text), text
+        enc = caseops.encode(text)
+        cuts = sorted(rng.sample(range(len(enc) + 1), min(3, len(enc) + 1)))
+        for pieces in ([enc[a:b] for a, b in zip([0] + cuts, cuts + [len(enc)])], list(enc), list(text)):
+            assert outcome(caseops.original_byte_counts, pieces) == outcome(caseops.byte_counts_slowly, pieces)
