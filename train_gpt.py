@@ -2490,6 +2490,78 @@ class Positions(NamedTuple):
     docs: DocBounds = None
 
 
+class RunContext:
+    """Where the run is, for the pieces that act by it (docs/frontier.md "State across steps"): `stage`, what the model
+    runs for (STAGES: training's steps, the validation inside training, GPTQ calibration, the scored evaluation, legal
+    TTT's adapting and scoring), never read from `self.training` (TTT and calibration run in train mode); `step`, the
+    training steps done before the one running, and `progress`, training_fraction then. step_t (int64) and progress_t
+    (float32) hold the same as 0-d tensors on the run's device, updated in place: a compiled graph takes them as inputs
+    and never recompiles for a new step. A graph that reads the stage (a string) guards on it: the evaluation's graphs
+    serve both its scoring and TTT. Set by enter() alone: train (warmup), _train_loop (each step, its validation),
+    collect_hessians, prepare_evaluation and evaluate_artifact."""
+    STAGES = ("training", "validation", "calibration", "evaluation", "ttt")
+
+    def __init__(self):
+        self.stage, self.step, self.progress = "evaluation", 0, 0.0
+        self.step_t, self.progress_t = torch.zeros((), dtype=torch.int64), torch.zeros(())
+
+    def place(self, device):
+        self.step_t, self.progress_t = self.step_t.to(device), self.progress_t.to(device)
+
+    def enter(self, stage, step=None, progress=None):
+        """The stage from now on; step and progress where given (else as they were)."""
+        assert stage in self.STAGES, stage
+        self.stage = stage
+        if step is not None:
+            self.step = step
+            self.step_t.fill_(step)
+        if progress is not None:
+            self.progress = progress
+            self.progress_t.fill_(progress)
+
+    def uniform(self, *keys):
+        """A number in [0, 1), a 0-d float32 tensor, from the step and the integers `keys` (SEED, a layer...): a fixed
+        integer hash (MINSTD rounds), so every rank draws the same and a compiled graph reads the step as an input."""
+        x = self.step_t % 2147483647
+        for key in (*keys, 0, 0):
+            x = (x * 48271 + key % 2147483647 + 1) % 2147483647
+        return (x // 128).to(torch.float32) / 2 ** 24  # 24 bits: exact in fp32, below 1
+
+
+CONTEXT = RunContext()
+
+
+class LayerStates:
+    """What the layers made so far in one forward pass, by name (docs/frontier.md "State across layers"); only the
+    names asked for (a term's `taps`, a piece's `reads`) are kept, none asked: nothing. Layer run J of the current
+    order (encoder then decoder, from 0) runs physical layer I and names its states runs.J.NAME and blocks.I.NAME:
+    input (the residual it reads), q, k, v (as attention reads them: after QK-norm, RoPE and the gain; v with its value
+    embedding), attn and mlp (the branch outputs as they join the residual), and runs.J / blocks.I, the residual after
+    it. Each is what Block.branch's pieces for that name returned. Under the layer loop blocks.I is layer I's latest
+    run before the read; with two lanes a residual is the lanes' mean (a + m) / 2."""
+
+    def __init__(self, names):
+        self.wanted, self.kept, self.run, self.block = frozenset(names), {}, 0, None
+
+    def keep(self, name, t):
+        """t kept under the current run's `name` ("": the residual after it) where asked for; returns t."""
+        for key in (f"runs.{self.run}", f"blocks.{self.block.index}") if self.wanted else ():
+            key = key + "." + name if name else key
+            if key in self.wanted:
+                self.kept[key] = 0.5 * (t[0] + t[1]) if isinstance(t, tuple) else t
+        return t
+
+    def branch(self, name, t):
+        """t through the current block's hook `name` (Block.branch): q, k, v inside attention."""
+        return self.block.branch(name, t, self)
+
+    def __getitem__(self, name):
+        if name not in self.kept:
+            raise ConfigError(f"layer state {name!r} " + ("is not made before it is read in this model's order"
+                              if name in self.wanted else "is read but no piece's `reads` or `taps` names it"))
+        return self.kept[name]
+
+
 # ---- document LoRA adapters for test-time training (issue 20; SPEC-FRONTIER 14, 18): TTT_MODE=lora
 
 LORA_TARGETS = ("head", "q", "v", "k", "mlp", "o")  # TTT_LORA_TARGETS names, in the 04-27 record's draw order
@@ -2563,7 +2635,7 @@ class CausalSelfAttention(nn.Module):
         self.attn_gate = None if h.attn_gate == "none" else AttentionGate(
             h.attn_gate, h.num_heads, h.model_dim, h.gate_window, h.attn_gate_scale, h.attn_gate_init_std)
 
-    def forward(self, x, w, v_embed, rope, lora=None):
+    def forward(self, x, w, v_embed, rope, lora=None, states=None):
         q_w, k_w, v_w, out_w = w
         B, T, D = x.shape
         q = lora_add(lora, "q", linear(x, q_w), x).view(B, T, self.num_heads, self.head_dim)
@@ -2576,6 +2648,8 @@ class CausalSelfAttention(nn.Module):
         cos, sin = rope[0].to(q.dtype), rope[1].to(q.dtype)
         q, k = apply_rotary(q, cos, sin, self.rope_dims), apply_rotary(k, cos, sin, self.rope_dims)
         q = q * self.q_gain.to(q.dtype)[None, None, :, None]
+        if states is not None:  # the block's hooks (Block.branch), each output kept by name (LayerStates)
+            q, k, v = states.branch("q", q), states.branch("k", k), states.branch("v", v)
         y = causal_attention(q, k, v, rope.docs if isinstance(rope, Positions) else None)  # bare (cos, sin): no docs
         if self.use_xsa:
             y = self._exclude_self_value(y, v)
@@ -2620,29 +2694,35 @@ class Block(nn.Module):
             return fused_leaky_relu2_mlp(x, up_w, down_w)
         return leaky_relu2_mlp(x, up_w, down_w)
 
-    def forward(self, x, x0, w, v_embed, rope, lora=None, lanes=None):
+    def forward(self, x, x0, w, v_embed, rope, lora=None, lanes=None, states=None):
         """y = mix(x, x0), A = branch(attn_scale * Attn(RMS(y) * c)), M = branch(mlp_scale * MLP(RMS(u) * c)), c the
         LN scale; the kinds differ only in u and how A and M join the residual. Sequential: u = y + A, returns u + M.
         Parallel (GPT-J): u = y, returns y + A + M. Two lanes (lanes: GPT.lanes; x = (a, m), y = mix(a, x0)): u = m,
-        returns the lanes' routing of A and M (TwoLaneResidual)."""
+        returns the lanes' routing of A and M (TwoLaneResidual). states: this forward's LayerStates (GPT.hidden)."""
+        states = states or LayerStates(())
+        states.block = self
+        states.keep("input", x)
         y = self.mix_in(x if lanes is None else x[0], x0)
         n = rms_norm(y) * self.ln_scale
-        attn = self.branch("attn", self.attn_scale.to(y.dtype) * self.attn(n, w[:4], v_embed, rope, lora))
+        attn = self.branch("attn", self.attn_scale.to(y.dtype) * self.attn(n, w[:4], v_embed, rope, lora, states),
+                           states)
         u = x[1] if lanes is not None else y if self.parallel else y + attn
         n = n if u is y else rms_norm(u) * self.ln_scale  # parallel: both branches read one RMS (one backward)
-        mlp = self.branch("mlp", self.mlp_scale.to(u.dtype) * lora_add(lora, "mlp", self.mlp(n, *w[4:]), n))
+        mlp = self.branch("mlp", self.mlp_scale.to(u.dtype) * lora_add(lora, "mlp", self.mlp(n, *w[4:]), n), states)
         if lanes is not None:
             return lanes(self.index, x, attn, mlp)
         return (y + attn if self.parallel else u) + mlp
 
-    def branch(self, name, out):
-        """A branch's output ("attn" or "mlp") on its way into the residual, in every layer kind: the one place a
-        per-block change goes. Each submodule that declares `block_branch = True` maps it, piece(name, out), in
-        the order they were assigned (docs/frontier.md "A per-layer scale that ships")."""
+    def branch(self, name, out, states=None):
+        """The one place a per-block change goes, in every layer kind: a branch's output ("attn" or "mlp") on its way
+        into the residual, or attention's "q", "k", "v" (CausalSelfAttention). Each submodule declaring `block_branch`
+        (the names it maps; True: "attn" and "mlp") maps it, piece(name, out, states), in the order they were assigned
+        (docs/frontier.md "A per-layer scale that ships"); the result is kept as this run's state `name`."""
         for piece in self.children():
-            if getattr(piece, "block_branch", False):
-                out = piece(name, out)
-        return out
+            names = getattr(piece, "block_branch", ())
+            if name in (("attn", "mlp") if names is True else names):
+                out = piece(name, out, states)
+        return out if states is None else states.keep(name, out)
 
 
 class TwoLaneResidual(nn.Module):
@@ -2852,10 +2932,11 @@ class GPT(nn.Module):
         """The final hidden state of (B, T) ids, after the last RMSNorm; docs (DocBounds): packed rows whose documents
         do not attend to each other (RoPE positions stay the index within the row, as in the records); lora
         (LoRAAdapters, TTT_MODE=lora): its slot k adapts the k-th virtual layer run, its head the logits. taps (names;
-        then returns (state, {name: tapped state})): "runs.J", the residual after the J-th layer run of the current
-        order (encoder then decoder, from 0), and "blocks.I", after physical layer I's last run in it (the layer loop
-        runs a layer several times); with two lanes the state is their mean (a + m) / 2, as the final state; no final
-        RMSNorm. Only the names asked for are kept: none asked, nothing is done (eager and compiled alike)."""
+        then returns (state, {name: tapped state})): layer states (LayerStates), e.g. "runs.J", the residual after the
+        J-th layer run of the current order (encoder then decoder, from 0), and "blocks.I", after physical layer I's
+        last run in it (the layer loop runs a layer several times); with two lanes the state is their mean (a + m) / 2,
+        as the final state; no final RMSNorm. Only the names asked for (taps, and every module's `reads`) are kept:
+        none asked, nothing is done (eager and compiled alike)."""
         slots = itertools.count()
 
         def at():  # this virtual layer's adapters
@@ -2873,7 +2954,7 @@ class GPT(nn.Module):
                                         freqs_bf16=self.rope_freqs_bf16, pos0=None if docs is None else docs.pos0),
                          docs)
         encoder, decoder = self.orders[self.looping]
-        skips, tapped = [], {}
+        skips, states = [], LayerStates({*taps, *(n for m in self.modules() for n in getattr(m, "reads", ()))})
         for j, i in enumerate(encoder + decoder):
             k = j - len(encoder)  # the decoder's step (< 0: an encoder step)
             if k >= 0 and self.lanes is not None and not isinstance(x, tuple) and i >= self.lane_start:
@@ -2881,12 +2962,11 @@ class GPT(nn.Module):
             if 0 <= k < len(self.skip_weights) and skips:  # with lanes the skip joins the attention lane only
                 x = (self._merge_skip(k, x[0], skips.pop()), x[1]) if isinstance(x, tuple) else \
                     self._merge_skip(k, x, skips.pop())
-            x = self._block(i, x, x0, ve, rope, at())
+            states.run = j
+            x = states.keep("", self._block(i, x, x0, ve, rope, at(), states))
             if k < 0:
                 skips.append(x)
-            for name in (f"runs.{j}", f"blocks.{i}") if taps else ():
-                if name in taps:
-                    tapped[name] = 0.5 * (x[0] + x[1]) if isinstance(x, tuple) else x
+        tapped = {name: states.kept[name] for name in taps if name in states.kept}
         if isinstance(x, tuple):
             x = 0.5 * (x[0] + x[1])
         if len(tapped) < len(taps):
@@ -2896,10 +2976,10 @@ class GPT(nn.Module):
     def _value_embed(self, i, ve):
         return ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype) if i in self.ve_layers else None
 
-    def _block(self, i, x, x0, ve, rope, lora=None):
+    def _block(self, i, x, x0, ve, rope, lora=None, states=None):
         """Layer i's run; x: the residual, or the two lanes (a, m)."""
         lanes = self.lanes if isinstance(x, tuple) else None
-        return self.blocks[i](x, x0, self.block_weights(i), self._value_embed(i, ve), rope, lora, lanes)
+        return self.blocks[i](x, x0, self.block_weights(i), self._value_embed(i, ve), rope, lora, lanes, states)
 
     def terms(self):
         """The pieces whose term training's loss adds (training_loss): every module declaring `term_weight`."""
@@ -3233,6 +3313,7 @@ class Runtime:
         streams = overlap and self.device.type == "cuda"
         self.train_prefetch, self.train_copy_stream = h.train_prefetch and overlap, h.train_copy_stream and streams
         self.val_prefetch, self.val_copy_stream = h.val_prefetch and overlap, h.val_copy_stream and streams
+        CONTEXT.place(self.device)
 
     def describe_data_path(self):
         h, note = self.h, ""
@@ -4748,6 +4829,7 @@ def train(rt, model, val_tokens, luts):
     resumed = load_checkpoint(rt) if h.resume and rt.resume is not None else None
     position = None if resumed is None else resumed[1]["loader"]
     stage("warmup (every training graph)")
+    CONTEXT.enter("training", 0, 0.0)
     loader = warmup_and_restore(rt, trainer, position) if h.warmup_steps > 0 else make_train_loader(rt, position)
     try:
         stage("training")
@@ -4825,6 +4907,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
         if last or (h.val_loss_every > 0 and step % h.val_loss_every == 0):
             rt.sync()
             train_ms += 1000.0 * (time.perf_counter() - t0)
+            CONTEXT.enter("validation")
             with (timer or contextlib.nullcontext)("val"):
                 val_loss, val_bpb = eval_val(rt, trainer.val_forward, val_tokens, luts)
             rt.log(f"step:{step}/{h.iterations} val_loss:{val_loss:.4f} val_bpb:{val_bpb:.4f} "
@@ -4848,6 +4931,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
                 model.set_qat(True)
                 rt.log(f"late_qat:enabled step:{step} scale:{value:.4f}")
         profiler.before_step(step + 1)
+        CONTEXT.enter("training", step, training_fraction(h, step, sched.elapsed_ms))
         with compile_region("training"):
             train_loss = trainer.step(loader, sched.lr_scale, muon_momentum_at(h, step), timer)
         averager.update(step + 1, sched.scale)
@@ -5013,6 +5097,7 @@ def collect_hessians(rt, model, loader):
     """GPTQ calibration on the final weights: H = sum of X^T X over GPTQ_CALIBRATION_BATCHES training micro-batches
     per rank, summed over ranks in fp64 (so 2 ranks give what 1 rank gives on the same batches), / batch count."""
     h, rec = rt.h, HessianRecorder(model)
+    CONTEXT.enter("calibration")
     model.eval()
     _RECORDER[0] = rec
     try:
@@ -7164,6 +7249,7 @@ def prepare_evaluation(rt, val_tokens):
     h, pf = rt.h, _PREFLIGHT[0]
     lora = h.ttt_enabled and h.ttt_mode == "lora"
     import_lazy_modules()
+    CONTEXT.enter("evaluation")
     with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
         model = rt.prepare_model(build_model(h))
         model.looping = h.num_loops > 0  # a looped model is evaluated looped (SPEC-FRONTIER 4)
@@ -7187,6 +7273,7 @@ def prepare_evaluation(rt, val_tokens):
                    "(every scored evaluation's graphs, random tokens, before the clocks)")
         if lora:
             stage("warming the LoRA TTT step")
+            CONTEXT.enter("ttt")
             t0 = time.perf_counter()
             warmed = warm_lora_ttt(rt, model, lora_fn, sizes, costs)  # frozen weights, eval mode: any QAT flag
             rt.log(f"ttt_lora_warmup: forward:{how} shapes:{' '.join(f'{n}x{w}' for n, w in warmed)} "
@@ -7227,6 +7314,7 @@ def evaluate_artifact(rt, ev, val_tokens, luts, t_eval):
 
     def timed(label, fn, extra="", note=None):
         stage(f"evaluation ({label})")
+        CONTEXT.enter("ttt" if label == "legal_ttt" else "evaluation")
         rt.sync()
         t0 = time.perf_counter()
         with compile_region(label):

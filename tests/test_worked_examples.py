@@ -61,7 +61,7 @@ def test_a_change_in_block_branch_reaches_every_layer_of_every_preset(monkeypatc
         seen.update(kinds.values())
         assert all(bank_grads_by_layer(model, x, y).values()), preset
         with monkeypatch.context() as m:
-            m.setattr(tg.Block, "branch", lambda self, name, out: out * 0)
+            m.setattr(tg.Block, "branch", lambda self, name, out, states=None: out * 0)
             assert not any(bank_grads_by_layer(model, x, y).values()), (preset, kinds)
     assert seen == {"sequential", "parallel", "lanes"}
 
