@@ -204,6 +204,20 @@ def run_file(cwd: Path, run_id: str, name: str = "final_model.int6.ptz") -> Path
     return cwd / "runs" / run_id / name
 
 
+def perturbed(model, seed=5, scale=0.05):
+    """The model with every parameter moved off its initial value by scale x N(0, 1) noise (from `seed`), in place:
+    the output projections and the MLP's down projection start at zero, so without this a change to the attention's
+    q, k, v or the MLP's input shows no effect at initialisation, and a piece's zero- or one-initialised weights show
+    none either (docs/frontier.md "Adding a technique": the test to copy). Returns the model."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen).to(p.dtype))
+    return model
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread for a module's in-process work (restored after), for modules that ask for it with

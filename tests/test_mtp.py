@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import launcher
-from conftest import REPO, SCRIPT, clean_environ, computed_once, shared_folder
+from conftest import REPO, SCRIPT, clean_environ, computed_once, perturbed, shared_folder
 
 DOC = REPO / "docs" / "frontier.md"
 WHERE = re.compile(r"# train_gpt\.py \((\w+)\): (after|before|replacing): (.+)")  # (example): how: anchor
@@ -147,15 +147,6 @@ def mtp(tmp_path_factory):
 def built(tg, weight, **env):
     h = tg.Hyperparameters({**SMALL, "MTP_WEIGHT": str(weight), **env})
     return h, tg.build_model(h)
-
-
-def perturbed(model, seed=5):
-    """Weights off their initial zeros (the MTP matrix too), so that every one has a gradient."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen).to(p.dtype))
-    return model
 
 
 def batch():

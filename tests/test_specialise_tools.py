@@ -39,7 +39,7 @@ REFUSED = {"record_0323": ("TTT_MODE", "lora", "TTT_MODE=lora: this file is spec
 
 def preset_files(tmp_path_factory) -> Path:
     """A folder of each preset's submission file, train_gpt.py specialised to PRESET=NAME alone (readable, as
-    scripts/pack/update_packed_size.py --presets makes them), made once for the session."""
+    scripts/pack/update_packed_size.py makes them), made once for the session."""
     import update_packed_size as ups
 
     def build(out: Path) -> None:
@@ -108,7 +108,7 @@ SPECIALISED_PACKED_GUARD = {  # scripts/pack/update_packed_size.py
 
 def test_each_presets_specialised_size_is_guarded_and_documented(tmp_path_factory):
     """Each preset's file specialised to its own settings (PRESET=NAME alone): its packed size within its guard, and
-    docs/submitting.md's table as scripts/pack/update_packed_size.py --presets writes it from these measurements."""
+    docs/submitting.md's table as scripts/pack/update_packed_size.py writes it from these measurements."""
     import update_packed_size as ups
 
     folder = preset_files(tmp_path_factory)
@@ -118,8 +118,8 @@ def test_each_presets_specialised_size_is_guarded_and_documented(tmp_path_factor
     docs = (REPO / "docs" / "submitting.md").read_text(encoding="utf-8")
     table = docs[docs.index(ups.TABLE_BEGIN) + len(ups.TABLE_BEGIN):docs.index(ups.TABLE_END)]
     date = re.match(r"Measured (\S+) ", table).group(1)
-    assert table == ups.sizes_table(sizes, date), "stale: python3 scripts/pack/update_packed_size.py --presets"
+    assert table == ups.sizes_table(sizes, date), "stale: python3 scripts/pack/update_packed_size.py"
     presets = (REPO / "docs" / "presets.md").read_text(encoding="utf-8")
     lines = presets[presets.index(ups.LINES_BEGIN) + len(ups.LINES_BEGIN):presets.index(ups.LINES_END)]
-    assert lines == ups.lines_table(sizes, len(SCRIPT.read_text(encoding="utf-8").splitlines())), "stale (--presets)"
+    assert lines == ups.lines_table(sizes, len(SCRIPT.read_text(encoding="utf-8").splitlines())), "stale: python3 scripts/pack/update_packed_size.py"
 

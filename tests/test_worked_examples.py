@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import train_gpt as tg
-from test_mtp import EXAMPLES, batch, copy_path, grads, import_copy, perturbed, touched_by, worked_copy
+from conftest import perturbed
+from test_mtp import EXAMPLES, batch, copy_path, grads, import_copy, touched_by, worked_copy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
 

@@ -10,7 +10,8 @@ What is removed comes from an analysis of the source, repeated until nothing cha
   is a test of its value against a literal: `==`, `!=`, `in`, `not in`, `is (not) None` for any setting, `<`, `<=`,
   `>`, `>=` for an int one, or its truth value where a branch reads it (an if/while/conditional-expression test,
   `not`, an and/or inside one). Float settings (rates, seconds, fractions) and list ones are values: never tested
-  here. MACHINE_SETTINGS (the source's own list: the world size, the device, compile, the attention kernel...) stay
+  here, but for a float setting whose run's value is 0 (a weight or a probability at 0: a technique off), known
+  outright as 0.0 like a bool, its condition `== 0.0` (another value refused at start, in one line). MACHINE_SETTINGS (the source's own list: the world size, the device, compile, the attention kernel...) stay
   open. A predicate is folded to the constant it has for the run, and the condition is recorded: the specialised
   file refuses at start any value for which a recorded condition changes (SPECIALISED, Hyperparameters), so a
   folded branch is never silently wrong (SPECIALISED records each fixed setting's value, and the conditions of those
@@ -380,16 +381,18 @@ class Analysis:
         dynamic = self._setattr_on_settings()
         self.foldable = {}  # attr -> (NAME, kind): settings whose predicates fold
         for attr, (name, kind) in table.items():
-            if name in machine or kind in ("float", "list") or attr in stores_out or dynamic:
+            if name in machine or kind == "list" or attr in stores_out or dynamic:
                 continue
+            if kind == "float" and run_value(h, attr, (name, kind)) != 0:
+                continue  # a float is a value, but at 0 it switches a technique off: then known outright, as a bool
             self.foldable[attr] = (name, kind)
-        # a setting known outright: a bool, one the run has recorded equal to a literal, or an int or str recorded
-        # false (0 or "": the only false values of its kind)
+        # a setting known outright: a bool, a float at 0, one the run has recorded equal to a literal, or an int or
+        # str recorded false (0 or "": the only false values of its kind)
         self.known_settings = {}
         for attr, (name, kind) in self.foldable.items():
             value = self.run_value(attr)
             recorded = conditions.get(name, {})
-            if kind == "bool" or any(op == "==" and res for (op, _), res in recorded.items()) or (
+            if kind in ("bool", "float") or any(op == "==" and res for (op, _), res in recorded.items()) or (
                     kind in ("int", "str") and recorded.get(("truth", None)) is False and type(value).__name__ == kind):
                 if is_literal(value):
                     self.known_settings[attr] = value
@@ -1265,7 +1268,9 @@ class Analysis:
                     v = bool(v) if not isinstance(node, (ast.Name, ast.Attribute)) else v
                 return literal_text(v)
             if isinstance(node, ast.BoolOp):
-                _, kept = self._boolop_value(node, cond)
+                v, kept = self._boolop_value(node, cond)
+                if not kept:  # decided by a known operand: its value (`h.a or h.b`, both known: h.b's)
+                    return literal_text(v)
                 if len(kept) != len(node.values):
                     word = " and " if isinstance(node.op, ast.And) else " or "
                     parts = [self._wrapped(k, cond) for k in kept]
@@ -1792,11 +1797,11 @@ class _Again(Exception):
 def drop_unread_fixed(src: Source, table, values):
     """The reads (`self.X = self._env(...)`) of fixed settings ({NAME: the run's value}) that no code reads any more
     go: the specialised file checks them in the environment instead, parsed as their run's value's type
-    (Hyperparameters._check_specialised); so only those whose value is of their kind (bool, int, str). Returns the
-    new source."""
+    (Hyperparameters._check_specialised); so only those whose value is of their kind (bool, int, str, float). Returns
+    the new source."""
     hp = next((n for n in src.tree.body if isinstance(n, ast.ClassDef) and n.name == "Hyperparameters"), None)
     init = next(f for f in hp.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
-    kinds = {"bool": bool, "int": int, "str": str}
+    kinds = {"bool": bool, "int": int, "str": str, "float": float}
     fixed = {attr for attr, (name, kind) in table.items() if name in values and name != "PRESET"
              and kind in kinds and type(values[name]) is kinds[kind]}
     read = {node.attr for node in src.of_type(ast.Attribute) if isinstance(node.ctx, ast.Load)}

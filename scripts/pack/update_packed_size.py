@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """Re-measure the packed train_gpt.py and rewrite every place that quotes its size, the guard included.
 
-    python3 scripts/pack/update_packed_size.py [--check] [--date YYYY-MM-DD] [--presets]
+    python3 scripts/pack/update_packed_size.py [--check] [--date YYYY-MM-DD] [--script-only]
 
 Measures the readable train_gpt.py and its packed form (scripts/pack/pack_code.py: minified, ZPAQ_METHOD, 7 bits a
 byte), sets the guard of tests/test_pack_code.py to the packed size plus 200 bytes rounded up to a multiple of 100, and
 rewrites the current numbers in QUOTES (docs/submitting.md, docs/log_format.md, tests/test_pack_code.py); the dated
 history paragraphs of docs/submitting.md are left as they were. Each quote must be found exactly once (else one line
 naming it and exit 1). --check writes nothing and exits 1 when a quote is stale. Prints what it measured and each
-file it changed. --presets also specialises train_gpt.py to each preset (scripts/pack/specialise.py) and rewrites
-docs/submitting.md's table of the specialised files' sizes (beside each record's own code and model) and the guards
-of tests/test_specialise_tools.py (each preset's packed size plus 200 bytes, rounded up to a multiple of 100).
+file it changed. It also specialises train_gpt.py to each preset (scripts/pack/specialise.py) and rewrites
+docs/submitting.md's table of the specialised files' sizes (beside each record's own code and model), docs/presets.md's
+table of their lines and the guards of tests/test_specialise_tools.py (each preset's packed size plus 200 bytes,
+rounded up to a multiple of 100): the one command after a change to train_gpt.py, the specialiser or a quoting doc
+(--script-only skips the presets).
 """
 from __future__ import annotations
 
@@ -143,35 +145,37 @@ def rewrite_specialised(docs, test, sizes, date):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a quote is stale")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a quote, a table or a guard is stale")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
-    ap.add_argument("--presets", action="store_true",
-                    help="also specialise train_gpt.py to each preset (scripts/pack/specialise.py) and rewrite the "
-                         "table of their sizes in docs/submitting.md and the guards of tests/test_specialise_tools.py")
+    ap.add_argument("--script-only", action="store_true",
+                    help="the full script's quotes alone: skip specialising it to each preset (about 30 s)")
     args = ap.parse_args(argv)
-    if args.presets:
+    stale = []
+    if not args.script_only:
         sizes = specialised_sizes(specialise_presets())
         for p, (lines, readable, minified, packed) in sizes.items():
             print(f"{p}: specialised {lines:,} lines, readable {readable:,}, minified {minified:,}, packed {packed:,} "
                   f"bytes")
         docs_path, test_path = REPO / "docs" / "submitting.md", REPO / "tests" / "test_specialise_tools.py"
-        docs, test = rewrite_specialised(docs_path.read_text(encoding="utf-8"), test_path.read_text(encoding="utf-8"),
-                                         sizes, args.date)
         presets_path = REPO / "docs" / "presets.md"
-        presets = presets_path.read_text(encoding="utf-8")
+        old = {path: path.read_text(encoding="utf-8") for path in (docs_path, test_path, presets_path)}
+        date = re.search(r"Measured (\S+) ", old[docs_path][old[docs_path].index(TABLE_BEGIN):]).group(1) \
+            if args.check else args.date  # --check: stale when a number differs (its date is kept)
+        docs, test = rewrite_specialised(old[docs_path], old[test_path], sizes, date)
+        presets = old[presets_path]
         a, b = presets.index(LINES_BEGIN) + len(LINES_BEGIN), presets.index(LINES_END)
         total = len((REPO / "train_gpt.py").read_text(encoding="utf-8").splitlines())
         presets = presets[:a] + lines_table(sizes, total) + presets[b:]
-        if not args.check:
-            docs_path.write_text(docs, encoding="utf-8")
-            test_path.write_text(test, encoding="utf-8")
-            presets_path.write_text(presets, encoding="utf-8")
-            print("updated docs/submitting.md and docs/presets.md tables and tests/test_specialise_tools.py guards")
+        for path, new in ((docs_path, docs), (test_path, test), (presets_path, presets)):
+            if new != old[path]:
+                stale.append(str(path.relative_to(REPO)))
+                if not args.check:
+                    path.write_text(new, encoding="utf-8")
+                    print(f"updated {path.relative_to(REPO)} (the specialised files' sizes)")
     readable, packed = measure()
     numbers = values(readable, packed, args.date)
     print(f"train_gpt.py: readable {numbers['readable']} bytes, packed {numbers['packed']} bytes "
           f"({numbers['percent']}%), guard {numbers['guard']}")
-    stale = []
     for path in QUOTES:
         text = (REPO / path).read_text(encoding="utf-8")
         try:
