@@ -2556,9 +2556,8 @@ class LayerStates:
         return self.block.branch(name, t, self)
 
     def __getitem__(self, name):
-        if name not in self.kept:
-            raise ConfigError(f"layer state {name!r} " + ("is not made before it is read in this model's order"
-                              if name in self.wanted else "is read but no piece's `reads` or `taps` names it"))
+        if name not in self.kept:  # not asked for (no piece's reads or taps), or not made yet in this order
+            raise ConfigError(f"layer state {name!r} is read before it is made, or no piece's `reads` names it")
         return self.kept[name]
 
 
@@ -3749,7 +3748,7 @@ class Schedule:
         ("seq_len", training fraction), ("late_qat", LR scale); sets .scale (the warmdown's; SWA and late QAT read
         it) and .lr_scale (with the context phase's re-warmup)."""
         h, events = self.h, []
-        frac = training_fraction(h, step, self.elapsed_ms)
+        frac = self.progress = training_fraction(h, step, self.elapsed_ms)  # CONTEXT.progress
         if self.loop_due and not self.looping:
             self.looping = True
             events.append(("layer_loop", frac))
@@ -4931,7 +4930,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
                 model.set_qat(True)
                 rt.log(f"late_qat:enabled step:{step} scale:{value:.4f}")
         profiler.before_step(step + 1)
-        CONTEXT.enter("training", step, training_fraction(h, step, sched.elapsed_ms))
+        CONTEXT.enter("training", step, sched.progress)
         with compile_region("training"):
             train_loss = trainer.step(loader, sched.lr_scale, muon_momentum_at(h, step), timer)
         averager.update(step + 1, sched.scale)

@@ -26,7 +26,7 @@ from conftest import REPO, SCRIPT, clean_environ, computed_once, perturbed, shar
 
 DOC = REPO / "docs" / "frontier.md"
 WHERE = re.compile(r"# train_gpt\.py \((\w+)\): (after|before|replacing): (.+)")  # (example): how: anchor
-EXAMPLES = ("mtp", "deep_sup", "layer_scale")  # the doc's worked examples
+EXAMPLES = ("mtp", "deep_sup", "layer_scale", "value_residual", "layer_drop")  # the doc's worked examples
 SMALL = {"MODEL_DIM": "32", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "VOCAB_SIZE": "64", "VE_LAYERS": "1",
          "NUM_LAYERS": "2", "XSA_LAST_N": "1", "TRAIN_SEQ_LEN": "24", "AUTOCAST_DTYPE": "fp32"}
 CPU = torch.device("cpu")

@@ -154,15 +154,21 @@ def test_a_piece_declares_how_its_tensors_ship_and_a_differing_artifact_is_named
 
 # ---- the worked examples on copies of the script
 
-@pytest.mark.parametrize("example, want", [
-    ("deep_sup", {"DeepSupervision", "DeepSupervision.__init__", "DeepSupervision.term"}),
-    ("layer_scale", {"LayerScale", "LayerScale.__init__", "LayerScale.forward", "Block.__init__"}),
+SWITCH = {"deep_sup": "GPT.__init__", "layer_scale": "Block.__init__", "value_residual": "Block.__init__",
+          "layer_drop": "Block.__init__"}
+
+
+@pytest.mark.parametrize("example, piece, validated", [
+    ("deep_sup", "DeepSupervision", True), ("layer_scale", "LayerScale", False),
+    ("value_residual", "ValueResidual", False), ("layer_drop", "LayerDrop", True),
 ])
-def test_each_example_touches_its_setting_its_piece_and_one_switch(example, want):
+def test_each_example_touches_its_setting_its_piece_and_one_switch(example, piece, validated):
+    """At most four places: its setting (read, and checked where it can be wrong), its piece (a new class), one
+    switch-on line, and its test; no signature, Block.forward, the attention or the training loop."""
     touched, _ = touched_by((example,))
-    switch = {"deep_sup": "GPT.__init__", "layer_scale": "Block.__init__"}[example]
-    setting = {"Hyperparameters.__init__"} | ({"Hyperparameters._validate"} if example == "deep_sup" else set())
-    assert touched == want | setting | {switch, None}
+    methods = {"deep_sup": ("__init__", "term")}.get(example, ("__init__", "forward"))
+    setting = {"Hyperparameters.__init__"} | ({"Hyperparameters._validate"} if validated else set())
+    assert touched == {piece, *(f"{piece}.{m}" for m in methods)} | setting | {SWITCH[example], None}
 
 
 @pytest.fixture(scope="module")
@@ -211,30 +217,33 @@ def test_patched_layer_scale_reaches_every_layer_and_ships(worked, preset, tmp_p
     same_model_and_loss(plain, h0, off, h1, x, y, worked)
     h2, on = preset_model(worked, preset, LAYER_SCALE="1", COMPRESSOR="lzma")
     assert on.load_state_dict(off.state_dict(), strict=False).missing_keys == [
-        f"blocks.{i}.layer_scale.scale" for i in range(5)]  # off's weights (perturbed drew the scales too)
+        f"blocks.{i}.branch_scale.scale" for i in range(5)]  # off's weights (perturbed drew the scales too)
     with torch.no_grad():
         for b in on.blocks:
-            b.layer_scale.scale.fill_(1.0)
+            b.branch_scale.scale.fill_(1.0)
         assert torch.equal(on.forward_logits(x), off.forward_logits(x))
         for b in on.blocks:
-            b.layer_scale.scale.zero_()
+            b.branch_scale.scale.zero_()
     assert not any(bank_grads_by_layer(on, x, y).values())
     with torch.no_grad():
         for i, b in enumerate(on.blocks):
-            b.layer_scale.scale.copy_(torch.linspace(0.5, 1.5, 32) + i / 3)
+            b.branch_scale.scale.copy_(torch.linspace(0.5, 1.5, 32) + i / 3)
     path = str(tmp_path / "scaled.ptz")
     worked.save_artifact(path, on, False, h2, log=lambda line: None)
     _, again = preset_model(worked, preset, LAYER_SCALE="1", COMPRESSOR="lzma")
     again = worked.load_artifact(path, h2, again)
-    assert all(torch.equal(a.layer_scale.scale, b.layer_scale.scale) for a, b in zip(on.blocks, again.blocks))
+    assert all(torch.equal(a.branch_scale.scale, b.branch_scale.scale) for a, b in zip(on.blocks, again.blocks))
     worked.save_artifact(path, off, False, h1, log=lambda line: None)
-    with pytest.raises(worked.ConfigError, match=r"blocks\.\*\.layer_scale not in the artifact \(LAYER_SCALE\)"):
+    with pytest.raises(worked.ConfigError, match=r"blocks\.\*\.branch_scale not in the artifact \(LAYER_SCALE\)"):
         worked.load_artifact(path, h2, again)
 
 
-ALL_ON = {"MTP_WEIGHT": "0.5", "DEEP_SUP_WEIGHT": "0.25", "DEEP_SUP_LAYER": "2", "LAYER_SCALE": "1"}
+ALL_ON = {"MTP_WEIGHT": "0.5", "DEEP_SUP_WEIGHT": "0.25", "DEEP_SUP_LAYER": "2", "LAYER_SCALE": "1",
+          "VALUE_RESIDUAL": "1", "LAYER_DROP": "0.5"}
 PIECES = {"mtp": ("mtp.weight",), "deep_sup": ("deep_sup.weight",),
-          "layer_scale": tuple(f"blocks.{i}.layer_scale.scale" for i in range(5))}
+          "layer_scale": tuple(f"blocks.{i}.branch_scale.scale" for i in range(5)),
+          "value_residual": tuple(f"blocks.{i}.value_mix.mix" for i in range(1, 5)), "layer_drop": ()}
+SHIPPED = ("branch_scale", "value_mix")  # the pieces in the artifact; the others are training-only or hold nothing
 
 
 def check_on(tg_module, preset, settings, pieces):
@@ -257,15 +266,15 @@ def check_on(tg_module, preset, settings, pieces):
     for opt in (muon, *adams):
         opt.step()
     assert [name for name in pieces if torch.equal(params[name], before[name])] == []
-    shipped = [name for name in pieces if "layer_scale" in name]
+    shipped = [name for name in pieces if any(part in name for part in SHIPPED)]
     assert sorted(set(pieces) & set(model.state_dict())) == sorted(pieces)
     assert [name for name in pieces if name in tg_module.artifact_state_dict(model)] == shipped
     return h, model
 
 
-def test_the_three_switched_on_together_each_term_adds_trains_and_ships_as_declared(worked, tmp_path):
-    """MTP_WEIGHT, DEEP_SUP_WEIGHT and LAYER_SCALE on at once, with two lanes and the layer loop (record_0427): the
-    loss adds both terms, every piece trains, the scales alone ship (fp32, loaded back exactly) and the training-only
+def test_the_five_switched_on_together_each_term_adds_trains_and_ships_as_declared(worked, tmp_path):
+    """The five examples on at once, with two lanes and the layer loop (record_0427): the loss adds both terms, every
+    piece trains, the scales ship (fp32, loaded back exactly) and the value mixes (fp16), and the training-only
     matrices stay out of the artifact, loading leaving them as the model has them."""
     h, model = check_on(worked, "record_0427", ALL_ON, [n for example in EXAMPLES for n in PIECES[example]])
     path = str(tmp_path / "all.ptz")
@@ -274,8 +283,10 @@ def test_the_three_switched_on_together_each_term_adds_trains_and_ships_as_decla
     heads = {n: t.detach().clone() for n, t in again.state_dict().items() if n.startswith(("mtp.", "deep_sup."))}
     again = worked.load_artifact(path, h, again)
     for name, t in again.state_dict().items():
-        if "layer_scale" in name:
+        if "branch_scale" in name:
             assert t.dtype == torch.float32 and torch.equal(t, model.state_dict()[name]), name
+        if "value_mix" in name:
+            assert torch.equal(t, model.state_dict()[name].half().float()), name
     assert all(torch.equal(again.state_dict()[n], t) for n, t in heads.items()) and len(heads) == 2
 
 

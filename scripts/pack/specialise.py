@@ -36,7 +36,11 @@ What is removed comes from an analysis of the source, repeated until nothing cha
   type(self)(...), or a type(x)(...) anywhere that may build it).
 - Statements. An `if`/`elif`/`while` whose test is known keeps only the branch taken (dedented); statements after a
   `return`/`raise`/`continue`/`break` in the same block go; a local that nothing reads any more and that was set to
-  a literal goes.
+  a literal goes, and so does `self.a = LITERAL` where nothing reads an attribute `a` and no string names it (a piece
+  switched off: `self.piece = None`). A write-only object goes with the calls that set it: a global `NAME = Class()`
+  read nowhere but in statements `NAME.method(...)` whose arguments call nothing and whose methods change only the
+  object (CONTEXT where no piece of the run reads it). Runs of more than two blank lines left by the removals are cut
+  to two.
 - Definitions. Module-level functions, classes and assignments that no kept code names go (a root is any other
   module-level statement); a method or property goes when its name is read as an attribute nowhere and appears in
   no string (dunders and the hooks torch calls stay). A setting that nothing reads but Hyperparameters' own
@@ -1177,6 +1181,16 @@ class Analysis:
                 except TypeError:
                     return UNKNOWN
             return UNKNOWN
+        if kind is ast.Compare:  # a chain, a < b < c: known when every operand is a known literal
+            vals = [self.value(x) for x in (node.left, *node.comparators)]
+            ops = [COMPARE_OPS.get(type(op)) for op in node.ops]
+            if all(v is not UNKNOWN and v is not NOT_NONE and is_literal(v) for v in vals) \
+                    and all(op in ("==", "!=", "<", "<=", ">", ">=") for op in ops):
+                try:
+                    return all(EVALUATE[op](a, b) for op, a, b in zip(ops, vals, vals[1:]))
+                except TypeError:
+                    return UNKNOWN
+            return UNKNOWN
         if kind is ast.IfExp:
             t = self.value(node.test, cond=True)
             if t is UNKNOWN or t is NOT_NONE:
@@ -1707,6 +1721,79 @@ def dead_definitions(src: Source, memo=None):
     return dead, dead_methods
 
 
+def dead_attribute_stores(src: Source):
+    """`self.a = LITERAL` statements (a switched-off piece's `self.piece = None`) whose attribute nothing in the file
+    reads and no string names (a word of any string constant: getattr(m, "a") reads it)."""
+    read = {n.attr for n in src.of_type(ast.Attribute) if isinstance(n.ctx, ast.Load)}
+    words = set()
+    for n in src.of_type(ast.Constant):
+        if isinstance(n.value, str):
+            words.update(n.value.replace(".", " ").replace(",", " ").split())
+    return [stmt for stmt in src.of_type(ast.Assign)
+            if len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Attribute)
+            and isinstance(stmt.targets[0].value, ast.Name) and stmt.targets[0].value.id == "self"
+            and isinstance(stmt.value, ast.Constant) and stmt.targets[0].attr not in read | words]
+
+
+def write_only_calls(src: Source):
+    """The statements `NAME.method(...)` of a write-only object: a module global NAME = Class() that nothing else in
+    the file reads, whose called methods change only the object (every call in them on an attribute of self, every
+    store to self's attributes or a local, no global or nonlocal) and whose arguments call nothing. Nothing can see
+    what they do (CONTEXT when no piece reads it): they go, and the object and its class with them."""
+    classes = {n.name: n for n in src.tree.body if isinstance(n, ast.ClassDef)}
+    objects = {}
+    for stmt in src.tree.body:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
+                and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Name) \
+                and stmt.value.func.id in classes and not stmt.value.args and not stmt.value.keywords:
+            objects[stmt.targets[0].id] = (stmt, classes[stmt.value.func.id])
+    calls = {name: [] for name in objects}
+    parents = {kid: node for node, kids in src.kids.items() for kid in kids} if objects else {}
+    for node in src.of_type(ast.Name):
+        if node.id not in objects or node is objects[node.id][0].targets[0]:
+            continue
+        parent = parents.get(node)
+        call = parents.get(parent) if isinstance(parent, ast.Attribute) else None
+        stmt = parents.get(call) if isinstance(call, ast.Call) and call.func is parent else None
+        if not isinstance(stmt, ast.Expr) or any(isinstance(x, (ast.Call, ast.Await, ast.Yield, ast.YieldFrom,
+                                                                  ast.NamedExpr)) for a in call.args + call.keywords
+                                                 for x in src.walk(a)):
+            calls.pop(node.id, None)  # read otherwise (or the name of something else): not write-only
+            continue
+        if node.id in calls:
+            calls[node.id].append((stmt, parent.attr))
+
+    def rooted_at_self(n):
+        while isinstance(n, (ast.Attribute, ast.Subscript, ast.Call)):
+            n = n.func if isinstance(n, ast.Call) else n.value
+        return isinstance(n, ast.Name) and n.id == "self"
+
+    def changes_only_self(fn):
+        for n in src.walk(fn):
+            if isinstance(n, (ast.Global, ast.Nonlocal, ast.Delete)) or (
+                    isinstance(n, ast.Call) and not rooted_at_self(n.func)) or (
+                    isinstance(n, (ast.Attribute, ast.Subscript)) and isinstance(n.ctx, ast.Store)
+                    and not rooted_at_self(n)):
+                return False
+        return True
+    out = []
+    for name, found in calls.items():
+        methods = {m.name: m for m in objects[name][1].body if isinstance(m, ast.FunctionDef)}
+        if all(attr in methods and changes_only_self(methods[attr]) for _, attr in found):
+            out += [stmt for stmt, _ in found]
+    return out
+
+
+def squeeze_blank_lines(text):
+    """Runs of more than two blank lines (left where definitions went) cut to two, outside multi-line strings."""
+    src, out, blank = Source(text), [], 0
+    for i, line in enumerate(src.lines, 1):
+        blank = blank + 1 if not line.strip() and i not in src.string_lines else 0
+        if blank <= 2:
+            out.append(line)
+    return "".join(out)
+
+
 def method_live(m, attrs, strings):
     name = m.name
     if name.startswith("__") and name.endswith("__"):
@@ -1978,7 +2065,8 @@ def _specialise(text, run, path, max_rounds, sha):
         analysis = Analysis(src, table, machine, h, conditions)
         edits = Folder(analysis).run()  # first: it records the conditions the removals below rely on
         dead, dead_methods = dead_definitions(src, names_memo)
-        stmts = dead + [m for _, m in dead_methods] + dead_settings(src, table, set(conditions), machine)
+        stmts = dead + [m for _, m in dead_methods] + dead_settings(src, table, set(conditions), machine) + \
+            dead_attribute_stores(src) + write_only_calls(src)
         edits += removal_edits(src, stmts)  # a removal wins over a fold inside it (apply_edits)
         if not edits:
             break
@@ -2006,6 +2094,7 @@ def _specialise(text, run, path, max_rounds, sha):
             and n.func.attr in ("_env", "_env_int_list") and n.args and isinstance(n.args[0], ast.Constant)}
     values = {k: v for k, v in values.items() if k in read}  # the preset's values of settings the file still reads
     text_out, _ = apply_edits(src.text, preset_edits(src, h.preset, values) + specialised_edit(src, record))
+    text_out = squeeze_blank_lines(text_out)
     check_source(text_out)
     return Specialised(text_out, sha, run, conds, rounds)
 
