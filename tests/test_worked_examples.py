@@ -300,3 +300,249 @@ def test_each_example_applied_alone_works(example, tmp_path_factory):
     assert list(plain.state_dict()) == list(off.state_dict())
     settings = {k: v for k, v in ALL_ON.items() if k.startswith(example.upper())}
     check_on(alone, "record_0323", settings, PIECES[example])
+
+
+# ---- state across layers (LayerStates) and across steps (the run context), and the two examples that use them
+
+@pytest.fixture
+def context():
+    """enter(module, stage, step): the module's CONTEXT set as the training loop sets it; every module's context
+    back at the evaluation stage, step 0, afterwards."""
+    touched = []
+
+    def enter(module, stage, step=None, progress=None):
+        touched.append(module)
+        module.CONTEXT.enter(stage, step, progress)
+    yield enter
+    for module in touched:
+        module.CONTEXT.enter("evaluation", 0, 0.0)
+
+
+STATE_NAMES = ("input", "q", "k", "v", "attn", "mlp")
+
+
+class Spy(torch.nn.Module):
+    """A block_branch piece for every hook name that changes nothing and records what it saw."""
+    block_branch = ("q", "k", "v", "attn", "mlp")
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, name, out, states):
+        self.seen.append((name, out))
+        return out
+
+
+@pytest.mark.parametrize("preset", ["record_0323", "record_0409", "record_0427"])
+def test_layer_states_name_what_each_run_made_and_nothing_unasked_is_kept(preset, monkeypatch):
+    """Looped, each run's states asked for as taps: q, k, v, attn and mlp are what the hooks returned in that run,
+    input is the residual the run read (the previous run's in the encoder, where no skip joins), with
+    resid_mix = (1, 0) a sequential or parallel run's residual after is input + attn + mlp, and blocks.I.NAME is layer
+    I's last run's; without taps or reads nothing is kept; a read of a state not made yet is refused in one line."""
+    _, model = preset_model(tg, preset, NUM_LOOPS="1")
+    model.looping = True
+    seen = []
+    for b in model.blocks:
+        b.spy = Spy(seen)
+        b.resid_mix.data.copy_(torch.tensor([[1.0], [0.0]]).expand_as(b.resid_mix))
+    encoder, decoder = model.orders[True]
+    order = encoder + decoder
+    names = tuple(f"runs.{j}.{n}" for j in range(len(order)) for n in STATE_NAMES) + tuple(
+        f"blocks.{i}.{n}" for i in range(model.num_layers) for n in STATE_NAMES) + tuple(
+        f"runs.{j}" for j in range(len(order)))
+    x, _ = batch()
+    with torch.no_grad():
+        _, states = model.hidden(x, taps=names)
+    assert len(seen) == 5 * len(order)
+    for j, i in enumerate(order):
+        for k, name in enumerate(("q", "k", "v", "attn", "mlp")):
+            assert seen[5 * j + k][0] == name and torch.equal(seen[5 * j + k][1], states[f"runs.{j}.{name}"])
+        if 0 < j < len(encoder):
+            assert torch.equal(states[f"runs.{j}.input"], states[f"runs.{j - 1}"])
+        if model.lanes is None or j < len(encoder) or i < model.lane_start:
+            s = f"runs.{j}."
+            assert torch.allclose(states[f"runs.{j}"], states[s + "input"] + states[s + "attn"] + states[s + "mlp"],
+                                  rtol=0, atol=1e-5), (preset, j)
+        if j == max(r for r, layer in enumerate(order) if layer == i):
+            assert all(torch.equal(states[f"blocks.{i}.{n}"], states[f"runs.{j}.{n}"]) for n in STATE_NAMES)
+    made, base = [], tg.LayerStates
+    monkeypatch.setattr(tg, "LayerStates", type("Counted", (base,), {
+        "__init__": lambda self, names: (made.append(self), base.__init__(self, names))[1]}))
+    with torch.no_grad():
+        model.hidden(x)
+    assert len(made) == 1 and made[0].wanted == frozenset() and made[0].kept == {}
+
+    class Early(torch.nn.Module):
+        block_branch, reads = ("v",), ("blocks.4.v",)
+
+        def forward(self, name, out, states):
+            return out + states["blocks.4.v"]
+    model.blocks[1].early = Early()
+    with pytest.raises(tg.ConfigError, match=r"^layer state 'blocks\.4\.v' is read before it is made"):
+        model.hidden(x)
+
+
+def attention_and_mlp_grads(model, x, y):
+    """{physical layer: (any attention bank slice has a gradient, any MLP bank slice has one)}, looped."""
+    model.looping = True
+    model.zero_grad()
+    tg.training_loss(None, model, x, y).backward()
+    n = model.num_layers
+
+    def nonzero(bank, j):
+        return bool(bank.grad is not None and bank.grad[j].abs().sum() > 0)
+    return {i: (any(nonzero(b, j) for b, j in ((model.qo_bank, i), (model.qo_bank, n + i), (model.kv_bank, i),
+                                                (model.kv_bank, n + i))),
+                any(nonzero(b, i) for b in (model.mlp_up_bank, model.mlp_down_bank))) for i in range(n)}
+
+
+def test_a_change_to_the_values_through_block_branch_reaches_every_attention_of_every_preset(monkeypatch):
+    """The "v" hook reaches every layer's attention in every layer kind: zeroing the values there leaves no
+    attention bank slice a gradient while every MLP keeps its own."""
+    x, y = batch()
+    branch = tg.Block.branch
+    monkeypatch.setattr(tg.Block, "branch", lambda self, name, out, states=None:
+                        out * 0 if name == "v" else branch(self, name, out, states))
+    for preset in tg.PRESETS:
+        _, model = preset_model(tg, preset)
+        assert set(attention_and_mlp_grads(model, x, y).values()) == {(False, True)}, preset
+
+
+@pytest.mark.parametrize("preset", ["record_0323", "record_0427"])
+def test_patched_value_residual_mixes_the_first_layers_values_and_ships(worked, preset, tmp_path):
+    """VALUE_RESIDUAL=0: the unpatched model and loss bit for bit. 1: no piece in layer 0, one in each later layer;
+    mixes (1, 0) give the plain model; a mix (a, b) in layer 2 alone makes its first run's values a * v + b * v_0 (v
+    and v_0 those of the plain model there), seen at initialisation (perturbed); the mixes ship (fp16) and load back;
+    an artifact without them is refused naming VALUE_RESIDUAL."""
+    x, y = batch()
+    h0, plain = preset_model(tg, preset)
+    h1, off = preset_model(worked, preset, COMPRESSOR="lzma")
+    same_model_and_loss(plain, h0, off, h1, x, y, worked)
+    h2, on = preset_model(worked, preset, VALUE_RESIDUAL="1", COMPRESSOR="lzma")
+    assert on.blocks[0].value_mix is None and all(b.value_mix is not None for b in on.blocks[1:])
+    assert on.load_state_dict(off.state_dict(), strict=False).missing_keys == list(PIECES["value_residual"])
+    on.looping = off.looping = True
+    order = sum(on.orders[True], [])
+    first = order.index(2)
+    names = ("blocks.0.v", f"runs.{first}.v")
+    with torch.no_grad():
+        for b in on.blocks[1:]:
+            b.value_mix.mix.copy_(torch.tensor([1.0, 0.0]))
+        assert torch.equal(on.forward_logits(x), off.forward_logits(x))
+        mix = torch.tensor([0.7, -0.4])
+        on.blocks[2].value_mix.mix.copy_(mix)
+        _, got = on.hidden(x, taps=names)
+        _, want = off.hidden(x, taps=names)
+        assert torch.equal(got[names[1]], mix[0] * want[names[1]] + mix[1] * want[names[0]])
+        assert not torch.equal(on.forward_logits(x), off.forward_logits(x))
+        for b in on.blocks[1:]:
+            b.value_mix.mix.copy_(torch.randn(2))
+    path = str(tmp_path / "vr.ptz")
+    worked.save_artifact(path, on, False, h2, log=lambda line: None)
+    _, again = preset_model(worked, preset, VALUE_RESIDUAL="1", COMPRESSOR="lzma")
+    again = worked.load_artifact(path, h2, again)
+    assert all(torch.equal(a.value_mix.mix, b.value_mix.mix.half().float()) for a, b in zip(again.blocks[1:],
+                                                                                           on.blocks[1:]))
+    worked.save_artifact(path, off, False, h1, log=lambda line: None)
+    with pytest.raises(worked.ConfigError, match=r"blocks\.\*\.value_mix not in the artifact \(VALUE_RESIDUAL\)"):
+        worked.load_artifact(path, h2, again)
+
+
+def layer_factors(model, factors):
+    """The model's forward with each layer's attention and MLP outputs times factors[layer] (through Block.branch)."""
+    for b in model.blocks:
+        b.factor = Factor(factors[b.index])
+    return model
+
+
+class Factor(torch.nn.Module):
+    block_branch = True
+
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, name, out, states):
+        return out * self.f
+
+
+def test_patched_layer_drop_drops_the_same_layers_on_every_rank_in_training_steps_only(worked, context):
+    """LAYER_DROP=0: the unpatched model and loss bit for bit. 0.5: in a training step the layers with
+    CONTEXT.uniform(SEED, layer) < 0.5 lose every bank gradient (two lanes and the layer loop: record_0427), the same
+    layers in a model of other weights and the same SEED (another rank), others for another step; the loss is the
+    plain model's with each layer's outputs times 0 or 1 / (1 - p); in validation, calibration, TTT and evaluation
+    the loss is the plain model's."""
+    x, y = batch()
+    h0, plain = preset_model(tg, "record_0427")
+    h1, off = preset_model(worked, "record_0427")
+    same_model_and_loss(plain, h0, off, h1, x, y, worked)
+    h2, on = preset_model(worked, "record_0427", LAYER_DROP="0.5")
+    on.load_state_dict(off.state_dict())
+    _, rank1 = preset_model(worked, "record_0427", LAYER_DROP="0.5")
+    perturbed(rank1, seed=9)
+    for stage in ("validation", "calibration", "ttt", "evaluation"):
+        context(worked, stage, 3)
+        assert torch.equal(worked.training_loss(h2, on, x, y), worked.training_loss(h1, off, x, y)), stage
+    patterns = set()
+    for step in range(6):
+        context(worked, "training", step, step / 6)
+        want = {i for i in range(5) if float(worked.CONTEXT.uniform(h2.seed, i)) < 0.5}
+        for model in (on, rank1):
+            grads = bank_grads_by_layer(model, x, y)
+            assert {i for i, g in grads.items() if not g} == want, step
+        patterns.add(frozenset(want))
+        if 0 < len(want) < 5:
+            with torch.no_grad():
+                on.looping = off.looping = True
+                scaled = layer_factors(off, {i: 0.0 if i in want else 2.0 for i in range(5)})
+                assert torch.allclose(worked.training_loss(h2, on, x, y), worked.training_loss(h1, scaled, x, y),
+                                      rtol=1e-6)
+                for b in off.blocks:
+                    del b.factor
+    assert len(patterns) > 1  # the draw follows the step
+
+
+def test_patched_layer_drop_compiled_reads_the_step_without_recompiling(worked, context):
+    """COMPILE=1 (aot_eager, as tests/test_compile.py's in-process checks): the Trainer's compiled train_forward over
+    10 training steps, the context set before each as _train_loop sets it: one graph for all of them (no
+    recompilation after the first step), and at each step the eager loss of that step (the graph reads the step)."""
+    h = worked.Hyperparameters({**SIZES, "NUM_LAYERS": "2", "XSA_LAST_N": "1", "VE_LAYERS": "1", "PARALLEL_RESIDUAL_START": "-1",
+                                "LOOP_END": "1", "PRESET": "record_0323", "LAYER_DROP": "0.5", "COMPILE": "1",
+                                "COMPILE_BACKEND": "aot_eager"})
+    rt = worked.Runtime(h, torch.device("cpu"), False, True, None)
+    model = perturbed(rt.prepare_model(worked.build_model(h)))
+    trainer = worked.Trainer(rt, model)
+    x, y = batch()
+    losses = []
+    for step in range(10):
+        context(worked, "training", step, step / 10)
+        got = trainer.forward(x, y)
+        with torch.no_grad():
+            assert torch.allclose(got, worked.training_loss(h, model, x, y), rtol=1e-6), step
+        losses.append(float(got.detach()))
+    assert trainer.forward.graphs == 1 and trainer.forward.eager_calls == 0
+    assert len(set(losses)) > 1
+
+
+def test_the_five_off_leave_the_default_submission_as_it_was(tmp_path_factory, sample_data):
+    """The five applied and off: the default run's specialised file is the unpatched one's line for line but its
+    SPECIALISED record, which adds exactly the five settings at their off values (float weights and probabilities
+    at 0 fold like a bool), and it refuses another value of each in one line."""
+    from test_specialise_tools import preset_files, sp, specialised_module
+
+    patched = sp.specialise(copy_path(tmp_path_factory).read_text(encoding="utf-8"), {"PRESET": "record_0323"})
+    plain = (preset_files(tmp_path_factory) / "record_0323.py").read_text(encoding="utf-8")
+    a, b = plain.splitlines(), patched.text.splitlines()
+    assert [line for line in a if not line.startswith("SPECIALISED = ")] == \
+        [line for line in b if not line.startswith("SPECIALISED = ")]
+    values = {text: sp.recorded(text)["values"] for text in (plain, patched.text)}
+    assert {k: v for k, v in values[patched.text].items() if k not in values[plain]} == {
+        "MTP_WEIGHT": 0.0, "DEEP_SUP_WEIGHT": 0.0, "LAYER_SCALE": False, "VALUE_RESIDUAL": False, "LAYER_DROP": 0.0}
+    path = tmp_path_factory.mktemp("five_off") / "train_gpt.py"
+    path.write_text(patched.text, encoding="utf-8")
+    module = specialised_module(path)
+    base = {"PRESET": "record_0323", "DATA_PATH": sample_data["DATA_PATH"]}
+    module.Hyperparameters({**base, "LAYER_DROP": "0"})
+    with pytest.raises(module.ConfigError, match=r"^LAYER_DROP=0\.5: this file is specialised to LAYER_DROP=0 "):
+        module.Hyperparameters({**base, "LAYER_DROP": "0.5"})
