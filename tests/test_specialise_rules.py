@@ -138,3 +138,55 @@ def test_an_auto_prefix_is_planned(tmp_path):
     assert "planned" in spec.text and "fixed" not in spec.text
     assert ("==", "auto", True) in spec.conditions["PREFIX"]
     assert output(spec.text, tmp_path, {"PREFIX": "auto"}) == output(TOY, tmp_path, {"PREFIX": "auto"})
+
+
+OFF = TOY.replace('''        self.world_size = self._env("WORLD_SIZE", 1)''', '''        self.world_size = self._env("WORLD_SIZE", 1)
+        self.weight = self._env("WEIGHT", 0.0, float)
+        self.rate = self._env("RATE", 0.5, float)
+        assert 0 <= self.weight < 1''').replace('''
+
+def plan(h):''', '''
+
+class Extra:
+    def __init__(self, w):
+        self.w = w
+
+
+class Log:
+    def __init__(self):
+        self.seen = []
+
+    def note(self, x):
+        self.seen.append(x)
+
+
+LOG = Log()
+
+
+class Model:
+    def __init__(self, h):
+        self.extra = Extra(h.weight) if h.weight > 0 else None
+        self.scale = h.weight or h.rate
+
+    def out(self):
+        return self.scale if self.extra is None else self.extra.w
+
+
+def plan(h):''').replace("#EXTRA", "    LOG.note(3)\n    print(Model(h).out())")
+
+
+def test_a_float_at_zero_folds_like_a_bool_and_what_it_switched_off_goes(tmp_path):
+    """WEIGHT=0.0 (a float switching a piece off): its tests fold, the piece's class, the attribute set to None, the
+    chained check and the write-only LOG's call go, `h.weight or h.rate` keeps the rate's read, and `== 0.0` is the
+    condition; RATE (0.5) is a value: never tested. WEIGHT=0.25 keeps everything."""
+    spec = specialised(OFF, {"PRESET": "base"})
+    text = spec.text
+    for gone in ("class Extra", "self.extra = None", "0 <= ", "LOG", "class Log"):
+        assert gone not in text, gone
+    assert "self.scale = h.rate" in text
+    assert spec.conditions["WEIGHT"] == [("==", 0.0, True)] and "RATE" not in spec.conditions
+    assert "\n\n\n\n" not in text
+    assert output(text, tmp_path, {}) == output(OFF, tmp_path, {})
+    on = specialised(OFF, {"PRESET": "base", "WEIGHT": "0.25"}).text
+    assert "class Extra" in on and "LOG" not in on and "WEIGHT" not in specialised(OFF, {"PRESET": "base",
+                                                                                       "WEIGHT": "0.25"}).conditions
