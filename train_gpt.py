@@ -2494,7 +2494,8 @@ class RunContext:
     """Where the run is, for the pieces that act by it (docs/frontier.md "State across steps"): `stage`, what the model
     runs for (STAGES: training's steps, the validation inside training, GPTQ calibration, the scored evaluation, legal
     TTT's adapting and scoring), never read from `self.training` (TTT and calibration run in train mode); `step`, the
-    training steps done before the one running, and `progress`, training_fraction then. step_t (int64) and progress_t
+    training steps done (before the one running; in a validation, all so far), and `progress`, training_fraction at
+    the last step's start. step_t (int64) and progress_t
     (float32) hold the same as 0-d tensors on the run's device, updated in place: a compiled graph takes them as inputs
     and never recompiles for a new step. A graph that reads the stage (a string) guards on it: the evaluation's graphs
     serve both its scoring and TTT. Set by enter() alone: train (warmup), _train_loop (each step, its validation),
@@ -4906,7 +4907,7 @@ def _train_loop(rt, trainer, loader, val_tokens, luts, resumed=None):
         if last or (h.val_loss_every > 0 and step % h.val_loss_every == 0):
             rt.sync()
             train_ms += 1000.0 * (time.perf_counter() - t0)
-            CONTEXT.enter("validation")
+            CONTEXT.enter("validation", step)
             with (timer or contextlib.nullcontext)("val"):
                 val_loss, val_bpb = eval_val(rt, trainer.val_forward, val_tokens, luts)
             rt.log(f"step:{step}/{h.iterations} val_loss:{val_loss:.4f} val_bpb:{val_bpb:.4f} "

@@ -546,3 +546,33 @@ def test_the_five_off_leave_the_default_submission_as_it_was(tmp_path_factory, s
     module.Hyperparameters({**base, "LAYER_DROP": "0"})
     with pytest.raises(module.ConfigError, match=r"^LAYER_DROP=0\.5: this file is specialised to LAYER_DROP=0 "):
         module.Hyperparameters({**base, "LAYER_DROP": "0.5"})
+
+
+def test_the_training_loop_and_calibration_set_the_stage_step_and_progress(monkeypatch):
+    """_train_loop sets the context before each step (training, the steps done, training_fraction) and before each
+    validation (validation: never a training step's stage left over), and collect_hessians sets calibration; the
+    model's work is replaced by recorders (what each saw), so nothing trains."""
+    h = tg.Hyperparameters({**SIZES, "ITERATIONS": "4", "VAL_LOSS_EVERY": "2", "TRAIN_LOG_EVERY": "0",
+                            "WARMDOWN_ITERS": "0", "MAX_WALLCLOCK_SECONDS": "0", "GPTQ_CALIBRATION_BATCHES": "1"})
+    rt = tg.Runtime(h, torch.device("cpu"), False, True, None)
+    model = tg.build_model(h)
+    seen = []
+
+    def note(what):
+        c = tg.CONTEXT
+        seen.append((what, c.stage, c.step, c.progress, int(c.step_t), float(c.progress_t)))
+
+    monkeypatch.setattr(tg.Trainer, "step", lambda self, *a, **k: (note("step"), torch.tensor(1.0))[1])
+    monkeypatch.setattr(tg, "eval_val", lambda *a, **k: (note("val"), (1.0, 1.0))[1])
+    logits = tg.GPT.forward_logits
+    monkeypatch.setattr(tg.GPT, "forward_logits", lambda self, x, *a: (note("calibration"), logits(self, x, *a))[1])
+    try:
+        tg._train_loop(rt, tg.Trainer(rt, model), None, None, None)
+        tg.collect_hessians(rt, model, type("Loader", (), {"next_batch": lambda self: batch()})())
+    finally:
+        tg.CONTEXT.enter("evaluation", 0, 0.0)
+    assert [s[:4] for s in seen] == [
+        ("val", "validation", 0, 0.0), ("step", "training", 0, 0.0), ("step", "training", 1, 0.25),
+        ("val", "validation", 2, 0.25), ("step", "training", 2, 0.5), ("step", "training", 3, 0.75),
+        ("val", "validation", 4, 0.75), ("calibration", "calibration", 4, 0.75)]
+    assert all(s[4] == s[2] and s[5] == s[3] for s in seen)  # the tensors hold the same
