@@ -190,3 +190,10 @@ def test_a_float_at_zero_folds_like_a_bool_and_what_it_switched_off_goes(tmp_pat
     on = specialised(OFF, {"PRESET": "base", "WEIGHT": "0.25"}).text
     assert "class Extra" in on and "LOG" not in on and "WEIGHT" not in specialised(OFF, {"PRESET": "base",
                                                                                        "WEIGHT": "0.25"}).conditions
+
+
+def test_a_piece_named_as_its_setting_keeps_its_test_the_naming_rule():
+    """docs/frontier.md's naming rule: the attribute holding a piece named as the setting's attribute (self.weight)
+    is no constant to the specialiser, so its `is None` test and the code behind it stay; named apart, they go."""
+    same = specialised(OFF.replace("self.extra", "self.weight"), {"PRESET": "base"}).text
+    assert "self.weight is None" in same and "self.extra" not in specialised(OFF, {"PRESET": "base"}).text
