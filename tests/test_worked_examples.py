@@ -1,9 +1,11 @@
-"""Issue 61: one block path, named taps, objective terms that add up, shipped tensors declared; and docs/frontier.md's
-worked examples "Deep supervision from a named tap" and "A per-layer scale that ships", applied to a copy of
-train_gpt.py as tests/test_mtp.py applies the MTP head. The test_patched_* tests run in this process on one copy with
-the three examples applied (tests/test_mtp.py's worked_copy, shared with its MTP tests), each example switched on by
-its own setting beside the other two (issue 61 item 3: a worked example's test survives a second technique applied
-beside it); the three switched on together, and each example applied alone, are checked on the same terms."""
+"""Issue 61: one block path, named taps, objective terms that add up, shipped tensors declared; issue 71: layer states
+by name (LayerStates), the run context (CONTEXT) set by the loop, and docs/frontier.md's worked examples "Deep
+supervision from a named tap", "A per-layer scale that ships", "State across layers: the value residual" and "State
+across steps: layer drop", applied to a copy of train_gpt.py as tests/test_mtp.py applies the MTP head. The
+test_patched_* tests run in this process on one copy with the five examples applied (tests/test_mtp.py's worked_copy,
+shared with its MTP tests), each example switched on by its own setting beside the other four (issue 61 item 3: a
+worked example's test survives a second technique applied beside it); the five switched on together, each example
+applied alone, and the five off (the default's specialised file) are checked on the same terms."""
 from __future__ import annotations
 
 import pytest
