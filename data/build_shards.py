@@ -120,7 +120,20 @@ def parse_args(argv):
         raise UsageError(f"--docs {args.docs}: no such file")
     if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
         raise UsageError(f"--tokenizer {args.tokenizer}: no such file")
+    if args.caseops and not has_module("google.protobuf"):
+        raise UsageError("--caseops needs the protobuf package (SentencePiece gives token surfaces, which the val "
+                         "byte sidecars count, as protobuf messages): pip install protobuf")
     return args
+
+
+def has_module(name):
+    """Whether `name` can be imported (a dotted name whose parent package is missing: no)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 # ------------------------------------------------------------------ documents

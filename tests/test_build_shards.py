@@ -205,6 +205,18 @@ def test_bad_line_is_one_line_naming_it(docs, tmp_path, capsys, line, words):
     assert not (tmp_path / "sp").exists() and not (tmp_path / "sp.partial" / "manifest.json").exists()
 
 
+def test_caseops_without_protobuf_is_one_line_before_any_work(docs, tmp_path, capsys, monkeypatch):
+    """--caseops reads token surfaces through SentencePiece's protobuf output: without protobuf, one line with its
+    pip install, before anything is written."""
+    from conftest import hide_modules
+
+    hide_modules(monkeypatch, "google.protobuf")
+    assert build_shards.main(["--docs", str(docs), "--out", str(tmp_path / "sp"), *SMALL, "--caseops"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install protobuf" in err, err
+    assert not (tmp_path / "sp").exists() and not (tmp_path / "sp.partial").exists()
+
+
 def test_full_disk_leaves_nothing_complete(docs, plain, tmp_path):
     """A file-size limit (writes fail as on a full disk: the tokenizer's 250 kB do not fit) stops the build with
     one line and leaves nothing that looks complete (no folder, no manifest, no temporary file); the same
