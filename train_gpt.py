@@ -2542,7 +2542,12 @@ class LayerStates:
     run before the read; with two lanes a residual is the lanes' mean (a + m) / 2."""
 
     def __init__(self, names):
-        self.wanted, self.kept, self.run, self.block = frozenset(names), {}, 0, None
+        self.wanted, self.kept, self.run, self.block = frozenset(names), {}, -1, None
+
+    def enter(self, block, x):
+        """Block.forward's start: the next layer run, of `block`, reading the residual x."""
+        self.run, self.block = self.run + 1, block
+        self.keep("input", x)
 
     def keep(self, name, t):
         """t kept under the current run's `name` ("": the residual after it) where asked for; returns t."""
@@ -2635,7 +2640,7 @@ class CausalSelfAttention(nn.Module):
         self.attn_gate = None if h.attn_gate == "none" else AttentionGate(
             h.attn_gate, h.num_heads, h.model_dim, h.gate_window, h.attn_gate_scale, h.attn_gate_init_std)
 
-    def forward(self, x, w, v_embed, rope, lora=None, states=None):
+    def forward(self, x, w, v_embed, rope, lora=None, hooks=None):
         q_w, k_w, v_w, out_w = w
         B, T, D = x.shape
         q = lora_add(lora, "q", linear(x, q_w), x).view(B, T, self.num_heads, self.head_dim)
@@ -2648,8 +2653,8 @@ class CausalSelfAttention(nn.Module):
         cos, sin = rope[0].to(q.dtype), rope[1].to(q.dtype)
         q, k = apply_rotary(q, cos, sin, self.rope_dims), apply_rotary(k, cos, sin, self.rope_dims)
         q = q * self.q_gain.to(q.dtype)[None, None, :, None]
-        if states is not None:  # the block's hooks (Block.branch), each output kept by name (LayerStates)
-            q, k, v = states.branch("q", q), states.branch("k", k), states.branch("v", v)
+        if hooks is not None:  # the block's hooks: Block.branch, through its LayerStates where one keeps them by name
+            q, k, v = hooks.branch("q", q), hooks.branch("k", k), hooks.branch("v", v)
         y = causal_attention(q, k, v, rope.docs if isinstance(rope, Positions) else None)  # bare (cos, sin): no docs
         if self.use_xsa:
             y = self._exclude_self_value(y, v)
@@ -2699,19 +2704,17 @@ class Block(nn.Module):
         LN scale; the kinds differ only in u and how A and M join the residual. Sequential: u = y + A, returns u + M.
         Parallel (GPT-J): u = y, returns y + A + M. Two lanes (lanes: GPT.lanes; x = (a, m), y = mix(a, x0)): u = m,
         returns the lanes' routing of A and M (TwoLaneResidual). states: this forward's LayerStates (GPT.hidden)."""
-        states = states or LayerStates(())
-        states.block = self
-        states.keep("input", x)
+        if states is not None:
+            states.enter(self, x)
         y = self.mix_in(x if lanes is None else x[0], x0)
         n = rms_norm(y) * self.ln_scale
-        attn = self.branch("attn", self.attn_scale.to(y.dtype) * self.attn(n, w[:4], v_embed, rope, lora, states),
-                           states)
+        a = self.attn(n, w[:4], v_embed, rope, lora, states or self)  # q, k, v: through states where they keep
+        attn = self.branch("attn", self.attn_scale.to(y.dtype) * a, states)
         u = x[1] if lanes is not None else y if self.parallel else y + attn
         n = n if u is y else rms_norm(u) * self.ln_scale  # parallel: both branches read one RMS (one backward)
         mlp = self.branch("mlp", self.mlp_scale.to(u.dtype) * lora_add(lora, "mlp", self.mlp(n, *w[4:]), n), states)
-        if lanes is not None:
-            return lanes(self.index, x, attn, mlp)
-        return (y + attn if self.parallel else u) + mlp
+        out = lanes(self.index, x, attn, mlp) if lanes is not None else (y + attn if self.parallel else u) + mlp
+        return out if states is None else states.keep("", out)
 
     def branch(self, name, out, states=None):
         """The one place a per-block change goes, in every layer kind: a branch's output ("attn" or "mlp") on its way
@@ -2954,7 +2957,8 @@ class GPT(nn.Module):
                                         freqs_bf16=self.rope_freqs_bf16, pos0=None if docs is None else docs.pos0),
                          docs)
         encoder, decoder = self.orders[self.looping]
-        skips, states = [], LayerStates({*taps, *(n for m in self.modules() for n in getattr(m, "reads", ()))})
+        reads = tuple(n for m in self.modules() for n in getattr(m, "reads", ()))
+        skips, states = [], LayerStates({*taps, *reads}) if taps or reads else None
         for j, i in enumerate(encoder + decoder):
             k = j - len(encoder)  # the decoder's step (< 0: an encoder step)
             if k >= 0 and self.lanes is not None and not isinstance(x, tuple) and i >= self.lane_start:
@@ -2962,16 +2966,17 @@ class GPT(nn.Module):
             if 0 <= k < len(self.skip_weights) and skips:  # with lanes the skip joins the attention lane only
                 x = (self._merge_skip(k, x[0], skips.pop()), x[1]) if isinstance(x, tuple) else \
                     self._merge_skip(k, x, skips.pop())
-            states.run = j
-            x = states.keep("", self._block(i, x, x0, ve, rope, at(), states))
+            x = self._block(i, x, x0, ve, rope, at(), states)
             if k < 0:
                 skips.append(x)
-        tapped = {name: states.kept[name] for name in taps if name in states.kept}
         if isinstance(x, tuple):
             x = 0.5 * (x[0] + x[1])
+        if not taps:
+            return rms_norm(x)
+        tapped = {name: states.kept[name] for name in taps if name in states.kept}
         if len(tapped) < len(taps):
             raise ConfigError(f"no layer state {sorted(set(taps) - set(tapped))} in this model's order (GPT.hidden)")
-        return (rms_norm(x), tapped) if taps else rms_norm(x)
+        return rms_norm(x), tapped
 
     def _value_embed(self, i, ve):
         return ve * self.ve_layer_scales[self.ve_layers.index(i)].to(ve.dtype) if i in self.ve_layers else None
@@ -2983,7 +2988,7 @@ class GPT(nn.Module):
 
     def terms(self):
         """The pieces whose term training's loss adds (training_loss): every module declaring `term_weight`."""
-        return [m for m in self.modules() if hasattr(m, "term_weight")]
+        return tuple(m for m in self.modules() if hasattr(m, "term_weight"))
 
     def _merge_skip(self, j, x, skip):
         """U-Net skip j: x + w*skip, or with SKIP_GATES the sigmoid-gated lerp s*x + (1-s)*(w*skip), s = sigmoid(g)
