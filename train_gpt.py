@@ -2721,8 +2721,8 @@ class Block(nn.Module):
         into the residual, or attention's "q", "k", "v" (CausalSelfAttention). Each submodule declaring `block_branch`
         (the names it maps; True: "attn" and "mlp") maps it, piece(name, out, states), in the order they were assigned
         (docs/frontier.md "A per-layer scale that ships"); the result is kept as this run's state `name`."""
-        for piece in self.children():
-            names = getattr(piece, "block_branch", ())
+        for piece in tuple(p for p in self.children() if hasattr(p, "block_branch")):
+            names = piece.block_branch
             if name in (("attn", "mlp") if names is True else names):
                 out = piece(name, out, states)
         return out if states is None else states.keep(name, out)

@@ -82,6 +82,10 @@ KEEP_NAMES = frozenset(("SPECIALISED", "PRESETS", "MACHINE_SETTINGS"))  # module
 UNKNOWN = object()  # a value the analysis does not know
 NOT_NONE = object()  # an object that is not None (a new instance), whose value is otherwise unknown
 _LITERAL_TYPES = (bool, int, float, str, type(None))
+# Methods called with no arguments that only walk what they are called on (nn.Module's walks, a dict's views): an
+# iteration over one changes nothing (_empty_iteration)
+WALK_METHODS = frozenset(("modules", "children", "named_modules", "named_children", "parameters", "named_parameters",
+                          "buffers", "named_buffers", "items", "keys", "values"))
 # Node classes, tested as `node.__class__ is C` or `in` a set of them: a tree of ast.parse's has no node of a
 # subclass, so for a leaf class C that is isinstance(node, C).
 _NEW_OBJECTS = frozenset((ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp, ast.Lambda))  # NOT_NONE
@@ -787,6 +791,8 @@ class Analysis:
         if (fn.name == "__init__" and not fn.decorator_list and isinstance(cls, ast.ClassDef)
                 and self.classes.get(cls.name) is cls and self._constructed_by_name(cls)):
             calls, skip = self.calls_of(cls.name), 1  # its constructions bind its parameters after self
+        elif isinstance(cls, ast.ClassDef) and not fn.decorator_list and fn.args.args:
+            calls, skip = self.method_calls(fn), 1  # obj.name(...) binds its parameters after self
         if not calls or a.vararg or a.kwarg or a.posonlyargs or any(
                 isinstance(x, ast.Starred) for c in calls for x in c.args) or any(k.arg is None for c in calls
                                                                                  for k in c.keywords):
@@ -916,6 +922,163 @@ class Analysis:
             return None
         cache[name] = [k.value for k in a.keys if on.get(k.value)]
         return cache[name]
+
+    def _builtin_call(self, node):
+        """getattr(x, "a", DEFAULT) and hasattr(x, "a") of an attribute no object can have (attribute_absent):
+        DEFAULT, False; tuple(generator) of a generator that yields nothing (_empty_iteration): (); obj.m() of a
+        method whose result is known (method_result)."""
+        f, args = node.func, node.args
+        if isinstance(f, ast.Attribute) and not args and not node.keywords:
+            return self.method_result(f.attr)
+        if not isinstance(f, ast.Name) or node.keywords or not self._builtin_name(f):
+            return UNKNOWN
+        if f.id in ("getattr", "hasattr") and len(args) == (3 if f.id == "getattr" else 2) \
+                and isinstance(args[1], ast.Constant) and isinstance(args[1].value, str) and self._quiet(args[0]) \
+                and self.attribute_absent(args[1].value):
+            return self.value(args[2]) if f.id == "getattr" else False
+        if f.id == "tuple" and len(args) == 1 and isinstance(args[0], ast.GeneratorExp) \
+                and self._empty_iteration(args[0]):
+            return ()
+        return UNKNOWN
+
+    def _builtin_name(self, name):
+        """Whether Name node `name` reads the builtin of its name: nothing in the file binds it."""
+        fn = self.fn_of.get(name)
+        return not (name.id in self.functions or name.id in self.classes or name.id in self.global_consts
+                    or name.id in self._module_names() or (fn is not None and self._bound_in(fn, name.id)))
+
+    def _module_names(self):
+        names = self.__dict__.get("_module_bound")
+        if names is None:
+            names = self._module_bound = {n.id for n in self.by_type.get(ast.Name, ()) if not isinstance(n.ctx, ast.Load)
+                                          and self.fn_of.get(n) is None}
+            names.update(a.asname or a.name.split(".")[0] for k in (ast.Import, ast.ImportFrom)
+                         for i in self.by_type.get(k, ()) for a in i.names)
+        return names
+
+    @staticmethod
+    def _quiet(node):
+        """Whether evaluating `node` changes nothing: a name, a constant, or an attribute of one."""
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return isinstance(node, (ast.Name, ast.Constant))
+
+    def _empty_iteration(self, gen):
+        """Whether a comprehension yields nothing: one of its `for`s runs over a known empty literal, or one of its
+        `if`s is known false, and what runs before that changes nothing (each `for` before it over a quiet name or
+        a WALK_METHODS call of one, each `if` before it calling nothing)."""
+        for comp in gen.generators:
+            if comp.is_async:
+                return False
+            it = self.value(comp.iter)
+            if isinstance(it, (tuple, str)) and not it and it is not UNKNOWN:
+                return True
+            walk = comp.iter.func if isinstance(comp.iter, ast.Call) and not comp.iter.args \
+                and not comp.iter.keywords else None
+            if not (self._quiet(comp.iter) or isinstance(walk, ast.Attribute) and walk.attr in WALK_METHODS
+                    and self._quiet(walk.value)):
+                return False
+            for test in comp.ifs:
+                if self.value(test, cond=True) is False:
+                    return True
+                if any(isinstance(x, ast.Call) for x in self.src.walk(test)):
+                    return False
+        return False
+
+    def attribute_absent(self, name):
+        """Whether no object can have an attribute `name`: nothing in the file binds it (no store `x.name`, no
+        module or class-body binding, def, class or import of it, no keyword `name=` of a call, no word of a string
+        made of names only, e.g. a setattr's or namedtuple's, but the getattr/hasattr arguments asking for it), it is
+        no attribute of Python's and torch's base types (object, the builtin containers, nn.Module, Tensor), and it is
+        no dunder. The file's setattr with a computed name set only names its strings give (Schedule.STATE) or that
+        it binds elsewhere (Hyperparameters' settings); library objects are assumed to hold none of the file's own
+        protocol names (`reads`, `term_weight`, `block_branch`) beyond those base types."""
+        if not name.isidentifier() or name.startswith("__"):
+            return False
+        bound = self.__dict__.get("_bound_attrs")
+        if bound is None:
+            asked = {id(c.args[1]) for c in self.by_type.get(ast.Call, ())
+                     if isinstance(c.func, ast.Name) and c.func.id in ("getattr", "hasattr") and len(c.args) > 1}
+            bound = {n.attr for n in self.by_type.get(ast.Attribute, ()) if not isinstance(n.ctx, ast.Load)}
+            bound |= self._module_names()
+            bound.update(n.name for k in (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+                         for n in self.by_type.get(k, ()))
+            bound.update(k.arg for c in self.by_type.get(ast.Call, ()) for k in c.keywords if k.arg)
+            for n in self.by_type.get(ast.Constant, ()):
+                if isinstance(n.value, str) and id(n) not in asked:
+                    words = n.value.replace(",", " ").replace(".", " ").split()
+                    if all(w.isidentifier() for w in words):
+                        bound.update(words)
+            import torch
+            bases = (object, tuple, list, dict, set, str, int, float, torch.nn.Module, torch.Tensor)
+            self._bound_attrs = bound = (bound, bases)
+        names, bases = bound
+        return name not in names and not any(hasattr(t, name) for t in bases)
+
+    def method_result(self, name):
+        """The literal obj.name() returns where `name` is the method of one class in the file (attribute_absent
+        but for that def: no other object has it), undecorated, whose body (after a docstring) is one
+        `return EXPR` of a known literal."""
+        fn = self._only_method(name)
+        if fn is None or fn.decorator_list or len(fn.args.args) != 1 or fn.args.vararg or fn.args.kwarg:
+            return UNKNOWN
+        body = past_docstring(fn)
+        if len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None:
+            v = self.value(body[0].value)
+            return v if v is not NOT_NONE and is_literal(v) else UNKNOWN
+        return UNKNOWN
+
+    def _only_method(self, name):
+        """The one method named `name` in the file's classes, when no other definition, binding or string names it
+        (attribute_absent with it left out) and it is no dunder or hook torch calls; else None."""
+        methods = self.__dict__.get("_methods_by_name")
+        if methods is None:
+            methods = self._methods_by_name = collections.defaultdict(list)
+            for cls in self.by_type.get(ast.ClassDef, ()):
+                for m in cls.body:
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        methods[m.name].append(m)
+        found = methods.get(name, ())
+        if len(found) != 1 or not isinstance(found[0], ast.FunctionDef) or name in HOOK_METHODS:
+            return None
+        defs = sum(1 for k in (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef) for n in self.by_type.get(k, ())
+                   if n.name == name)
+        if defs != 1 or not self.attribute_absent_but_defs(name):
+            return None
+        return found[0]
+
+    def attribute_absent_but_defs(self, name):
+        """attribute_absent(name), the file's definitions of functions and classes of that name aside."""
+        if not name.isidentifier() or name.startswith("__"):
+            return False
+        self.attribute_absent(name)  # builds the tables
+        names, bases = self._bound_attrs
+        others = self.__dict__.get("_bound_not_defs")
+        if others is None:
+            defs = {n.name for k in (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef) for n in self.by_type.get(k, ())}
+            others = self._bound_not_defs = {n for n in names if n not in defs} | {
+                n.attr for n in self.by_type.get(ast.Attribute, ()) if not isinstance(n.ctx, ast.Load)} | \
+                self._module_names() | {k.arg for c in self.by_type.get(ast.Call, ()) for k in c.keywords if k.arg}
+        return name not in others and not any(hasattr(t, name) for t in bases)
+
+    def method_calls(self, fn):
+        """The calls `obj.name(...)` of method `fn` (_only_method), when every read of an attribute `name` in the
+        file is such a call and none goes through a class (`Class.name(obj, ...)`); else None."""
+        if _only := self._only_method(fn.name):
+            if _only is not fn:
+                return None
+        else:
+            return None
+        calls = []
+        for n in self.by_type.get(ast.Attribute, ()):
+            if n.attr != fn.name:
+                continue
+            parent = self.parents.get(n)
+            if not (isinstance(n.ctx, ast.Load) and isinstance(parent, ast.Call) and parent.func is n) or (
+                    isinstance(n.value, ast.Name) and n.value.id in self.classes):
+                return None
+            calls.append(parent)
+        return calls
 
     def call_result(self, name):
         """The literal a module function always returns: its body (after a docstring) one `return LITERAL`."""
@@ -1161,7 +1324,7 @@ class Analysis:
                     and not any(isinstance(x, ast.Call) for arg in node.args + node.keywords
                                 for x in self.src.walk(arg))):
                 return self.call_result(node.func.id)
-            return UNKNOWN
+            return self._builtin_call(node)
         if kind is ast.Compare and len(node.ops) == 1:
             op = COMPARE_OPS.get(type(node.ops[0]))
             right = node.comparators[0]
@@ -1415,6 +1578,9 @@ class Folder:
             self.block(stmt.body, stmt)
             return None
         if isinstance(stmt, (ast.For, ast.AsyncFor)):
+            it = a.value(stmt.iter)
+            if isinstance(it, (tuple, str)) and not it and not stmt.orelse:
+                return "removed"  # a loop over nothing
             self.expression(stmt.iter)
             self.block(stmt.body, stmt)
             if stmt.orelse:
