@@ -985,42 +985,60 @@ class Analysis:
                     return False
         return False
 
-    def attribute_absent(self, name):
+    def attribute_absent(self, name, but=()):
         """Whether no object can have an attribute `name`: nothing in the file binds it (no store `x.name`, no
         module or class-body binding, def, class or import of it, no keyword `name=` of a call, no word of a string
         made of names only, e.g. a setattr's or namedtuple's, but the getattr/hasattr arguments asking for it), it is
         no attribute of Python's and torch's base types (object, the builtin containers, nn.Module, Tensor), and it is
         no dunder. The file's setattr with a computed name set only names its strings give (Schedule.STATE) or that
         it binds elsewhere (Hyperparameters' settings); library objects are assumed to hold none of the file's own
-        protocol names (`reads`, `term_weight`, `block_branch`) beyond those base types."""
-        if not name.isidentifier() or name.startswith("__"):
-            return False
-        bound = self.__dict__.get("_bound_attrs")
-        if bound is None:
-            asked = {id(c.args[1]) for c in self.by_type.get(ast.Call, ())
+        protocol names (`reads`, `term_weight`, `block_branch`) beyond those base types. but: kinds of binding
+        ("defs", "strings", ...) left out."""
+        tables = self._attribute_bindings()
+        return name.isidentifier() and not name.startswith("__") and not self.base_attribute(name) and not any(
+            name in names for kind, names in tables.items() if kind not in but and kind != "asked")
+
+    def _attribute_bindings(self):
+        """{kind: the attribute names the file binds that way} (attribute_absent)."""
+        tables = self.__dict__.get("_bindings")
+        if tables is None:
+            calls = self.by_type.get(ast.Call, ())
+            asked = {id(c.args[1]) for c in calls
                      if isinstance(c.func, ast.Name) and c.func.id in ("getattr", "hasattr") and len(c.args) > 1}
-            bound = {n.attr for n in self.by_type.get(ast.Attribute, ()) if not isinstance(n.ctx, ast.Load)}
-            bound |= self._module_names()
-            bound.update(n.name for k in (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-                         for n in self.by_type.get(k, ()))
-            bound.update(k.arg for c in self.by_type.get(ast.Call, ()) for k in c.keywords if k.arg)
+            strings = set()
             for n in self.by_type.get(ast.Constant, ()):
                 if isinstance(n.value, str) and id(n) not in asked:
                     words = n.value.replace(",", " ").replace(".", " ").split()
                     if all(w.isidentifier() for w in words):
-                        bound.update(words)
-            import torch
-            bases = (object, tuple, list, dict, set, str, int, float, torch.nn.Module, torch.Tensor)
-            self._bound_attrs = bound = (bound, bases)
-        names, bases = bound
-        return name not in names and not any(hasattr(t, name) for t in bases)
+                        strings.update(words)
+            tables = self._bindings = {
+                "stores": {n.attr for n in self.by_type.get(ast.Attribute, ()) if not isinstance(n.ctx, ast.Load)},
+                "module": self._module_names(),
+                "defs": {n.name for k in (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+                         for n in self.by_type.get(k, ())},
+                "keywords": {k.arg for c in calls for k in c.keywords if k.arg},
+                "strings": strings,
+                "asked": {c.args[1].value for c in calls if len(c.args) > 1 and id(c.args[1]) in asked  # reads
+                          and isinstance(c.args[1], ast.Constant) and isinstance(c.args[1].value, str)}}
+        return tables
+
+    @staticmethod
+    def base_attribute(name):
+        """Whether `name` is an attribute of Python's or torch's base types (what library code may call or read)."""
+        import torch
+        return any(hasattr(t, name) for t in (object, tuple, list, dict, set, str, int, float, torch.nn.Module,
+                                              torch.Tensor))
 
     def method_result(self, name):
-        """The literal obj.name() returns where `name` is the method of one class in the file (attribute_absent
-        but for that def: no other object has it), undecorated, whose body (after a docstring) is one
-        `return EXPR` of a known literal."""
-        fn = self._only_method(name)
-        if fn is None or fn.decorator_list or len(fn.args.args) != 1 or fn.args.vararg or fn.args.kwarg:
+        """The literal obj.name() returns where `name` is the method of one class in the file and nothing else binds
+        it (attribute_absent, its def aside: no other object has it), undecorated, whose body (after a docstring) is
+        one `return EXPR` of a known literal."""
+        methods = self._methods_by_name().get(name, ())
+        fn = methods[0] if len(methods) == 1 else None
+        if fn is None or fn.decorator_list or name in HOOK_METHODS or len(fn.args.args) != 1 or fn.args.vararg \
+                or fn.args.kwarg or not self.attribute_absent(name, but=("defs",)) or sum(
+                    1 for k in (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef) for n in self.by_type.get(k, ())
+                    if n.name == name) != 1:
             return UNKNOWN
         body = past_docstring(fn)
         if len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None:
@@ -1028,50 +1046,28 @@ class Analysis:
             return v if v is not NOT_NONE and is_literal(v) else UNKNOWN
         return UNKNOWN
 
-    def _only_method(self, name):
-        """The one method named `name` in the file's classes, when no other definition, binding or string names it
-        (attribute_absent with it left out) and it is no dunder or hook torch calls; else None."""
-        methods = self.__dict__.get("_methods_by_name")
+    def _methods_by_name(self):
+        methods = self.__dict__.get("_methods")
         if methods is None:
-            methods = self._methods_by_name = collections.defaultdict(list)
+            methods = self._methods = collections.defaultdict(list)
             for cls in self.by_type.get(ast.ClassDef, ()):
                 for m in cls.body:
                     if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         methods[m.name].append(m)
-        found = methods.get(name, ())
-        if len(found) != 1 or not isinstance(found[0], ast.FunctionDef) or name in HOOK_METHODS:
-            return None
-        defs = sum(1 for k in (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef) for n in self.by_type.get(k, ())
-                   if n.name == name)
-        if defs != 1 or not self.attribute_absent_but_defs(name):
-            return None
-        return found[0]
-
-    def attribute_absent_but_defs(self, name):
-        """attribute_absent(name), the file's definitions of functions and classes of that name aside."""
-        if not name.isidentifier() or name.startswith("__"):
-            return False
-        self.attribute_absent(name)  # builds the tables
-        names, bases = self._bound_attrs
-        others = self.__dict__.get("_bound_not_defs")
-        if others is None:
-            defs = {n.name for k in (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef) for n in self.by_type.get(k, ())}
-            others = self._bound_not_defs = {n for n in names if n not in defs} | {
-                n.attr for n in self.by_type.get(ast.Attribute, ()) if not isinstance(n.ctx, ast.Load)} | \
-                self._module_names() | {k.arg for c in self.by_type.get(ast.Call, ()) for k in c.keywords if k.arg}
-        return name not in others and not any(hasattr(t, name) for t in bases)
+        return methods
 
     def method_calls(self, fn):
-        """The calls `obj.name(...)` of method `fn` (_only_method), when every read of an attribute `name` in the
-        file is such a call and none goes through a class (`Class.name(obj, ...)`); else None."""
-        if _only := self._only_method(fn.name):
-            if _only is not fn:
-                return None
-        else:
+        """Every call that may run method `fn`: the calls `obj.NAME(...)` in the file, when every read of an attribute
+        NAME is such a call and none goes through a class (`Class.NAME(obj, ...)`), no string names it (getattr),
+        it is no dunder, no hook torch calls and no attribute of a base type (library code calling it). Calls of
+        another object's NAME are among them: more to agree, never fewer. Else None."""
+        name = fn.name
+        if name.startswith("__") or name in HOOK_METHODS or self.base_attribute(name) \
+                or name in self._attribute_bindings()["strings"] or name in self._attribute_bindings()["asked"]:
             return None
         calls = []
         for n in self.by_type.get(ast.Attribute, ()):
-            if n.attr != fn.name:
+            if n.attr != name:
                 continue
             parent = self.parents.get(n)
             if not (isinstance(n.ctx, ast.Load) and isinstance(parent, ast.Call) and parent.func is n) or (
