@@ -1024,10 +1024,14 @@ class Analysis:
 
     @staticmethod
     def base_attribute(name):
-        """Whether `name` is an attribute of Python's or torch's base types (what library code may call or read)."""
+        """Whether `name` is an attribute of a base type of Python's or torch's (the containers, files, exceptions,
+        nn.Module, Linear, Embedding, Tensor, Optimizer, autograd.Function): one that library code may call or read
+        on an object of the file's, by its base class or by its protocol."""
+        import io
         import torch
-        return any(hasattr(t, name) for t in (object, tuple, list, dict, set, str, int, float, torch.nn.Module,
-                                              torch.Tensor))
+        return any(hasattr(t, name) for t in (object, tuple, list, dict, set, str, bytes, int, float, io.IOBase,
+                                              Exception, torch.nn.Module, torch.nn.Linear, torch.nn.Embedding,
+                                              torch.Tensor, torch.optim.Optimizer, torch.autograd.Function))
 
     def method_result(self, name):
         """The literal obj.name() returns where `name` is the method of one class in the file and nothing else binds
