@@ -102,7 +102,7 @@ def output(text: str, tmp_path, env: dict[str, str]) -> str:
 def test_each_rule_folds_what_the_run_fixes_and_the_file_prints_the_same(tmp_path):
     spec = specialised(TOY, {"PRESET": "base"})
     text = spec.text
-    assert "steps < self.limit" not in text  # Budget's self.limit = h.stop_at reads as STOP_AT (-1)
+    assert "< self.limit" not in text  # Budget's self.limit = h.stop_at reads as STOP_AT (-1)
     assert "x + 1" not in text and "x * self.width" in text  # Gate's kind: every construction passes h.gate
     assert "planned" not in text and "fixed" in text  # prefix = self._env("PREFIX", ...): a setting read into a local
     assert "int(x) for x" not in text and "'none')" in text  # phases returns [] once SCHEDULE is known unset
@@ -129,7 +129,7 @@ def test_an_attribute_stored_twice_is_no_alias_of_its_setting():
     """Budget's limit set from STOP_AT and, elsewhere, from the steps taken: a read of it is not the setting."""
     text = TOY.replace("        return True\n\n\nclass Gate:", "        return True\n\n    def reset(self, n):\n"
                        "        self.limit = n\n\n\nclass Gate:").replace("#EXTRA", "    Budget(h).reset(3)")
-    assert "steps < self.limit" in specialised(text, {"PRESET": "base"}).text
+    assert "< self.limit" in specialised(text, {"PRESET": "base"}).text
 
 
 def test_an_auto_prefix_is_planned(tmp_path):
@@ -197,3 +197,67 @@ def test_a_piece_named_as_its_setting_keeps_its_test_the_naming_rule():
     is no constant to the specialiser, so its `is None` test and the code behind it stay; named apart, they go."""
     same = specialised(OFF.replace("self.extra", "self.weight"), {"PRESET": "base"}).text
     assert "self.weight is None" in same and "self.extra" not in specialised(OFF, {"PRESET": "base"}).text
+
+
+PIECES = TOY.replace('''
+
+def plan(h):''', '''
+
+class Part:
+    def __init__(self):
+        self.w = 2
+
+    def __call__(self, x):
+        return x * self.w
+
+
+class Net:
+    def __init__(self):
+        self.parts = {"a": Part(), "b": Part()}
+
+    def terms(self):
+        return tuple(p for p in self.parts.values() if hasattr(p, "term_weight"))
+
+    def run(self, x, taps=()):
+        reads = tuple(n for p in self.parts.values() for n in getattr(p, "reads", ()))
+        for p in tuple(p for p in self.parts.values() if hasattr(p, "hook")):
+            x = p.hook(x)
+        if taps or reads:
+            return x, sorted({*taps, *reads})
+        return x
+
+    def loss(self, x):
+        terms = self.terms()
+        return self.run(x, tuple(n for t in terms for n in t.taps))
+
+
+def plan(h):''').replace("#EXTRA", "    net = Net()\n    print(net.loss(3), net.run(4))\n#EXTRA")
+PIECES_GONE = ('getattr(p, "reads"', 'hasattr(p, "hook")', "p.hook(x)", "taps or reads", "def terms", "t.taps")
+
+
+def test_what_no_piece_declares_folds_away_and_the_file_prints_the_same(tmp_path):
+    """Issue 71's "off is free" for layer states: an attribute nothing in the file binds (`reads`, `hook`,
+    `term_weight`) is no object's, so getattr gives its default and hasattr False; tuple() of a generator that yields
+    nothing is (), a loop over () goes, a method returning a known literal (Net.terms) is that literal, and a method
+    parameter every call of its name gives the same literal (Net.run's taps: (), its default, from both calls) is
+    that literal."""
+    text = specialised(PIECES, {"PRESET": "base"}).text
+    for gone in PIECES_GONE:
+        assert gone not in text, gone
+    assert output(text, tmp_path, {}) == output(PIECES, tmp_path, {})
+
+
+@pytest.mark.parametrize("change, kept", [
+    (("        self.w = 2\n", "        self.w, self.reads = 2, ('r',)\n"), 'getattr(p, "reads"'),  # a store of it
+    (("#EXTRA", "    setattr(Part, 'hook', lambda self, x: x + 1)\n    print(net.run(5))"), "p.hook(x)"),  # a string
+    (("#EXTRA", "    print(net.run(5, ('t',)))"), "sorted({*taps"),  # a call giving another value
+    (("#EXTRA", "    run = net.run\n    print(run(5, ('t',)))"), "sorted({*taps"),  # a read not as a call
+    (("#EXTRA", "    print(Net.run(net, 5, ('t',)))"), "sorted({*taps"),  # a call through the class
+], ids=["stored", "named_in_a_string", "another_value", "read", "through_the_class"])
+def test_what_the_file_may_bind_or_give_stays(tmp_path, change, kept):
+    """Each way the file may give an object the attribute, or a method another value, keeps the code it decides,
+    and the specialised file prints what the full one prints."""
+    text = PIECES.replace(*change)
+    spec = specialised(text, {"PRESET": "base"}).text
+    assert kept in spec
+    assert output(spec, tmp_path, {}) == output(text, tmp_path, {})
