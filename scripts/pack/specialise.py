@@ -34,6 +34,16 @@ What is removed comes from an analysis of the source, repeated until nothing cha
   whose truth is known though its value is not. A class's __init__ parameters count as a module function's, its
   constructions as the calls, while every construction is a call of its name (none through a subclass, cls(...),
   type(self)(...), or a type(x)(...) anywhere that may build it).
+- What nothing declares. An attribute that nothing in the file binds (no store `x.a`, no module or class-body
+  binding, def, class, import or call keyword of the name, no string of names naming it: setattr's, namedtuple's)
+  and that no base type of Python's or torch's has (Analysis.base_attribute) is no object's: `getattr(x, "a", D)` is
+  D and `hasattr(x, "a")` false (a piece's `reads`, `block_branch`, `term_weight` where the run has none).
+  `tuple(generator)` of one that yields nothing (a `for` over a known empty literal, or an `if` known false, after
+  only quiet iterations: a name, or its WALK_METHODS call such as self.modules()) is (); a `for` over () goes. A
+  method's parameters count as a module function's, its calls being every `obj.NAME(...)` in the file (any object's:
+  more to agree, never fewer), while every read of an attribute NAME is such a call, none goes through a class,
+  no string names it and no base type has it (library code may call those); and `obj.NAME()` of a method that
+  only returns a known literal, NAME bound nowhere else, is that literal (GPT.terms with no term piece).
 - Statements. An `if`/`elif`/`while` whose test is known keeps only the branch taken (dedented); statements after a
   `return`/`raise`/`continue`/`break` in the same block go; a local that nothing reads any more and that was set to
   a literal goes, and so does `self.a = LITERAL` where nothing reads an attribute `a` and no string names it (a piece
