@@ -215,12 +215,15 @@ class Net:
     def __init__(self):
         self.parts = {"a": Part(), "b": Part()}
 
+    def modules(self):
+        return iter(self.parts.values())
+
     def terms(self):
-        return tuple(p for p in self.parts.values() if hasattr(p, "term_weight"))
+        return tuple(p for p in self.modules() if hasattr(p, "term_weight"))
 
     def run(self, x, taps=()):
-        reads = tuple(n for p in self.parts.values() for n in getattr(p, "reads", ()))
-        for p in tuple(p for p in self.parts.values() if hasattr(p, "hook")):
+        reads = tuple(n for p in self.modules() for n in getattr(p, "reads", ()))
+        for p in tuple(p for p in self.modules() if hasattr(p, "hook")):
             x = p.hook(x)
         if taps or reads:
             return x, sorted({*taps, *reads})
@@ -231,7 +234,7 @@ class Net:
         return self.run(x, tuple(n for t in terms for n in t.taps))
 
 
-def plan(h):''').replace("#EXTRA", "    net = Net()\n    print(net.loss(3), net.run(4))\n#EXTRA")
+def plan(h):''').replace("#EXTRA", "    net = Net()\n    print(net.loss(3), net.run(4), getattr(os, 'no_such_probe', None))\n#EXTRA")
 PIECES_GONE = ('getattr(p, "reads"', 'hasattr(p, "hook")', "p.hook(x)", "taps or reads", "def terms", "t.taps")
 
 
@@ -240,10 +243,11 @@ def test_what_no_piece_declares_folds_away_and_the_file_prints_the_same(tmp_path
     `term_weight`) is no object's, so getattr gives its default and hasattr False; tuple() of a generator that yields
     nothing is (), a loop over () goes, a method returning a known literal (Net.terms) is that literal, and a method
     parameter every call of its name gives the same literal (Net.run's taps: (), its default, from both calls) is
-    that literal."""
+    that literal. Only a module of a walk (`for p in self.modules()`) is asked: a library object's probe stays."""
     text = specialised(PIECES, {"PRESET": "base"}).text
     for gone in PIECES_GONE:
         assert gone not in text, gone
+    assert "getattr(os, 'no_such_probe', None)" in text
     assert output(text, tmp_path, {}) == output(PIECES, tmp_path, {})
 
 

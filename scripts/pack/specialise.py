@@ -36,8 +36,10 @@ What is removed comes from an analysis of the source, repeated until nothing cha
   type(self)(...), or a type(x)(...) anywhere that may build it).
 - What nothing declares. An attribute that nothing in the file binds (no store `x.a`, no module or class-body
   binding, def, class, import or call keyword of the name, no string of names naming it: setattr's, namedtuple's)
-  and that no base type of Python's or torch's has (Analysis.base_attribute) is no object's: `getattr(x, "a", D)` is
-  D and `hasattr(x, "a")` false (a piece's `reads`, `block_branch`, `term_weight` where the run has none).
+  and that no base type of Python's or torch's (Analysis.base_attribute) nor torch.nn class has is no module's:
+  `getattr(m, "a", D)` is D and `hasattr(m, "a")` false for m a module of a walk (a comprehension's `for m in
+  X.modules()` or `X.children()`): a piece's `reads`, `block_branch`, `term_weight` where the run has none. (A
+  library's own objects, e.g. a module probed for a feature, are never m.)
   `tuple(generator)` of one that yields nothing (a `for` over a known empty literal, or an `if` known false, after
   only quiet iterations: a name, or its WALK_METHODS call such as self.modules()) is (); a `for` over () goes. A
   method's parameters count as a module function's, its calls being every `obj.NAME(...)` in the file (any object's:
@@ -94,6 +96,7 @@ NOT_NONE = object()  # an object that is not None (a new instance), whose value 
 _LITERAL_TYPES = (bool, int, float, str, type(None))
 # Methods called with no arguments that only walk what they are called on (nn.Module's walks, a dict's views): an
 # iteration over one changes nothing (_empty_iteration)
+MODULE_WALKS = ("modules", "children")  # nn.Module's walks whose items are modules (Analysis._walked_module)
 WALK_METHODS = frozenset(("modules", "children", "named_modules", "named_children", "parameters", "named_parameters",
                           "buffers", "named_buffers", "items", "keys", "values"))
 # Node classes, tested as `node.__class__ is C` or `in` a set of them: a tree of ast.parse's has no node of a
@@ -943,8 +946,8 @@ class Analysis:
         if not isinstance(f, ast.Name) or node.keywords or not self._builtin_name(f):
             return UNKNOWN
         if f.id in ("getattr", "hasattr") and len(args) == (3 if f.id == "getattr" else 2) \
-                and isinstance(args[1], ast.Constant) and isinstance(args[1].value, str) and self._quiet(args[0]) \
-                and self.attribute_absent(args[1].value):
+                and isinstance(args[1], ast.Constant) and isinstance(args[1].value, str) \
+                and self._walked_module(args[0]) and self.attribute_absent(args[1].value):
             return self.value(args[2]) if f.id == "getattr" else False
         if f.id == "tuple" and len(args) == 1 and isinstance(args[0], ast.GeneratorExp) \
                 and self._empty_iteration(args[0]):
@@ -965,6 +968,23 @@ class Analysis:
             names.update(a.asname or a.name.split(".")[0] for k in (ast.Import, ast.ImportFrom)
                          for i in self.by_type.get(k, ()) for a in i.names)
         return names
+
+    def _walked_module(self, node):
+        """Whether `node` is a module of a model's walk: the target name of a comprehension's `for` over MODULE_WALKS
+        (`getattr(m, "reads", ())` in `... for m in self.modules() ...`). A library's own objects (a module such as
+        triton or torch.distributed, probed with getattr for a feature) are never this."""
+        if not isinstance(node, ast.Name):
+            return False
+        up = self.parents.get(node)
+        while up is not None and not isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            if isinstance(up, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+                for comp in up.generators:
+                    if isinstance(comp.target, ast.Name) and comp.target.id == node.id:
+                        it = comp.iter
+                        return isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) \
+                            and it.func.attr in MODULE_WALKS and not it.args and not it.keywords
+            up = self.parents.get(up)
+        return False
 
     @staticmethod
     def _quiet(node):
@@ -996,17 +1016,20 @@ class Analysis:
         return False
 
     def attribute_absent(self, name, but=()):
-        """Whether no object can have an attribute `name`: nothing in the file binds it (no store `x.name`, no
+        """Whether no module of the model (nor an object of the file's) can have an attribute `name`: nothing in the
+        file binds it (no store `x.name`, no
         module or class-body binding, def, class or import of it, no keyword `name=` of a call, no word of a string
         made of names only, e.g. a setattr's or namedtuple's, but the getattr/hasattr arguments asking for it), it is
         no attribute of Python's and torch's base types (object, the builtin containers, nn.Module, Tensor), and it is
         no dunder. The file's setattr with a computed name set only names its strings give (Schedule.STATE) or that
-        it binds elsewhere (Hyperparameters' settings); library objects are assumed to hold none of the file's own
-        protocol names (`reads`, `term_weight`, `block_branch`) beyond those base types. but: kinds of binding
-        ("defs", "strings", ...) left out."""
+        it binds elsewhere (Hyperparameters' settings); torch.nn's module classes are assumed to hold none of the
+        file's own protocol names (`reads`, `term_weight`, `block_branch`) beyond those base types, none of their
+        class attributes (checked). but: kinds of binding ("defs", "strings", ...) left out."""
         tables = self._attribute_bindings()
+        import torch
         return name.isidentifier() and not name.startswith("__") and not self.base_attribute(name) and not any(
-            name in names for kind, names in tables.items() if kind not in but and kind != "asked")
+            name in names for kind, names in tables.items() if kind not in but and kind != "asked") and not any(
+            isinstance(c, type) and hasattr(c, name) for c in vars(torch.nn).values())
 
     def _attribute_bindings(self):
         """{kind: the attribute names the file binds that way} (attribute_absent)."""
