@@ -2499,7 +2499,7 @@ class RunContext:
     (float32) hold the same as 0-d tensors on the run's device, updated in place: a compiled graph takes them as inputs
     and never recompiles for a new step. A graph that reads the stage (a string) guards on it: the evaluation's graphs
     serve both its scoring and TTT. Set by enter() alone: train (warmup), _train_loop (each step, its validation),
-    collect_hessians, prepare_evaluation and evaluate_artifact."""
+    collect_hessians, prepare_evaluation, run's post-EMA diagnostic and evaluate_artifact."""
     STAGES = ("training", "validation", "calibration", "evaluation", "ttt")
 
     def __init__(self):
@@ -7585,6 +7585,7 @@ def run(rt):
     diagnostic_s = 0.0
     if "post_ema" in plan:  # through the evaluation's model and its warmed graphs (the round trip's), then the artifact's
         stage("evaluating the final weights")
+        CONTEXT.enter("evaluation")
         t0 = time.perf_counter()
         ev.model.load_state_dict(model.state_dict())
         with compile_region("post_ema"):

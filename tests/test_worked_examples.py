@@ -8,6 +8,8 @@ worked example's test survives a second technique applied beside it); the five s
 applied alone, and the five off (the default's specialised file) are checked on the same terms."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -578,3 +580,53 @@ def test_the_training_loop_and_calibration_set_the_stage_step_and_progress(monke
         ("val", "validation", 2, 0.25), ("step", "training", 2, 0.5), ("step", "training", 3, 0.75),
         ("val", "validation", 4, 0.75), ("calibration", "calibration", 4, 0.75)]
     assert all(s[4] == s[2] and s[5] == s[3] for s in seen)  # the tensors hold the same
+
+
+# Every forward of the model (GPT.hidden: training, validation, calibration, the scored evaluations and TTT all go
+# through it) records the context's stage, and each evaluation's start its label: written to stages.json at exit.
+STAGE_RUN = """
+import atexit, json, sys
+sys.path.insert(0, {repo!r})
+import train_gpt as tg
+seen = []
+hidden, stage = tg.GPT.hidden, tg.stage
+def recording(self, *a, **k):
+    if not seen or seen[-1] != ["forward", tg.CONTEXT.stage]:
+        seen.append(["forward", tg.CONTEXT.stage])
+    return hidden(self, *a, **k)
+def noting(text):
+    seen.append(["stage", text])
+    return stage(text)
+tg.GPT.hidden, tg.stage = recording, noting
+atexit.register(lambda: open("stages.json", "w").write(json.dumps(seen)))
+sys.argv[1:] = []
+tg.leave = lambda code: sys.exit(code)
+tg.main()
+"""
+
+
+def test_a_runs_evaluations_set_their_stage(tmp_path, sample_data):
+    """A tiny run with GPTQ calibration, validation, the scored evaluations and legal TTT: each forward reads the
+    stage its part of the run set (RunContext.enter), never the one before it: validation inside training, calibration,
+    evaluation for the roundtrip and sliding-window scores, ttt for legal TTT's scoring and adapting."""
+    from conftest import REPO, run_training, short_val_data
+    from test_tracker import TINY_RUN
+
+    script = tmp_path / "stage_run.py"
+    script.write_text(STAGE_RUN.format(repo=str(REPO)), encoding="utf-8")
+    (tmp_path / "val").mkdir()
+    env = {**TINY_RUN, **short_val_data(sample_data, tmp_path / "val", 1025), "RUN_ID": "stages", "ITERATIONS": "2",
+           "VAL_LOSS_EVERY": "2", "QUANT": "gptq", "GPTQ_CALIBRATION_BATCHES": "1", "DIAGNOSTIC_POST_EMA": "1"}
+    proc = run_training(env, tmp_path, script=script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads((tmp_path / "stages.json").read_text())
+    forwards, part = [], None
+    for kind, what in seen:
+        if kind == "stage":
+            part = what
+        else:
+            forwards.append((part, what))
+    assert forwards == [("warmup (every training graph)", "training"), ("training", "validation"),
+                        ("training", "training"), ("training", "validation"), ("collecting GPTQ Hessians", "calibration"),
+                        ("evaluating the final weights", "evaluation"), ("evaluation (final_int6_roundtrip)", "evaluation"),
+                        ("evaluation (final_int6_sliding_window)", "evaluation"), ("evaluation (legal_ttt)", "ttt")]
