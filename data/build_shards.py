@@ -52,7 +52,8 @@ import time
 import numpy as np
 
 import caseops
-from shards import (HEADER_BYTES, OneLineParser, UsageError, document_fingerprints, read_shard,
+from shards import (HEADER_BYTES, VAL_OVERLAP_TOLERANCE, OneLineParser, UsageError, ValDocuments,
+                    document_fingerprints, read_shard,
                     run_command, shard_num_tokens, write_file_atomic, write_shard)
 
 CHALLENGE_VAL_DOCS = 50_000  # the challenge's split: the first 50,000 documents are validation
@@ -60,7 +61,6 @@ SHARD_TOKENS = 10**8  # the challenge's export (download_hf_docs_and_tokenize.py
 CASEOPS_SHARD_TOKENS = 10**7  # the CaseOps export (prepare_caseops_data.py)
 CHUNK_BYTES = 1 << 22  # a work item: the whole lines starting in 4 MiB of the documents file
 TOKENIZER_DOCS = 200_000
-VAL_OVERLAP_TOLERANCE = 0.001  # exact duplicates occur in web text; as cached_challenge_fineweb.py allows
 BOS_ID = 1
 WORD_CACHE_SIZE = 1 << 19  # words a worker keeps
 WORD_CHECK_EVERY = 64  # every 64th train document is also encoded whole: the word cache must agree
@@ -503,28 +503,11 @@ def chunk_results(chunks, todo, model_bytes, args):
         yield from zip(todo, pool.imap(_encode_in_worker, [chunks[i] for i in todo]))
 
 
-class ValIndex:
-    """The val documents' fingerprints (data/shards.py), to find val documents among train documents."""
-
-    def __init__(self, folder, val_shards):
-        self.tokens = np.concatenate([read_shard(os.path.join(folder, s[0])) for s in val_shards] + [[BOS_ID]])
-        self.tokens = self.tokens.astype(np.uint16)
-        prints = document_fingerprints(self.tokens, BOS_ID)
-        starts = np.flatnonzero(self.tokens == BOS_ID)
-        self.docs = {}
-        for fp, a, b in zip(prints.tolist(), starts[:-1].tolist(), starts[1:].tolist()):
-            self.docs.setdefault(fp, []).append((a, b))
-        self.keys = np.fromiter(self.docs, np.uint64)
-        self.n = len(starts) - 1
-
-    def count_in(self, train, prints):
-        """How many train documents (of `train`, whose fingerprints are `prints`) equal a val document."""
-        starts = np.append(np.flatnonzero(train == BOS_ID), train.size)
-        found = 0
-        for k in np.flatnonzero(np.isin(prints, self.keys)).tolist():
-            doc = train[starts[k]:starts[k + 1]]
-            found += any(np.array_equal(doc, self.tokens[a:b]) for a, b in self.docs[int(prints[k])])
-        return found
+def val_index(folder, val_shards):
+    """The val shards' documents (data/shards.py's ValDocuments), the last one closed by a <s>: what a train
+    document is compared with."""
+    tokens = np.concatenate([read_shard(os.path.join(folder, s[0])) for s in val_shards] + [[BOS_ID]])
+    return ValDocuments(tokens.astype(np.uint16), BOS_ID)
 
 
 def build(args, argv):
@@ -587,7 +570,7 @@ def build(args, argv):
                 index = int(name.rsplit("_", 1)[1].split(".")[0])
                 if index >= len(split.shards):
                     os.remove(os.path.join(part, name))
-    index = None if not state["val_done"] else ValIndex(part, val.shards)
+    index = None if not state["val_done"] else val_index(part, val.shards)
     first_chunk = train.chunk if state["val_done"] else val.chunk
     t0, tokens_done = time.perf_counter(), 0
     todo = range(len(chunks) if state.get("train_done") else first_chunk, len(chunks))
@@ -603,10 +586,12 @@ def build(args, argv):
                 train.chunk, train.skip = i, 0
                 state["val_done"] = True
                 on_shard()
-                index = ValIndex(part, val.shards)
+                index = val_index(part, val.shards)
         if train_toks.size:
             train.add(i, train_toks, None, on_shard)
-            state["val_in_train"] += index.count_in(train_toks, prints)
+            # train documents equal to a val document (a train document found twice counts twice)
+            state["val_in_train"] += len({k for k, _ in index.found_in(np.append(train_toks, np.uint16(BOS_ID)),
+                                                                        prints)})
         tokens_done += val_toks.size + train_toks.size
         if i % 256 == 255:
             rate = tokens_done / max(time.perf_counter() - t0, 1e-9)

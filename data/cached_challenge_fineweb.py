@@ -56,7 +56,7 @@ import urllib.request
 
 import numpy as np
 
-from shards import (OneLineParser, UsageError, read_shard, run_command, shard_num_tokens,
+from shards import (VAL_OVERLAP_TOLERANCE, OneLineParser, UsageError, read_shard, run_command, shard_num_tokens,
                     val_documents_in_train)
 
 # huggingface_hub (imported lazily below) reads these when it is imported; they
@@ -82,9 +82,6 @@ VARIANTS = {
 # Variants whose val shards come with byte sidecars and whose train shards are checked for val documents.
 DOCUMENT_VARIANTS = ("sp8192_caseops",)
 BOS_ID = 1
-# Exact duplicates between FineWeb documents are rare but not impossible; the CaseOps overlap of pitfall 6
-# put 40,000 of the 50,000 val documents in train.
-VAL_OVERLAP_TOLERANCE = 0.001
 MAX_TRAIN_SHARDS = 1000  # sanity bound; the manifest gives the real count
 OFFLINE_HINT = ("check your network or set HF_ENDPOINT; "
                 "for an offline sample run use python data/build_sample_data.py")
