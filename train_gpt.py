@@ -478,6 +478,7 @@ class Hyperparameters:
         self.embed_clip_sigmas = self._env("EMBED_CLIP_SIGMAS", 0.0, float)
         self.embed_bits = self._env("EMBED_BITS", 8)
         self.compressor = self._env("COMPRESSOR", "lzma", str)
+        self.pergroup_level = self._env("PERGROUP_LEVEL", PERGROUP_ZPAQ_LEVEL)
         self.target_bytes = self._env("TARGET_BYTES", 0)
         # ---- artifact of the 2026-04-27 record and #1945 (issue 19; SPEC-FRONTIER 8, 11, 12, 18, 19)
         self.mlp_clip_sigmas = self._env("MLP_CLIP_SIGMAS", 0.0, float)  # 0: MATRIX_CLIP_SIGMAS
@@ -838,6 +839,7 @@ class Hyperparameters:
         for name, choices in (("DEVICE", ("", "cpu", "cuda")), ("TRAIN_LOADER", ("stream", "shuffled", "packed")),
                               ("VAL_BYTECOUNT_DEVICE", ("cpu", "cuda")), ("AUTOCAST_DTYPE", ("auto", "bf16", "fp32")),
                               ("QUANT", ("gptq_lite", "gptq")), ("COMPRESSOR", ("lzma", "brotli", "pergroup")),
+                              ("PERGROUP_LEVEL", (1, 2, 3, 4, 5)),
                               ("EMBED_BITS", (8, 7)), ("MUON_NS_COEFFS", tuple(NS_COEFFICIENTS)),
                               ("SMEAR_GATE", (0, 1, 2)), ("ATTN_GATE", ("none", "sparse", "output", "dense")),
                               ("PARALLEL_MODE", ("gptj", "lanes")), ("GRAD_CLIP_SCOPE", ("local", "reduced")),
@@ -5519,6 +5521,7 @@ PERGROUP_ROLES = ("tok_emb.weight", "attn.c_k.weight", "attn.c_q.weight", "attn.
                   "mlp.fc.weight", "mlp.proj.weight")  # SPEC-FRONTIER 12: the groups, in stream order
 PERGROUP_SORTED = ("tok_emb.weight", "attn.c_q.weight", "mlp.fc.weight")  # rows reordered by similarity
 PERGROUP_MAGIC = b"PGRP"
+PERGROUP_ZPAQ_LEVEL = 5  # the groups' ZPAQ level by default (PERGROUP_LEVEL): the one that matches the records' lrzip
 
 
 def similarity_order(codes, metric="l2"):
@@ -5580,12 +5583,13 @@ def pergroup_layout(w):
     return blobs, b"".join(perms), rest, layout
 
 
-def pergroup_codec_compress(data):
-    """COMPRESSOR=pergroup's back end for the group blobs: ZPAQ level 5 from PyPI's `zpaq` (libzpaq in-process),
-    one thread so the bytes do not depend on the machine. Chosen by scripts/bench/bench_pergroup.py (docs/artifact.md,
-    "The 2026-04-27 artifact"): within 0.1% of the records' `lrzip -z -L 9` on the same groups, ~2% below brotli."""
+def pergroup_codec_compress(data, level=PERGROUP_ZPAQ_LEVEL):
+    """COMPRESSOR=pergroup's back end for the group blobs: ZPAQ (level 5 unless PERGROUP_LEVEL says another) from
+    PyPI's `zpaq` (libzpaq in-process), one thread so the bytes do not depend on the machine. Level 5 was chosen by
+    scripts/bench/bench_pergroup.py (docs/artifact.md, "The 2026-04-27 artifact"): within 0.1% of the records'
+    `lrzip -z -L 9` on the same groups, ~2% below brotli and level 4."""
     import zpaq
-    return zpaq.compress(data, 5, threads=1) if data else b""
+    return zpaq.compress(data, level, threads=1) if data else b""
 
 
 def pergroup_codec_decompress(data):
@@ -5631,15 +5635,16 @@ def unpack_streams(data, path):
     return out
 
 
-def pergroup_serialize(obj, workers=None):
-    """COMPRESSOR=pergroup: one stream per group blob (pergroup_layout) through pergroup_codec_compress (the groups
-    in parallel: pergroup_codec_map), then the rest (scales, passthrough, LQER/AWQ entries, meta, layout) as
+def pergroup_serialize(obj, workers=None, level=PERGROUP_ZPAQ_LEVEL):
+    """COMPRESSOR=pergroup: one stream per group blob (pergroup_layout) through pergroup_codec_compress at ZPAQ
+    `level` (the groups in parallel: pergroup_codec_map), then the rest (scales, passthrough, LQER/AWQ entries, meta, layout) as
     torch.save + brotli q11 lgwin 24, then the permutations (brotli q11), in pack_streams' container."""
     import brotli
     blobs, perms, rest, layout = pergroup_layout(obj["w"])
     buf = io.BytesIO()
     torch.save({**obj, "w": rest, "layout": layout}, buf)
-    streams = pergroup_codec_map(pergroup_codec_compress, [blobs[role] for role in PERGROUP_ROLES], workers)
+    streams = pergroup_codec_map(lambda blob: pergroup_codec_compress(blob, level),
+                                 [blobs[role] for role in PERGROUP_ROLES], workers)
     streams += [brotli.compress(buf.getvalue(), quality=11, lgwin=24), brotli.compress(perms, quality=11)]
     return pack_streams(streams)
 
@@ -5676,13 +5681,14 @@ def pergroup_deserialize(data, path, workers=None):
     return {**rest, "w": w}
 
 
-def serialize(w, meta, late_qat, compressor):
-    """Stores `late_qat` too (the run's TTT trains with it, so EVAL_ONLY must)."""
-    if compressor == "pergroup":
-        return pergroup_serialize({"w": w, "m": meta, "late_qat": late_qat})
+def serialize(w, meta, late_qat, h):
+    """The artifact's bytes by h's COMPRESSOR (and PERGROUP_LEVEL). Stores `late_qat` too (the run's TTT trains with
+    it, so EVAL_ONLY must)."""
+    if h.compressor == "pergroup":
+        return pergroup_serialize({"w": w, "m": meta, "late_qat": late_qat}, level=h.pergroup_level)
     buf = io.BytesIO()
     torch.save({"w": w, "m": meta, "late_qat": late_qat}, buf)
-    return compress(buf.getvalue(), compressor)
+    return compress(buf.getvalue(), h.compressor)
 
 
 def save_artifact(path, model, late_qat, h=None, hessians=None, code_bytes=0, log=print):
@@ -5703,14 +5709,14 @@ def save_artifact(path, model, late_qat, h=None, hessians=None, code_bytes=0, lo
         room = h.target_bytes - code_bytes
 
         def fits(ws):
-            blob = serialize(ws, meta, late_qat, h.compressor)
+            blob = serialize(ws, meta, late_qat, h)
             return blob if len(blob) <= room else None
         w, k, blob = prune_ones(w, meta, fits)
         log(f"target_bytes:{h.target_bytes} pruned_ones:{k} total:{code_bytes + len(blob)} "
             f"margin:{room - len(blob)} bytes")
     else:
         t0 = time.perf_counter()
-        blob = serialize(w, meta, late_qat, h.compressor)
+        blob = serialize(w, meta, late_qat, h)
         if h.compressor == "pergroup":
             log(f"pergroup: {len(blob)} bytes, serialized in {time.perf_counter() - t0:.1f}s")
     write_atomically(path, blob)

@@ -309,6 +309,7 @@ def test_calibration_loader_is_newest_shaped_and_seed_free(sample_data):
     ({"LQER_GROUP": "0"}, "LQER_GROUP=0 must be > 0"),
     ({"MLP_CLIP_SIGMAS": "-1"}, "MLP_CLIP_SIGMAS=-1.0 must be >= 0"),
     ({"COMPRESSOR": "lrzip"}, "COMPRESSOR='lrzip' must be lzma or brotli or pergroup"),
+    ({"PERGROUP_LEVEL": "6"}, "PERGROUP_LEVEL=6 must be 1 or 2 or 3 or 4 or 5"),
 ])
 def test_bad_settings_name_the_variable(env, fragment):
     assert fragment in config_error(env)
@@ -380,6 +381,14 @@ def test_pergroup_layout_and_round_trip_are_bit_exact():
     assert back["w"].keys() == w.keys()
     for k, t in w.items():
         assert back["w"][k].dtype == t.dtype and torch.equal(back["w"][k], t), k
+    # PERGROUP_LEVEL: level 5 by default; another level writes other group streams in the same container, and they
+    # decode to the same tensors (the decoder reads the level from the stream)
+    assert tg.Hyperparameters({}).pergroup_level == tg.PERGROUP_ZPAQ_LEVEL == 5
+    assert tg.pergroup_serialize(obj, workers=1, level=5) == data
+    fast = tg.pergroup_serialize(obj, workers=1, level=3)
+    assert fast[:4] == b"PGRP" and fast != data
+    again = tg.pergroup_deserialize(fast, "x.ptz", workers=1)
+    assert all(torch.equal(again["w"][k], t) for k, t in w.items()) and again["m"] == obj["m"]
 
 
 SMALL = {"NUM_LAYERS": "1", "MODEL_DIM": "128", "NUM_HEADS": "4", "NUM_KV_HEADS": "2", "XSA_LAST_N": "1",

@@ -20,6 +20,7 @@ from conftest import TINY_ENV, config_error, read_log, run_file, run_training, s
 
 CPU = torch.device("cpu")
 XZ_MAGIC = b"\xfd7zXZ\x00"
+LZMA = tg.Hyperparameters({"COMPRESSOR": "lzma"})  # serialize() as a run with COMPRESSOR=lzma
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread per module
@@ -435,7 +436,7 @@ def prune_setup():
         return out
 
     def size(ws):
-        return len(tg.serialize(ws, meta, False, "lzma"))
+        return len(tg.serialize(ws, meta, False, LZMA))
 
     return {"model": model, "h": h, "w": w, "meta": meta, "names": names, "pruned": pruned,
             "full": size(w), "all": size(pruned(len(order))), "count": len(order), "size": size,
@@ -444,7 +445,7 @@ def prune_setup():
 
 def fits_under(meta, target):
     def fits(ws):
-        blob = tg.serialize(ws, meta, False, "lzma")
+        blob = tg.serialize(ws, meta, False, LZMA)
         return blob if len(blob) <= target else None
     return fits
 
@@ -458,7 +459,7 @@ def test_prune_ones_reaches_the_target_with_the_fewest_cheapest_codes(prune_setu
     out, k, blob = tg.prune_ones(w, meta, fits_under(meta, target))
     assert all(torch.equal(w[n], before[n]) for n in w)  # the input is not modified
     assert 0 < k < p["count"]
-    assert len(blob) <= target and blob == tg.serialize(out, meta, False, "lzma")
+    assert len(blob) <= target and blob == tg.serialize(out, meta, False, LZMA)
     assert p["size"](p["pruned"](k - 1)) > target  # one code fewer would not fit
     changed = 0
     cut_costs, kept_costs = [], []
@@ -481,7 +482,7 @@ def test_prune_ones_target_met_or_unreachable(prune_setup):
     w, meta = p["w"], p["meta"]
     out, k, blob = tg.prune_ones(w, meta, fits_under(meta, p["full"]))
     assert k == 0 and all(torch.equal(out[n], w[n]) for n in w)
-    assert blob == tg.serialize(w, meta, False, "lzma")
+    assert blob == tg.serialize(w, meta, False, LZMA)
     probes = []
 
     def never(ws):

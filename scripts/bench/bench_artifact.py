@@ -77,7 +77,7 @@ def quantise_all(rt, h, env, variants, flat, template, hessians, model, val_toke
         sizes = {}
         for c in compressors:
             t0 = time.perf_counter()
-            blob = tg.serialize(w, meta, False, c)
+            blob = tg.serialize(w, meta, False, tg.Hyperparameters({**env, **over, "COMPRESSOR": c}))
             t1 = time.perf_counter()
             sizes[c] = len(blob)
             if seconds is not None and not rows:

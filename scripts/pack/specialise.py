@@ -1093,6 +1093,16 @@ class Analysis:
                         methods[m.name].append(m)
         return methods
 
+    def _attributes_by_name(self):
+        """The Attribute nodes by their attribute's name, each list in by_type's order (made once an analysis: every
+        method's calls are looked up in it)."""
+        attrs = self.__dict__.get("_attrs")
+        if attrs is None:
+            attrs = self._attrs = collections.defaultdict(list)
+            for n in self.by_type.get(ast.Attribute, ()):
+                attrs[n.attr].append(n)
+        return attrs
+
     def method_calls(self, fn):
         """Every call that may run method `fn`: the calls `obj.NAME(...)` in the file, when every read of an attribute
         NAME is such a call and none goes through a class (`Class.NAME(obj, ...)`), no string names it (getattr),
@@ -1103,9 +1113,7 @@ class Analysis:
                 or name in self._attribute_bindings()["strings"] or name in self._attribute_bindings()["asked"]:
             return None
         calls = []
-        for n in self.by_type.get(ast.Attribute, ()):
-            if n.attr != name:
-                continue
+        for n in self._attributes_by_name().get(name, ()):
             parent = self.parents.get(n)
             if not (isinstance(n.ctx, ast.Load) and isinstance(parent, ast.Call) and parent.func is n) or (
                     isinstance(n.value, ast.Name) and n.value.id in self.classes):
