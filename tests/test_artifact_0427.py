@@ -4,7 +4,6 @@ COMPRESSOR=pergroup (layout, round trip, loading, corrupt files, EVAL_ONLY, 1 vs
 from __future__ import annotations
 
 import importlib.util
-import io
 import re
 import sys
 import types
