@@ -333,8 +333,9 @@ def test_inductor_compiles_a_tiny_training_step_and_lora_ttt_step_with_the_eager
     pytest.importorskip("triton")  # inductor's CPU path imports it only for GPUs; kept as torch's own dependency
     # the graphs' C++ kernels built with their wrapper as one file a graph, not one compiler call a kernel (44 here):
     # the same lowering and kernels, 76 s -> 51 s with a cold Inductor cache on a 2-core EPYC (issue 53); and as
-    # scalar loops, without the CPU vector ISA's templates (no run of ours takes Inductor's CPU code: GPUs get Triton
-    # kernels): the same graphs, lowering and numbers to check, 55-59 s -> 37-42 s (issue 69)
+    # scalar loops, without the CPU vector ISA's templates (Inductor's CPU code runs only where a CPU run asks for
+    # COMPILE=1 COMPILE_BACKEND=inductor; GPUs get Triton kernels): the same graphs, lowering and numbers to check,
+    # 55-59 s -> 37-42 s (issue 69)
     import torch._inductor.config as inductor_config
 
     monkeypatch.setattr(inductor_config, "cpp_wrapper", True)
