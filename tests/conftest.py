@@ -231,13 +231,16 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-# The suite's longest files (measured with --durations on a 2-core AVX2 EPYC, 2026-11-26), longest first: collected
-# first, so that `-n 2 --dist loadfile` starts them at once on both workers and the many short files fill in after,
-# instead of one long file running alone at the end.
+# The suite's longest files (measured with --durations on a 2-core EPYC, 2026-11-29), longest first but for the first
+# four, whose shared runs pair up (each worker builds what the other then reads): collected first, so that `-n 2
+# --dist loadfile` starts them at once on both workers and the many short files fill in after, instead of one long
+# file running alone at the end (test_trust.py's 55 s left one worker idle for 10 s).
 LONGEST_FIRST = ("test_specialise.py", "test_compile_presets.py", "test_compile_ranks.py", "test_specialise_tools.py",
-                 "test_checkpoint.py", "test_nodes.py", "test_preflight.py",
-                 "test_artifact_eval.py", "test_artifact_0427.py", "test_compile.py", "test_record_loop.py",
-                 "test_bench_gpu.py", "test_model_0427.py", "test_gptq.py", "test_kernels.py")
+                 "test_preflight.py", "test_trust.py", "test_artifact_eval.py", "test_bench_gpu.py", "test_nodes.py",
+                 "test_launcher.py", "test_compile.py", "test_pack_code.py", "test_kernels.py", "test_replay.py",
+                 "test_gptq.py", "test_data_path.py", "test_train_core.py", "test_artifact_0427.py", "test_ttt_lora.py",
+                 "test_frontier.py", "test_checkpoint.py", "test_record_loop.py", "test_worked_examples.py",
+                 "test_documents.py", "test_model_0427.py")
 
 
 def worker_threads() -> int:
