@@ -43,11 +43,18 @@ def hparams(monkeypatch, **overrides) -> tg.Hyperparameters:
     return tg.Hyperparameters()
 
 
+def cpu_model(h: tg.Hyperparameters) -> tg.GPT:
+    """The initial model as a run on this machine prepares it (Runtime.prepare_model): where the run computes in fp32
+    (no native bf16), its bf16 embedding tables give fp32 rows, so the whole model computes in fp32 as the run's
+    does, not in bf16 without autocast (which no run does, and which CPUs without native bf16 emulate slowly)."""
+    return cpu_runtime(h).prepare_model(tg.build_model(h))
+
+
 def perturbed_model(h: tg.Hyperparameters, seed: int = 0, scale: float = 0.02,
                     bank_scale: float | None = None) -> tg.GPT:
-    """The deterministic initial model plus seeded Gaussian noise on every parameter (so the zero-init
+    """The deterministic initial model (cpu_model) plus seeded Gaussian noise on every parameter (so the zero-init
     attention-output and MLP-down banks are not zero). `bank_scale` overrides the noise on the banks."""
-    model = tg.build_model(h)
+    model = cpu_model(h)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -380,8 +387,8 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 import train_gpt as tg
 h = tg.Hyperparameters()
-model = tg.load_artifact(sys.argv[2], h)
-rt = tg.Runtime(h, torch.device("cpu"), False, True, None)
+rt = tg.Runtime(h, torch.device("cpu"), False, True, None, *tg.choose_precision(h, torch.device("cpu")))
+model = rt.prepare_model(tg.load_artifact(sys.argv[2], h))  # as a run evaluates it on this machine
 val = tg.load_validation_tokens(h.val_files, max(h.train_seq_len, h.eval_seq_len), h.vocab_size)
 val = val[:int(sys.argv[3]) + 1]
 luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
@@ -419,7 +426,7 @@ def test_artifact_round_trip_and_fresh_process_eval(tiny_env, monkeypatch, tmp_p
         assert torch.equal(got[k], expected[k]), k
     assert not torch.equal(got["mlp_down_bank"], sd["mlp_down_bank"])  # it really was quantised
 
-    mem_model = tg.build_model(h)
+    mem_model = cpu_model(h)
     mem_model.load_state_dict(expected, strict=True)
     num_targets = 2048
     val = val_tokens_for(h)[:num_targets + 1]
@@ -524,7 +531,7 @@ def ttt_setup(sample_data):
 
 
 def run_ttt(h, init_state, val, luts):
-    model = tg.build_model(h)
+    model = cpu_model(h)
     model.load_state_dict(init_state, strict=True)
     per_token = torch.full((val.numel(),), float("nan"), dtype=torch.float64)
     loss, bpb = tg.eval_ttt(cpu_runtime(h), model, model.forward_logits, model, val, luts, per_token=per_token)
@@ -565,7 +572,7 @@ def test_ttt_with_zero_epochs_is_the_sliding_window_eval(ttt_setup):
     h0, val, luts = ttt_setup["h0"], ttt_setup["val"], ttt_setup["luts"]
     assert h0.ttt_epochs == 0
     ttt = run_ttt(h0, ttt_setup["init"], val, luts)
-    model = tg.build_model(h0)
+    model = cpu_model(h0)
     model.load_state_dict(ttt_setup["init"], strict=True)
     per_token = torch.full((val.numel(),), float("nan"), dtype=torch.float64)
     loss, bpb = tg.eval_sliding(cpu_runtime(h0), model, model.forward_logits, val, luts, per_token=per_token)
@@ -750,7 +757,7 @@ def test_late_qat_changes_what_ttt_learns(ttt_setup):
     init["ve_shared.scale"].fill_(1.0)
     results = []
     for qat in (False, True):
-        model = tg.build_model(h)
+        model = cpu_model(h)
         model.load_state_dict(init, strict=True)
         model.set_qat(qat)
         results.append(tg.eval_ttt(cpu_runtime(h), model, model.forward_logits, model, val, luts))

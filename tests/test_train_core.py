@@ -272,7 +272,7 @@ def test_warmup_restores_weights_optimizer_state_and_data_position(tiny_env, mon
     monkeypatch.setenv("WARMUP_STEPS", "2")
     h = tg.Hyperparameters()
     rt = cpu_runtime(h)
-    model = tg.build_model(h)
+    model = rt.prepare_model(tg.build_model(h))  # fp32 compute, as a run without autocast
     trainer = tg.Trainer(rt, model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     loader = tg.warmup_and_restore(rt, trainer)
@@ -283,7 +283,7 @@ def test_warmup_restores_weights_optimizer_state_and_data_position(tiny_env, mon
 
     # A training step after the restore equals the first step of an untouched model, optimiser and loader.
     trainer.step(loader, 1.0, tg.muon_momentum_at(h, 0))
-    model2 = tg.build_model(h)
+    model2 = rt.prepare_model(tg.build_model(h))
     fresh = tg.make_train_loader(rt)
     tg.Trainer(rt, model2).step(fresh, 1.0, tg.muon_momentum_at(h, 0))
     for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
@@ -407,7 +407,7 @@ def test_ttt_freeze_blocks_keeps_their_weights_and_bank_rows(tiny_env, monkeypat
     rt = cpu_runtime(h)
     luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
     val = tg.load_validation_tokens(h.val_files, h.eval_seq_len, h.vocab_size)[:3 * 1024 + 1]
-    model = tg.build_model(h)
+    model = rt.prepare_model(tg.build_model(h))
     with torch.no_grad():  # non-zero output/down banks so every row gets a gradient
         model.qo_bank.add_(torch.randn_like(model.qo_bank) * 0.02)
         model.mlp_down_bank.add_(torch.randn_like(model.mlp_down_bank) * 0.02)
