@@ -56,7 +56,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "train_gpt.py"
-# torchrun's per-worker variables (torch.distributed.elastic's agent sets these for each worker).
+# torchrun's per-worker variables (torch.distributed.elastic's agent sets these for each worker). PyTorch reads them
+# when a process group or the elastic error handler starts (the TORCHELASTIC_* and TORCH_NCCL_* ones too), never at
+# import: a rank is served by the zygote of the same environment's one-process runs.
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
@@ -74,10 +76,10 @@ PRELOAD = ("numpy", "numpy.random", "torch", "torch.nn.functional", "torch.distr
 
 
 def runtime_names() -> frozenset[str]:
-    """The names train_gpt.py reads as settings (its `_env("NAME"` calls) that no library reads at import: a run may
-    set them to anything and still be served by a zygote started without them."""
+    """The names train_gpt.py reads as settings (its `_env("NAME"` calls) that no library reads at import, and the
+    launch variables: a run may set them to anything and still be served by a zygote started without them."""
     names = set(re.findall(r"""_env\w*\(\s*["']([A-Z][A-Z0-9_]*)["']""", SCRIPT.read_text(encoding="utf-8")))
-    return frozenset(n for n in names | set(LAUNCH_VARS) if not n.startswith(IMPORT_TIME_PREFIXES))
+    return frozenset(n for n in names if not n.startswith(IMPORT_TIME_PREFIXES)) | frozenset(LAUNCH_VARS)
 
 
 def zygote_env(env: dict[str, str], runtime: frozenset[str]) -> dict[str, str]:

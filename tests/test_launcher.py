@@ -98,7 +98,8 @@ def test_a_zygote_serves_only_runs_of_its_own_process_environment(tmp_path):
     zygote started with it (TORCHINDUCTOR_CACHE_DIR here), or a new process where no fork of one would be clean:
     with OMP_NUM_THREADS=2 OpenBLAS starts a thread at NumPy's import."""
     before = len(launcher._state.zygotes)
-    probe(tmp_path, False, RUN_ID="a", SEED="1", RANK="0", PYTEST_SOMETHING="x")
+    probe(tmp_path, False, RUN_ID="a", SEED="1", RANK="0", PYTEST_SOMETHING="x", TORCHELASTIC_RUN_ID="none",
+          TORCHELASTIC_RESTART_COUNT="0")  # a torchrun worker's variables: the same zygote
     probe(tmp_path, False, RUN_ID="b", SEED="2")
     after_settings = len(launcher._state.zygotes)
     assert after_settings <= before + 1
@@ -108,7 +109,7 @@ def test_a_zygote_serves_only_runs_of_its_own_process_environment(tmp_path):
     two = launcher.start(["-c", "import torch; print(torch.get_num_threads())"], {**ENV, "OMP_NUM_THREADS": "2"},
                          tmp_path)
     assert not two.forked and "threads" in two.why and two.communicate(60)[0] == "2\n"
-    assert {"RUN_ID", "SEED", "DATA_PATH", "RANK", "MASTER_PORT"} <= launcher.runtime_names()
+    assert {"RUN_ID", "SEED", "DATA_PATH", "RANK", "MASTER_PORT", *launcher.LAUNCH_VARS} <= launcher.runtime_names()
     os.environ["TEST_LAUNCHER"] = "real"  # every run a new process, as before the launcher
     try:
         real = launcher.start(["-c", "print('hi')"], ENV, tmp_path)
