@@ -57,6 +57,24 @@ def computed_once(folder: Path, build) -> Path:
     return folder
 
 
+def packed_script(tmp_path_factory) -> tuple[str, str]:
+    """(minified, packed) train_gpt.py as scripts/pack/pack_code.py makes them (the pack checks itself), made once for
+    the session and keyed by the script's bytes: the packing tests and the size check read the same pack."""
+    import hashlib
+
+    sys.path.insert(0, str(REPO / "scripts" / "pack"))
+    import pack_code
+
+    def build(out: Path) -> None:
+        minified = pack_code.minify(SCRIPT.read_text(encoding="utf-8"))
+        (out / "minified.py").write_text(minified, encoding="utf-8")
+        (out / "packed.py").write_text(pack_code.pack_minified(minified), encoding="utf-8")
+
+    key = hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:16]
+    folder = computed_once(shared_folder(tmp_path_factory) / f"packed_train_gpt_{key}", build)
+    return (folder / "minified.py").read_text(encoding="utf-8"), (folder / "packed.py").read_text(encoding="utf-8")
+
+
 def build_sample(out: Path, *args: str) -> None:
     proc = subprocess.run([sys.executable, str(REPO / "data" / "build_sample_data.py"), "--out-dir", str(out), *args],
                           capture_output=True, text=True, timeout=300)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import launcher
-from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, read_log, short_val_data
+from conftest import REPO, SCRIPT, TINY_ENV, clean_environ, packed_script, read_log, short_val_data
 
 SCRIPTS = REPO / "scripts"
 sys.path[:0] = [str(SCRIPTS / "pack"), str(SCRIPTS / "record")]  # pack_code, update_packed_size; make_record
@@ -551,9 +551,9 @@ def test_pack_refuses_a_line_break_only_str_splitlines_sees():
 
 
 @pytest.fixture(scope="module")
-def packed_train_gpt() -> tuple[str, str, str]:
-    src = SCRIPT.read_text(encoding="utf-8")
-    return src, pc.minify(src), pc.pack(src)
+def packed_train_gpt(tmp_path_factory) -> tuple[str, str, str]:
+    """(readable, minified, packed) train_gpt.py: the session's one pack of it (conftest.packed_script)."""
+    return SCRIPT.read_text(encoding="utf-8"), *packed_script(tmp_path_factory)
 
 
 def test_packed_train_gpt_is_small_and_decodes(packed_train_gpt):

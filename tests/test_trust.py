@@ -18,11 +18,8 @@ import pytest
 import torch
 
 import train_gpt as tg
-from conftest import (REPO, SCRIPT, TINY_ENV, clean_environ, config_error, read_log, run_file, run_training,
+from conftest import (SCRIPT, TINY_ENV, clean_environ, config_error, packed_script, read_log, run_file, run_training,
                       short_val_data)
-
-sys.path.insert(0, str(REPO / "scripts" / "pack"))
-import pack_code  # noqa: E402  (needs the path above)
 
 ANCHOR = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "record_2026-03-23"
 needs_anchor = pytest.mark.skipif(not ANCHOR.is_dir(), reason=f"{ANCHOR} (the record's files) is not here")
@@ -469,7 +466,7 @@ def test_eval_batch_rows_never_pads_beyond_the_windows():
 
 
 @needs_anchor
-def test_script_fits_beside_the_records_largest_model():
+def test_script_fits_beside_the_records_largest_model(tmp_path_factory):
     """The script's bytes count in the submission, and record submissions ship it packed (scripts/pack/pack_code.py,
     run_seeds.sh with PACK_CODE=1), so the packed size is what must fit: the record's largest artifact (its
     submission.json total minus its code size) plus the packed file must stay under the cap with 2,000 bytes
@@ -479,5 +476,5 @@ def test_script_fits_beside_the_records_largest_model():
                                 re.M).group(1))
     record_model_max = json.loads((ANCHOR / "submission.json").read_text())["bytes_total"] - record_code
     assert record_model_max == 15_900_548
-    code = len(pack_code.pack(SCRIPT.read_text(encoding="utf-8")).encode("utf-8"))
+    code = len(packed_script(tmp_path_factory)[1].encode("utf-8"))  # the session's pack (tests/test_pack_code.py's)
     assert code + record_model_max <= tg.SIZE_CAP_BYTES - 2_000, f"packed train_gpt.py is {code} bytes"
