@@ -28,8 +28,8 @@ QR_INITIALISED = ("qo_bank", "kv_bank", "mlp_up_bank", "bigram.proj.weight", "ve
 
 # Sizes, step counts and the late-QAT threshold only: every other value is the default of each script. The steps
 # (STEPS) take the LR multiplier below that threshold at the last step, so late QAT switches on by each script's
-# own rule. One warm-up step instead of the default 20 (each as long as a training
-# step): train_gpt.py still warms up and restores its initial state, which any leftover of that step would break.
+# own rule. One warm-up step instead of the default 20 (each as long as a training step): train_gpt.py still warms
+# up and restores its initial state, which any leftover of that step would break.
 # Sequences are longer than 1,024 as in the record (2,048): at or below its RoPE train length of 1,024 the
 # record's rotary tables come from an inv_freq buffer that its .bfloat16() cast rounded (positions counted in
 # bf16 too), while above it they are recomputed in fp32, as train_gpt.py always computes them.
