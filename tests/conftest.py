@@ -57,11 +57,95 @@ def computed_once(folder: Path, build) -> Path:
     return folder
 
 
+def test_cache_root() -> Path | None:
+    """Where derived files outlive the session (derived_once): TEST_CACHE if set ("off" or "0": nowhere), else
+    $XDG_CACHE_HOME/parameter-golf/tests (~/.cache/parameter-golf/tests)."""
+    value = os.environ.get("TEST_CACHE", "").strip()
+    if value.lower() in ("off", "0"):
+        return None
+    if value:
+        return Path(value).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "parameter-golf" / "tests"
+
+
+TEST_CACHE_ENTRIES = 48  # the most recently used entries kept (a specialisation's is about 0.7 MB)
+# The installed packages whose versions are part of every derived_once key: what the specialiser (torch's classes),
+# the packer (its compressors) and the data tools (sentencepiece, NumPy) may give other bytes with.
+DERIVED_FROM_PACKAGES = ("torch", "numpy", "brotli", "zpaq", "sentencepiece", "triton")
+
+
+def derived_once(tmp_path_factory, name: str, inputs: tuple, build) -> Path:
+    """The session's folder `name` (computed_once) made by build(out), a pure function of `inputs` (file paths,
+    whose bytes count, and strings: a run's settings): made in one session, copied in the next from the test cache
+    (test_cache_root), keyed by the sha256 of the inputs, Python's version and DERIVED_FROM_PACKAGES'. For what takes seconds to
+    make and is no test's subject there: a specialisation, a pack (the runs that use them are the tests; the tools
+    themselves run in tests of their own). Each cached file is checked against the sha256 it was stored with: a
+    damaged entry is made again."""
+    import hashlib
+    import importlib.metadata
+    import json
+    import shutil
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "-"
+
+    digest = hashlib.sha256(repr((name, sys.version, [version(d) for d in DERIVED_FROM_PACKAGES])).encode())
+    for part in inputs:
+        digest.update(part.read_bytes() if isinstance(part, Path) else str(part).encode())
+    key = digest.hexdigest()[:24]
+    root = test_cache_root()
+
+    def copy_in(out: Path) -> bool:
+        entry = root / f"{name}_{key}"
+        try:
+            sums = json.loads((entry / "sha256.json").read_text())
+            files = {rel: (entry / "files" / rel).read_bytes() for rel in sums}
+        except (OSError, ValueError, TypeError):
+            return False
+        if any(hashlib.sha256(data).hexdigest() != sums[rel] for rel, data in files.items()):
+            return False
+        for rel, data in files.items():
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            (out / rel).write_bytes(data)
+        os.utime(entry)  # recently used
+        return True
+
+    def store(out: Path) -> None:
+        entry = root / f"{name}_{key}"
+        scratch = root / f".{name}_{key}.{os.getpid()}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.copytree(out, scratch / "files", symlinks=False)
+            sums = {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+                    for p in sorted(out.rglob("*")) if p.is_file()}
+            (scratch / "sha256.json").write_text(json.dumps(sums))
+            shutil.rmtree(entry, ignore_errors=True)  # a damaged one
+            scratch.rename(entry)
+            entries = sorted((p for p in root.iterdir() if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime)
+            for old in entries[:-TEST_CACHE_ENTRIES]:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass  # a cache that cannot be written only costs the next session the time
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def make(out: Path) -> None:
+        if root is None or not copy_in(out):
+            build(out)
+            if root is not None:
+                store(out)
+
+    return computed_once(shared_folder(tmp_path_factory) / f"{name}_{key}", make)
+
+
 def packed_script(tmp_path_factory) -> tuple[str, str]:
     """(minified, packed) train_gpt.py as scripts/pack/pack_code.py makes them (the pack checks itself), made once for
-    the session and keyed by the script's bytes: the packing tests and the size check read the same pack."""
-    import hashlib
-
+    the session (derived_once: kept for the next while the script and the packer are unchanged): the packing tests
+    and the size check read the same pack."""
     sys.path.insert(0, str(REPO / "scripts" / "pack"))
     import pack_code
 
@@ -70,8 +154,9 @@ def packed_script(tmp_path_factory) -> tuple[str, str]:
         (out / "minified.py").write_text(minified, encoding="utf-8")
         (out / "packed.py").write_text(pack_code.pack_minified(minified), encoding="utf-8")
 
-    key = hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:16]
-    folder = computed_once(shared_folder(tmp_path_factory) / f"packed_train_gpt_{key}", build)
+    pack = REPO / "scripts" / "pack"
+    folder = derived_once(tmp_path_factory, "packed_train_gpt",
+                          (SCRIPT, pack / "pack_code.py", pack / "specialise.py"), build)
     return (folder / "minified.py").read_text(encoding="utf-8"), (folder / "packed.py").read_text(encoding="utf-8")
 
 

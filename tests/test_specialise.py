@@ -13,7 +13,7 @@ import pytest
 
 import launcher
 import train_gpt as tg
-from conftest import REPO, SCRIPT, clean_environ, computed_once, read_log, run_file, shared_folder
+from conftest import REPO, SCRIPT, clean_environ, derived_once, read_log, run_file
 from test_compile import PRESET_ENV, compiled_run, eager_run, preset_data  # noqa: F401 (fixture)
 from test_documents import caseops_sample  # noqa: F401 (fixture)
 from test_kernels import KERNEL_RUN_ID, TINY_KERNEL_RUN, kernel_run, needs_interpreter
@@ -25,6 +25,7 @@ from test_pack_code import _result_lines as result_lines  # noqa: E402
 import specialise as sp  # noqa: E402
 
 PRESETS = tuple(PRESET_ENV)
+TOOLS = tuple(REPO / "scripts" / "pack" / f for f in ("specialise.py", "pack_code.py"))  # what a specialised file is made by
 # what the file reads from the machine at run time, never given to the specialiser
 RUNTIME_ONLY = set(tg.MACHINE_SETTINGS) | {"DATA_PATH", "TOKENIZER_PATH"}
 
@@ -40,15 +41,17 @@ def run_settings(preset: str) -> dict[str, str]:
 
 
 def specialised_files(tmp_path_factory, name: str, run: dict[str, str]) -> tuple[Path, Path]:
-    """(readable, packed) train_gpt.py specialised to `run`, made once for the session."""
+    """(readable, packed) train_gpt.py specialised to `run`, made once for the session and kept for the next while
+    the script, the run and the tools are unchanged (conftest.derived_once): the runs below test the files, and a
+    specialisation is made afresh in test_a_specialisation_that_drops_a_taken_branch_is_caught and by check_record.py
+    in tests/test_specialise_tools.py."""
     def build(out: Path) -> None:
         spec = sp.specialise(SCRIPT.read_text(encoding="utf-8"), run, str(SCRIPT))
         for kind, text in (("readable", spec.text), ("packed", pc.pack(spec.text))):
             (out / kind).mkdir()
             (out / kind / "train_gpt.py").write_text(text, encoding="utf-8")
 
-    key = hashlib.sha256(SCRIPT.read_bytes() + repr(sorted(run.items())).encode()).hexdigest()[:12]
-    folder = computed_once(shared_folder(tmp_path_factory) / f"specialised_{name}_{key}", build)
+    folder = derived_once(tmp_path_factory, f"specialised_{name}", (SCRIPT, *TOOLS, repr(sorted(run.items()))), build)
     return folder / "readable" / "train_gpt.py", folder / "packed" / "train_gpt.py"
 
 

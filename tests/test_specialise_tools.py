@@ -5,6 +5,7 @@ each file on one worker)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shutil
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SCRIPT, computed_once, shared_folder
+from conftest import REPO, SCRIPT, derived_once
 from test_specialise import PRESETS
 
 sys.path[:0] = [str(REPO / "scripts" / "record"), str(REPO / "scripts" / "pack")]  # check_record, make_record; the rest
@@ -46,9 +47,9 @@ def preset_files(tmp_path_factory) -> Path:
         for preset, text in ups.specialise_presets().items():
             (out / f"{preset}.py").write_text(text, encoding="utf-8")
 
-    specialiser = REPO / "scripts" / "pack" / "specialise.py"
-    key = hashlib.sha256(SCRIPT.read_bytes() + specialiser.read_bytes()).hexdigest()[:12]
-    return computed_once(shared_folder(tmp_path_factory) / f"specialised_presets_{key}", build)
+    pack = REPO / "scripts" / "pack"
+    return derived_once(tmp_path_factory, "specialised_presets",
+                        (SCRIPT, pack / "specialise.py", pack / "update_packed_size.py"), build)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -112,7 +113,15 @@ def test_each_presets_specialised_size_is_guarded_and_documented(tmp_path_factor
     import update_packed_size as ups
 
     folder = preset_files(tmp_path_factory)
-    sizes = ups.specialised_sizes({p: (folder / f"{p}.py").read_text(encoding="utf-8") for p in ups.PRESET_RECORDS})
+
+    def measure(out: Path) -> None:  # five packs: kept for the next session (conftest.derived_once)
+        texts = {p: (folder / f"{p}.py").read_text(encoding="utf-8") for p in ups.PRESET_RECORDS}
+        (out / "sizes.json").write_text(json.dumps(ups.specialised_sizes(texts)), encoding="utf-8")
+
+    pack = REPO / "scripts" / "pack"
+    out = derived_once(tmp_path_factory, "specialised_sizes", (SCRIPT, *(pack / f for f in (
+        "specialise.py", "update_packed_size.py", "pack_code.py"))), measure)
+    sizes = {p: tuple(v) for p, v in json.loads((out / "sizes.json").read_text(encoding="utf-8")).items()}
     for preset, (lines, readable, minified, packed) in sizes.items():
         assert packed <= SPECIALISED_PACKED_GUARD[preset], (preset, packed)
     docs = (REPO / "docs" / "submitting.md").read_text(encoding="utf-8")
