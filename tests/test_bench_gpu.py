@@ -66,6 +66,11 @@ def test_tiny_bench_runs_every_cpu_row_and_prints_one_table(tmp_path):
         assert rows[f"PRESET={preset} loop off"]["status"] == "ok", rows[f"PRESET={preset} loop off"]
         assert rows[f"PRESET={preset} loop on"]["status"].startswith("skipped: tiny mode runs record_0409's")
     assert rows["ours p0c1"]["settings"] == "TRAIN_PREFETCH=0 TRAIN_COPY_STREAM=1"
+    # ours and the presets' rows (and the race's ours) forked from the row server; the matmul peak, the evaluation
+    # comparison and the record's script (import-time variables of their own) new processes
+    forked, new = 7 + HAVE_FRONTIER, 1 + HAVE_ANCHORS + HAVE_FRONTIER
+    assert re.search(rf"^processes: {forked} rows forked from one that imported numpy, torch, torch._dynamo, "
+                     rf"sentencepiece, train_gpt \(tiny mode\), {new} new ", proc.stdout, re.M), proc.stdout[:3000]
     # rows that would repeat another on CPU (copy streams and the Triton kernels need CUDA) are skipped, saying so
     for name in ("ours p0c1", "ours p1c0", "ours FUSED_MLP=1", "ours FUSED_CE=1"):
         assert rows[name]["status"].startswith("skipped: tiny mode on CPU"), rows[name]
@@ -120,6 +125,80 @@ def test_a_hung_row_is_cut_off_at_its_time_limit_and_reported():
     assert bench_gpu.failure_note(*crashed, 60) == "failed (exit 1): RuntimeError: CUDA error: boom"
     stopped = bench_gpu.run_logged(cmd, os.environ.copy(), REPO, timeout=60, stop_when=r"^started")
     assert stopped[0] == "stopped"
+
+
+# A row's script that prints what a new `python3 SCRIPT` process would have, then ends as PROBE_END says.
+PROBE = """
+import os, random, sys
+print("argv", sys.argv[1:], os.path.basename(sys.argv[0]))
+print("path0", sys.path[0] == os.path.dirname(os.path.realpath(__file__)), "cwd", os.path.basename(os.getcwd()))
+print("main", __name__, "stdin", sys.stdin.read())
+print("env", sorted((k, v) for k, v in os.environ.items() if k.startswith("PROBE_")), "OMP" in str(os.environ))
+print("own process group", os.getpgid(0) == os.getpid())
+print("to stderr", file=sys.stderr)
+print("random", random.random())
+end = os.environ["PROBE_END"]
+if end == "exit":
+    sys.exit("error: bad input")
+if end == "raise":
+    raise RuntimeError("CUDA error: boom")
+if end == "hang":
+    import time
+    time.sleep(120)
+"""
+
+
+def test_tiny_rows_forked_from_the_row_server_run_as_new_processes(tmp_path, monkeypatch):
+    """bench_gpu.RowServer (tiny mode): a row forked from the server prints what a new `python3 SCRIPT` prints (its
+    argv, sys.path[0], folder, __main__, empty stdin, exactly its environment, its own process group, stderr into the
+    same lines) and ends as one (status 0, a SystemExit message, a traceback), but for its own random seed; a hung
+    one is cut off at its time limit and one stopped at a line is 'stopped'. A row whose import-time variables differ
+    from the server's (OMP_NUM_THREADS here) starts anew."""
+    env = {k: v for k, v in clean_environ().items() if not k.startswith("PROBE_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    (tmp_path / "row").mkdir()
+    server = bench_gpu.RowServer()
+    monkeypatch.setattr(bench_gpu, "ROWS", server)
+    server.start_server(env)
+    try:
+        assert server.sock is not None, server.why_not
+        cmd = [sys.executable, str(script), "--flag", "x"]
+        runs = {}
+        for how in ("new", "forked"):
+            for end in ("", "exit", "raise"):
+                run_env = {**env, "PROBE_A": "1", "PROBE_END": end}
+                if how == "new":
+                    run_env["OMP_NUM_THREADS"] = "2"  # an import-time variable: not the server's
+                assert server.serves(cmd, run_env) == (how == "forked")
+                runs[how, end] = bench_gpu.run_logged(cmd, run_env, tmp_path / "row", timeout=60)
+        assert server.forked == 3 and server.new == 3
+
+        def seen(run):
+            return [line for _, line in run[2] if not line.startswith("random ")]
+
+        for end, want in (("", None), ("exit", "failed (exit 1): error: bad input"),
+                          ("raise", "failed (exit 1): RuntimeError: CUDA error: boom")):
+            new, forked = runs["new", end], runs["forked", end]
+            assert seen(forked) == seen(new) and forked[:2] == new[:2] == ("exited", 0 if want is None else 1)
+            if want:
+                assert bench_gpu.failure_note(*forked, 60) == want
+        assert seen(runs["forked", ""])[:5] == [
+            "argv ['--flag', 'x'] probe.py", "path0 True cwd row", "main __main__ stdin ",
+            "env [('PROBE_A', '1'), ('PROBE_END', '')] True", "own process group True"]
+        randoms = {line for run in runs.values() for _, line in run[2] if line.startswith("random ")}
+        assert len(randoms) == 6  # fresh seeds in each forked row too
+        hang = {**env, "PROBE_END": "hang"}
+        t0 = time.monotonic()
+        status, code, lines = bench_gpu.run_logged(cmd, hang, tmp_path / "row", timeout=1)
+        assert time.monotonic() - t0 < 30 and status == "timeout" and code == -9, (status, code)
+        assert bench_gpu.run_logged(cmd, hang, tmp_path / "row", timeout=60, stop_when=r"^own process group")[0] \
+            == "stopped"
+        assert server.forked == 5
+    finally:
+        server.stop()
+    assert server.proc is None
 
 
 def timed(*lines, dt=1.0):

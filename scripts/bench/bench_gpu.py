@@ -116,11 +116,15 @@ def flops_per_token(h, looping):
 
 def run_logged(cmd, env, cwd, timeout, stop_when=None):
     """Runs cmd with its own process group, reading stdout+stderr line by line with arrival times. Kills the
-    group on timeout, or once a line matches stop_when (the rest of the run is not measured).
+    group on timeout, or once a line matches stop_when (the rest of the run is not measured). In tiny mode a row
+    that ROWS.serves is forked from the row server instead of started anew (RowServer).
     Returns (status, returncode, [(seconds since start, line)])."""
     lines, t0 = [], time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)
+    proc = ROWS.start(cmd, env, cwd) if ROWS.serves(cmd, env) else None
+    if proc is None:
+        ROWS.new += 1
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", start_new_session=True)
     stopped = threading.Event()
 
     def read():
@@ -151,6 +155,223 @@ def kill_group(proc):
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# ---------------------------------------------------------------------------------------------- tiny mode: forked rows
+
+# What a tiny row imports before its first line and at its first optimizer step (torch._dynamo: about 1 s of each
+# row), imported once by the row server.
+ROW_SERVER_PRELOAD = ("numpy", "torch", "torch._dynamo", "sentencepiece", "train_gpt")
+# Variables that a library may read when it is imported: a row whose value of one differs from the server's (the eval
+# and record rows' TORCHDYNAMO_DISABLE, the matmul row's OMP_NUM_THREADS) starts anew. The others are the rows' own
+# settings, read by train_gpt.py or a record's script when it runs.
+IMPORT_TIME_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "GOTO", "ATEN_", "ONEDNN_", "DNNL_",
+                        "TORCH", "PYTORCH", "CUDA", "NCCL", "NVIDIA", "TRITON", "LD_", "MALLOC", "NUMEXPR", "XLA",
+                        "KINETO")
+
+
+class RowServer:
+    """Tiny mode (CPU shapes): one process (`--row-server`) that has imported ROW_SERVER_PRELOAD and computes nothing
+    forks each row's run, which becomes what `python3 SCRIPT` would be at its first line (serve_rows: the row's
+    environment, folder, argv, sys.path[0] and __main__, its own process group, seeds and exit status) without
+    paying the imports again: about 2 s of CPU a row, 17 s of the tiny bench's 48 s on a 2-core EPYC. Rows whose
+    environment differs from the server's in an import-time variable, and all rows at the record's shapes (one
+    fresh process each, as the GPU numbers need), start anew. Off (None) until start_server; a server that cannot
+    start, or whose imports left more than one thread (a fork would not be clean), serves nothing and says why."""
+
+    def __init__(self):
+        self.proc = self.sock = self.env = None
+        self.why_not = "not tiny mode"
+        self.forked = self.new = 0
+
+    def start_server(self, env):
+        import socket
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--row-server",
+                                          str(theirs.fileno())], env=env, pass_fds=(theirs.fileno(),),
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        ours.settimeout(120)
+        try:
+            hello = json.loads(ours.recv(1 << 16) or b'{"error": "it exited"}')
+        except (OSError, ValueError) as e:
+            hello = {"error": f"{type(e).__name__}: {e}"}
+        if "error" in hello:
+            ours.close()
+            self.stop()
+            self.why_not = f"the row server did not start: {hello['error']}"
+            return
+        self.sock, self.env = ours, dict(env)
+
+    def serves(self, cmd, env):
+        """Whether the row `cmd` (python3 SCRIPT ...) with `env` is forked: only its own settings differ."""
+        ok = self.sock is not None and len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1].endswith(".py")
+        if ok:
+            names = set(env) ^ set(self.env) | {k for k in env if env[k] != self.env.get(k)}
+            ok = not any(k.startswith(IMPORT_TIME_PREFIXES) for k in names)
+        return ok
+
+    def summary(self):
+        """The table's line on how its processes started."""
+        if self.forked == 0:
+            return f"processes: each row's new ({self.why_not})"
+        return (f"processes: {self.forked} rows forked from one that imported {', '.join(ROW_SERVER_PRELOAD)} "
+                f"(tiny mode), {self.new} new (their import-time variables differ from its)")
+
+    def start(self, cmd, env, cwd):
+        """A forked row's process as run_logged uses a Popen (pid, stdout, wait, returncode), or None where the
+        server failed (the row then starts anew)."""
+        import socket
+
+        try:
+            self.sock.settimeout(60)
+            self.sock.send(json.dumps({"argv": cmd[1:], "env": env, "cwd": str(cwd)}).encode())
+            msg, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
+            reply = json.loads(msg)
+        except (OSError, ValueError) as e:
+            self.stop()
+            self.why_not = f"the row server failed: {type(e).__name__}: {e}"
+            return None
+        if "pid" not in reply or not fds:
+            for fd in fds:
+                os.close(fd)
+            return None
+        self.forked += 1
+        return ForkedRow(reply["pid"], fds[0], self.sock)
+
+    def stop(self):
+        """Closes the socket (the server then exits) and reaps the server."""
+        if self.sock is not None:
+            self.sock.close()
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = self.sock = None
+
+
+class ForkedRow:
+    """A row forked by the row server, as run_logged reads a Popen: its output (stdout and stderr) as text lines
+    from a pipe, its exit status from the server (negative for a signal, as subprocess gives it)."""
+
+    def __init__(self, pid, fd, sock):
+        self.pid, self.sock, self.returncode = pid, sock, None
+        self.stdout = open(fd, encoding="utf-8", errors="replace")
+
+    def wait(self, timeout=None):
+        import socket
+
+        if self.returncode is None:
+            self.sock.settimeout(timeout)
+            try:
+                self.returncode = json.loads(self.sock.recv(1 << 16))["status"]
+            except socket.timeout:
+                raise subprocess.TimeoutExpired(f"row {self.pid}", timeout) from None
+            finally:
+                self.sock.settimeout(60)
+        return self.returncode
+
+
+ROWS = RowServer()
+
+
+def serve_rows(fd):
+    """`--row-server FD`: imports ROW_SERVER_PRELOAD, then for each request on the socket FD forks a child that runs
+    the row, sends the child's pid with the read end of its output pipe, waits for it and sends its exit status;
+    exits when the socket closes. Refuses (one message) if the imports left more than one thread."""
+    import importlib
+    import socket
+
+    sock = socket.socket(fileno=fd)
+    sys.path.insert(0, str(REPO))
+    try:
+        for name in ROW_SERVER_PRELOAD:
+            importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 (a broken install: the rows start anew and fail or not on their own)
+        sock.send(json.dumps({"error": f"importing {name}: {type(e).__name__}: {e}"}).encode())
+        return
+    threads = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["?"]
+    if len(threads) != 1:
+        sock.send(json.dumps({"error": f"its imports left {len(threads)} threads, and a fork keeps one"}).encode())
+        return
+    sock.send(json.dumps({"ready": os.getpid()}).encode())
+    while True:
+        msg = sock.recv(1 << 20)
+        if not msg:
+            return
+        req = json.loads(msg)
+        r, w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            sock.close()
+            run_forked_row(req, w)  # never returns
+        os.close(w)
+        socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [r])
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+        sock.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def run_forked_row(req, out_fd):
+    """In the forked child: become `python3 SCRIPT ARGS` with the row's environment and folder, stdout and stderr
+    into out_fd (line-buffered, as PYTHONUNBUFFERED asks), stdin /dev/null, a process group of its own, fresh seeds
+    (as a new interpreter: a row seeds what it uses from SEED), and the interpreter's exit status."""
+    import atexit
+    import io
+    import random
+    import runpy
+    import traceback
+
+    import numpy as np
+    import torch
+
+    code = 1
+    try:
+        os.setsid()
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.close(out_fd)
+        for n, name in ((1, "stdout"), (2, "stderr")):
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(n, "w", closefd=False), encoding="utf-8",
+                                                errors="backslashreplace", line_buffering=True))
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        script = os.path.abspath(req["argv"][0])
+        sys.argv = [req["argv"][0], *req["argv"][1:]]
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
+        random.seed()
+        np.random.seed()
+        torch.seed()
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if not isinstance(e.code, int) and e.code is not None:
+                print(e.code, file=sys.stderr)
+        except BaseException as e:  # noqa: BLE001 (the interpreter's ending: the script's traceback, status 1)
+            tb = e.__traceback__
+            while tb is not None and tb.tb_frame.f_code.co_filename != script:
+                tb = tb.tb_next  # runpy's and this function's frames, which a new process does not have
+            traceback.print_exception(type(e), e, tb or e.__traceback__)
+        for thread in threading.enumerate():  # as the interpreter ends: its non-daemon threads joined
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_loss:(\S+) train_time:(\d+)ms step_avg:")
@@ -701,6 +922,7 @@ def environment_lines(cfg, backends, peak_info):
     if cfg["tiny"]:
         lines.append("tiny mode tests this script: its timings (CPU, tiny model) and MFU (small fp32 matmul peak) "
                      "say nothing about a GPU")
+    lines.append(ROWS.summary())
     return lines
 
 
@@ -742,6 +964,8 @@ def run_eval(cfg, data_for, backends, deadline):
 
 
 def main():
+    if sys.argv[1:2] == ["--row-server"] and len(sys.argv) == 3:
+        return serve_rows(int(sys.argv[2]))
     if sys.argv[1:] == ["--matmul"]:
         return matmul_peak()
     if sys.argv[1:] == ["--eval"]:
@@ -752,6 +976,16 @@ def main():
     start = time.monotonic()
     deadline = start + cfg["budget"]
     cfg["dir"].mkdir(parents=True, exist_ok=True)
+    if cfg["tiny"]:
+        ROWS.start_server(child_env(cfg, cfg["model"]))
+    try:
+        run_bench(cfg, start, deadline)
+    finally:
+        ROWS.stop()
+
+
+def run_bench(cfg, start, deadline):
+    """Every row, run and tabulated (main's work, around the row server's life)."""
     sys.path.insert(0, str(REPO))
     import train_gpt as tg
 
