@@ -66,11 +66,12 @@ def test_tiny_bench_runs_every_cpu_row_and_prints_one_table(tmp_path):
         assert rows[f"PRESET={preset} loop off"]["status"] == "ok", rows[f"PRESET={preset} loop off"]
         assert rows[f"PRESET={preset} loop on"]["status"].startswith("skipped: tiny mode runs record_0409's")
     assert rows["ours p0c1"]["settings"] == "TRAIN_PREFETCH=0 TRAIN_COPY_STREAM=1"
-    # ours and the presets' rows (and the race's ours) forked from the row server; the matmul peak, the evaluation
-    # comparison and the record's script (import-time variables of their own) new processes
-    forked, new = 7 + HAVE_FRONTIER, 1 + HAVE_ANCHORS + HAVE_FRONTIER
-    assert re.search(rf"^processes: {forked} rows forked from one that imported numpy, torch, torch._dynamo, "
-                     rf"sentencepiece, train_gpt \(tiny mode\), {new} new ", proc.stdout, re.M), proc.stdout[:3000]
+    # train_gpt.py --help, ours and the presets' rows (and the race's ours) forked from the row server; the matmul
+    # peak, the evaluation comparison and the record's script (import-time variables of their own) new processes
+    forked, new = 8 + HAVE_FRONTIER, 1 + HAVE_ANCHORS + HAVE_FRONTIER
+    assert re.search(rf"^processes: {forked} forked from one that imported numpy, torch, torch._dynamo, "
+                     rf"sentencepiece, train_gpt \(tiny mode: --help and the rows\), {new} new ", proc.stdout, re.M), \
+        proc.stdout[:3000]
     # rows that would repeat another on CPU (copy streams and the Triton kernels need CUDA) are skipped, saying so
     for name in ("ours p0c1", "ours p1c0", "ours FUSED_MLP=1", "ours FUSED_CE=1"):
         assert rows[name]["status"].startswith("skipped: tiny mode on CPU"), rows[name]

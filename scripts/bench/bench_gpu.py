@@ -217,9 +217,9 @@ class RowServer:
     def summary(self):
         """The table's line on how its processes started."""
         if self.forked == 0:
-            return f"processes: each row's new ({self.why_not})"
-        return (f"processes: {self.forked} rows forked from one that imported {', '.join(ROW_SERVER_PRELOAD)} "
-                f"(tiny mode), {self.new} new (their import-time variables differ from its)")
+            return f"processes: each new ({self.why_not})"
+        return (f"processes: {self.forked} forked from one that imported {', '.join(ROW_SERVER_PRELOAD)} (tiny mode: "
+                f"--help and the rows), {self.new} new (their import-time variables differ from its)")
 
     def start(self, cmd, env, cwd):
         """A forked row's process as run_logged uses a Popen (pid, stdout, wait, returncode), or None where the
@@ -989,11 +989,10 @@ def run_bench(cfg, start, deadline):
     sys.path.insert(0, str(REPO))
     import train_gpt as tg
 
-    try:  # the optional rows run only for settings this train_gpt.py lists
-        help_text = subprocess.run([sys.executable, str(REPO / "train_gpt.py"), "--help"], capture_output=True,
-                                   text=True, timeout=120).stdout
-    except subprocess.TimeoutExpired:
-        help_text = ""
+    # the optional rows run only for settings this train_gpt.py lists (its --help, forked in tiny mode)
+    _, _, lines = run_logged([sys.executable, str(REPO / "train_gpt.py"), "--help"], child_env(cfg, cfg["model"]),
+                             cfg["dir"], 120)
+    help_text = "\n".join(line for _, line in lines)
     presets = tg.PRESETS
     backends = backend_plan(cfg["tiny"])
     rows = plan_rows(cfg, help_text, presets, backends)
