@@ -202,6 +202,16 @@ def test_tiny_rows_forked_from_the_row_server_run_as_new_processes(tmp_path, mon
     assert server.proc is None
 
 
+def test_a_system_that_cannot_fork_rows_starts_each_anew_and_says_why(monkeypatch):
+    import socket
+
+    monkeypatch.delattr(socket, "send_fds")
+    server = bench_gpu.RowServer()
+    server.start_server(clean_environ())
+    assert server.proc is None and not server.serves([sys.executable, "x.py"], clean_environ())
+    assert server.summary() == "processes: each new (this system cannot fork rows: no os.fork or socket.send_fds here)"
+
+
 def timed(*lines, dt=1.0):
     return [(i * dt, ln) for i, ln in enumerate(lines)]
 

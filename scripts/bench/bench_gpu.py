@@ -187,7 +187,13 @@ class RowServer:
     def start_server(self, env):
         import socket
 
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:  # fork, descriptors passed over a socket and its message boundaries: Linux has them, not every system
+            if not (hasattr(os, "fork") and hasattr(socket, "send_fds")):
+                raise OSError("no os.fork or socket.send_fds here")
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except (OSError, AttributeError) as e:
+            self.why_not = f"this system cannot fork rows: {e}"
+            return
         try:
             self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--row-server",
                                           str(theirs.fileno())], env=env, pass_fds=(theirs.fileno(),),
