@@ -174,7 +174,7 @@ class RowServer:
     """Tiny mode (CPU shapes): one process (`--row-server`) that has imported ROW_SERVER_PRELOAD and computes nothing
     forks each row's run, which becomes what `python3 SCRIPT` would be at its first line (serve_rows: the row's
     environment, folder, argv, sys.path[0] and __main__, its own process group, seeds and exit status) without
-    paying the imports again: about 2 s of CPU a row, 17 s of the tiny bench's 48 s on a 2-core EPYC. Rows whose
+    paying the imports again: about 2 s of CPU a row, 17 s of the tiny bench's 44 s on a 2-core EPYC. Rows whose
     environment differs from the server's in an import-time variable, and all rows at the record's shapes (one
     fresh process each, as the GPU numbers need), start anew. Off (None) until start_server; a server that cannot
     start, or whose imports left more than one thread (a fork would not be clean), serves nothing and says why."""
