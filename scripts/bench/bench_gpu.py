@@ -123,8 +123,8 @@ def run_logged(cmd, env, cwd, timeout, stop_when=None):
     proc = ROWS.start(cmd, env, cwd) if ROWS.serves(cmd, env) else None
     if proc is None:
         ROWS.new += 1
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
     stopped = threading.Event()
 
     def read():
