@@ -41,6 +41,7 @@ going through the real commands (`python3 train_gpt.py`, torchrun, the scripts);
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import os
 import re
@@ -63,9 +64,13 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
                "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE")
-# Read by libraries when they are imported or first used: never a run-time setting, even where train_gpt reads one too.
-IMPORT_TIME_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "ATEN_", "ONEDNN_", "DNNL_", "TORCH", "PYTORCH_",
-                        "TRITON_", "CUDA_", "PYTHON", "LD_", "MALLOC")
+# How a forked child becomes a new process, and the variables libraries read at import (never a run-time setting, even
+# where train_gpt reads one too): scripts/run/new_process.py, loaded from its file (the children's sys.path stays a new
+# process's), shared with the tiny bench's row server.
+_SPEC = importlib.util.spec_from_file_location("new_process", REPO / "scripts" / "run" / "new_process.py")
+NEW_PROCESS = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(NEW_PROCESS)
+IMPORT_TIME_PREFIXES = NEW_PROCESS.IMPORT_TIME_PREFIXES
 # Set by pytest for each test and read by no library: passed to the runs, never a reason for another zygote.
 HARMLESS_PREFIXES = ("PYTEST_",)
 # What the zygote imports before it serves (each if installed): what train_gpt.py's runs import, then train_gpt.
@@ -128,8 +133,6 @@ def serve() -> None:
     """The zygote: preloads, says it is ready, then forks a child for each spawn request and reports each child's
     end, until its stdin closes (its pytest worker ended): then it kills what it still runs and exits."""
     import gc
-    import importlib
-    import importlib.util
 
     sys.path[0] = str(REPO)  # train_gpt importable; each child sets its own sys.path[0]
     loaded = []
@@ -194,81 +197,14 @@ def _code_for(argv: list[str], compiled: _Compiled):
 
 
 def _child(req: dict, code) -> None:
-    """In the forked child: become the run's process, run its code as __main__, end as the interpreter ends."""
-    import atexit as _atexit
-    import random
-    import threading
-    import traceback
-    import types
-
-    status = 1
+    """In the forked child: the run's process (scripts/run/new_process.py's become), its stdout and stderr into the
+    run's files; never returns."""
     try:
-        os.setpgid(0, 0)
-        null = os.open(os.devnull, os.O_RDONLY)
-        out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        for fd, target in ((null, 0), (out, 1), (err, 2)):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        random.seed()  # as a new interpreter: from the OS
-        if "numpy.random" in sys.modules:
-            sys.modules["numpy.random"].seed()
-        if "torch" in sys.modules:
-            sys.modules["torch"].default_generator.seed()
-        argv = req["argv"]
-        main = types.ModuleType("__main__")
-        main.__dict__["__builtins__"] = __builtins__
-        if argv[0] == "-c":
-            sys.argv = list(argv[1:])
-            sys.argv[0] = "-c"
-            sys.path[0] = ""
-        else:
-            path = os.path.abspath(argv[0])
-            sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(os.path.realpath(path))
-            main.__file__ = path
-            main.__cached__ = None
-        sys.modules["__main__"] = main
-        try:
-            exec(code, main.__dict__)
-            status = 0
-        except SystemExit as e:
-            status = _exit_status(e)
-        except BaseException as e:  # reported as the interpreter reports it: sys.excepthook, without this frame
-            e = e.with_traceback(e.__traceback__.tb_next)
-            sys.excepthook(type(e), e, e.__traceback__)
-            status = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
-        try:
-            threading._shutdown()
-        except BaseException:
-            pass
-        _atexit._run_exitfuncs()
+        fds = (os.open(os.devnull, os.O_RDONLY),
+               *(os.open(req[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for name in ("stdout", "stderr")))
     except BaseException:
-        try:
-            traceback.print_exc()
-        except BaseException:
-            pass
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:
-        pass
-    if status < 0:  # an uncaught KeyboardInterrupt ends the interpreter by SIGINT
-        signal.signal(-status, signal.SIG_DFL)
-        os.kill(os.getpid(), -status)
-    os._exit(status & 0xFF)
-
-
-def _exit_status(e: SystemExit) -> int:
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code
-    print(e.code, file=sys.stderr)
-    return 1
+        os._exit(1)
+    NEW_PROCESS.become(req["argv"], req["env"], req["cwd"], fds, code)
 
 
 def _kill_group(pid: int, sig: int) -> None:

@@ -162,12 +162,13 @@ def kill_group(proc):
 # What a tiny row imports before its first line and at its first optimizer step (torch._dynamo: about 1 s of each
 # row), imported once by the row server.
 ROW_SERVER_PRELOAD = ("numpy", "torch", "torch._dynamo", "sentencepiece", "train_gpt")
-# Variables that a library may read when it is imported: a row whose value of one differs from the server's (the eval
-# and record rows' TORCHDYNAMO_DISABLE, the matmul row's OMP_NUM_THREADS) starts anew. The others are the rows' own
-# settings, read by train_gpt.py or a record's script when it runs.
-IMPORT_TIME_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "GOTO", "ATEN_", "ONEDNN_", "DNNL_",
-                        "TORCH", "PYTORCH", "CUDA", "NCCL", "NVIDIA", "TRITON", "LD_", "MALLOC", "NUMEXPR", "XLA",
-                        "KINETO")
+# How a forked row becomes a new process, and the variables libraries read at import: scripts/run/new_process.py
+# (tests/launcher.py's zygote uses it too), loaded from its file so that the rows' sys.path stays a new process's. A
+# row whose value of such a variable differs from the server's (the eval and record rows' TORCHDYNAMO_DISABLE, the
+# matmul row's OMP_NUM_THREADS) starts anew; the others are the rows' own settings, read when they run.
+_SPEC = importlib.util.spec_from_file_location("new_process", REPO / "scripts" / "run" / "new_process.py")
+NEW_PROCESS = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(NEW_PROCESS)
 
 
 class RowServer:
@@ -217,7 +218,7 @@ class RowServer:
         ok = self.sock is not None and len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1].endswith(".py")
         if ok:
             names = set(env) ^ set(self.env) | {k for k in env if env[k] != self.env.get(k)}
-            ok = not any(k.startswith(IMPORT_TIME_PREFIXES) for k in names)
+            ok = not any(k.startswith(NEW_PROCESS.IMPORT_TIME_PREFIXES) for k in names)
         return ok
 
     def summary(self):
@@ -290,11 +291,10 @@ def serve_rows(fd):
     """`--row-server FD`: imports ROW_SERVER_PRELOAD, then for each request on the socket FD forks a child that runs
     the row, sends the child's pid with the read end of its output pipe, waits for it and sends its exit status;
     exits when the socket closes. Refuses (one message) if the imports left more than one thread."""
-    import importlib
     import socket
 
     sock = socket.socket(fileno=fd)
-    sys.path.insert(0, str(REPO))
+    sys.path[0] = str(REPO)  # train_gpt importable (bench_record is imported already); each row sets its own [0]
     try:
         for name in ROW_SERVER_PRELOAD:
             importlib.import_module(name)
@@ -311,73 +311,26 @@ def serve_rows(fd):
         if not msg:
             return
         req = json.loads(msg)
+        script = os.path.abspath(req["argv"][0])
+        try:
+            code = compile(Path(script).read_text(encoding="utf-8"), script, "exec", dont_inherit=True)
+        except (OSError, SyntaxError, ValueError) as e:  # the row then starts anew and reports it as python3 would
+            sock.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+            continue
         r, w = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
-        if pid == 0:
+        if pid == 0:  # the row's process: stdout and stderr into the pipe (unbuffered: PYTHONUNBUFFERED=1, child_env)
             os.close(r)
             sock.close()
-            run_forked_row(req, w)  # never returns
+            NEW_PROCESS.become(req["argv"], req["env"], req["cwd"], (os.open(os.devnull, os.O_RDONLY), w, os.dup(w)),
+                               code)
         os.close(w)
         socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [r])
         os.close(r)
         _, status = os.waitpid(pid, 0)
         sock.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
-
-
-def run_forked_row(req, out_fd):
-    """In the forked child: become `python3 SCRIPT ARGS` with the row's environment and folder, stdout and stderr
-    into out_fd (line-buffered, as PYTHONUNBUFFERED asks), stdin /dev/null, a process group of its own, fresh seeds
-    (as a new interpreter: a row seeds what it uses from SEED), and the interpreter's exit status."""
-    import atexit
-    import io
-    import random
-    import runpy
-    import traceback
-
-    import numpy as np
-    import torch
-
-    code = 1
-    try:
-        os.setsid()
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        os.dup2(out_fd, 1)
-        os.dup2(out_fd, 2)
-        os.close(out_fd)
-        for n, name in ((1, "stdout"), (2, "stderr")):
-            setattr(sys, name, io.TextIOWrapper(io.FileIO(n, "w", closefd=False), encoding="utf-8",
-                                                errors="backslashreplace", line_buffering=True))
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        script = os.path.abspath(req["argv"][0])
-        sys.argv = [req["argv"][0], *req["argv"][1:]]
-        sys.path[0] = os.path.dirname(os.path.realpath(script))
-        random.seed()
-        np.random.seed()
-        torch.seed()
-        try:
-            runpy.run_path(script, run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-            if not isinstance(e.code, int) and e.code is not None:
-                print(e.code, file=sys.stderr)
-        except BaseException as e:  # noqa: BLE001 (the interpreter's ending: the script's traceback, status 1)
-            tb = e.__traceback__
-            while tb is not None and tb.tb_frame.f_code.co_filename != script:
-                tb = tb.tb_next  # runpy's and this function's frames, which a new process does not have
-            traceback.print_exception(type(e), e, tb or e.__traceback__)
-        for thread in threading.enumerate():  # as the interpreter ends: its non-daemon threads joined
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
 
 
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+) train_loss:(\S+) train_time:(\d+)ms step_avg:")
