@@ -57,7 +57,7 @@ def computed_once(folder: Path, build) -> Path:
     return folder
 
 
-def test_cache_root() -> Path | None:
+def derived_cache_root() -> Path | None:
     """Where derived files outlive the session (derived_once): TEST_CACHE if set ("off" or "0": nowhere), else
     $XDG_CACHE_HOME/parameter-golf/tests (~/.cache/parameter-golf/tests)."""
     value = os.environ.get("TEST_CACHE", "").strip()
@@ -68,6 +68,9 @@ def test_cache_root() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "parameter-golf" / "tests"
 
 
+# The code packing and specialising tools (scripts/pack/*.py, which import one another): every derivation made by one
+# of them is keyed by all of them.
+PACK_TOOLS = tuple(sorted((REPO / "scripts" / "pack").glob("*.py")))
 TEST_CACHE_ENTRIES = 48  # the most recently used entries kept (a specialisation's is about 0.7 MB)
 # The installed packages whose versions are part of every derived_once key: what the specialiser (torch's classes),
 # the packer (its compressors) and the data tools (sentencepiece, NumPy) may give other bytes with.
@@ -77,10 +80,10 @@ DERIVED_FROM_PACKAGES = ("torch", "numpy", "brotli", "zpaq", "sentencepiece", "t
 def derived_once(tmp_path_factory, name: str, inputs: tuple, build) -> Path:
     """The session's folder `name` (computed_once) made by build(out), a pure function of `inputs` (file paths,
     whose bytes count, and strings: a run's settings): made in one session, copied in the next from the test cache
-    (test_cache_root), keyed by the sha256 of the inputs, Python's version and DERIVED_FROM_PACKAGES'. For what takes seconds to
-    make and is no test's subject there: a specialisation, a pack (the runs that use them are the tests; the tools
-    themselves run in tests of their own). Each cached file is checked against the sha256 it was stored with: a
-    damaged entry is made again."""
+    (derived_cache_root), keyed by the sha256 of the inputs, Python's version and DERIVED_FROM_PACKAGES'. For what
+    takes seconds to make and is no test's subject there: a specialisation, a pack (the runs that use them are the
+    tests; the tools themselves run in tests of their own). Each cached file is checked against the sha256 it was
+    stored with: a damaged entry is made again."""
     import hashlib
     import importlib.metadata
     import json
@@ -96,7 +99,7 @@ def derived_once(tmp_path_factory, name: str, inputs: tuple, build) -> Path:
     for part in inputs:
         digest.update(part.read_bytes() if isinstance(part, Path) else str(part).encode())
     key = digest.hexdigest()[:24]
-    root = test_cache_root()
+    root = derived_cache_root()
 
     def copy_in(out: Path) -> bool:
         entry = root / f"{name}_{key}"
@@ -154,9 +157,7 @@ def packed_script(tmp_path_factory) -> tuple[str, str]:
         (out / "minified.py").write_text(minified, encoding="utf-8")
         (out / "packed.py").write_text(pack_code.pack_minified(minified), encoding="utf-8")
 
-    pack = REPO / "scripts" / "pack"
-    folder = derived_once(tmp_path_factory, "packed_train_gpt",
-                          (SCRIPT, pack / "pack_code.py", pack / "specialise.py"), build)
+    folder = derived_once(tmp_path_factory, "packed_train_gpt", (SCRIPT, *PACK_TOOLS), build)
     return (folder / "minified.py").read_text(encoding="utf-8"), (folder / "packed.py").read_text(encoding="utf-8")
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import launcher
 import train_gpt as tg
-from conftest import REPO, SCRIPT, clean_environ, derived_once, read_log, run_file
+from conftest import PACK_TOOLS, REPO, SCRIPT, clean_environ, derived_once, read_log, run_file
 from test_compile import PRESET_ENV, compiled_run, eager_run, preset_data  # noqa: F401 (fixture)
 from test_documents import caseops_sample  # noqa: F401 (fixture)
 from test_kernels import KERNEL_RUN_ID, TINY_KERNEL_RUN, kernel_run, needs_interpreter
@@ -25,7 +25,6 @@ from test_pack_code import _result_lines as result_lines  # noqa: E402
 import specialise as sp  # noqa: E402
 
 PRESETS = tuple(PRESET_ENV)
-TOOLS = tuple(REPO / "scripts" / "pack" / f for f in ("specialise.py", "pack_code.py"))  # what a specialised file is made by
 # what the file reads from the machine at run time, never given to the specialiser
 RUNTIME_ONLY = set(tg.MACHINE_SETTINGS) | {"DATA_PATH", "TOKENIZER_PATH"}
 
@@ -51,7 +50,8 @@ def specialised_files(tmp_path_factory, name: str, run: dict[str, str]) -> tuple
             (out / kind).mkdir()
             (out / kind / "train_gpt.py").write_text(text, encoding="utf-8")
 
-    folder = derived_once(tmp_path_factory, f"specialised_{name}", (SCRIPT, *TOOLS, repr(sorted(run.items()))), build)
+    folder = derived_once(tmp_path_factory, f"specialised_{name}", (SCRIPT, *PACK_TOOLS, repr(sorted(run.items()))),
+                          build)
     return folder / "readable" / "train_gpt.py", folder / "packed" / "train_gpt.py"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SCRIPT, derived_once
+from conftest import PACK_TOOLS, REPO, SCRIPT, derived_once
 from test_specialise import PRESETS
 
 sys.path[:0] = [str(REPO / "scripts" / "record"), str(REPO / "scripts" / "pack")]  # check_record, make_record; the rest
@@ -47,9 +47,7 @@ def preset_files(tmp_path_factory) -> Path:
         for preset, text in ups.specialise_presets().items():
             (out / f"{preset}.py").write_text(text, encoding="utf-8")
 
-    pack = REPO / "scripts" / "pack"
-    return derived_once(tmp_path_factory, "specialised_presets",
-                        (SCRIPT, pack / "specialise.py", pack / "update_packed_size.py"), build)
+    return derived_once(tmp_path_factory, "specialised_presets", (SCRIPT, *PACK_TOOLS), build)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -118,9 +116,7 @@ def test_each_presets_specialised_size_is_guarded_and_documented(tmp_path_factor
         texts = {p: (folder / f"{p}.py").read_text(encoding="utf-8") for p in ups.PRESET_RECORDS}
         (out / "sizes.json").write_text(json.dumps(ups.specialised_sizes(texts)), encoding="utf-8")
 
-    pack = REPO / "scripts" / "pack"
-    out = derived_once(tmp_path_factory, "specialised_sizes", (SCRIPT, *(pack / f for f in (
-        "specialise.py", "update_packed_size.py", "pack_code.py"))), measure)
+    out = derived_once(tmp_path_factory, "specialised_sizes", (SCRIPT, *PACK_TOOLS), measure)
     sizes = {p: tuple(v) for p, v in json.loads((out / "sizes.json").read_text(encoding="utf-8")).items()}
     for preset, (lines, readable, minified, packed) in sizes.items():
         assert packed <= SPECIALISED_PACKED_GUARD[preset], (preset, packed)
