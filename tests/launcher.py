@@ -71,8 +71,10 @@ _SPEC = importlib.util.spec_from_file_location("new_process", REPO / "scripts" /
 NEW_PROCESS = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(NEW_PROCESS)
 IMPORT_TIME_PREFIXES = NEW_PROCESS.IMPORT_TIME_PREFIXES
-# Set by pytest for each test and read by no library: passed to the runs, never a reason for another zygote.
-HARMLESS_PREFIXES = ("PYTEST_",)
+# Passed to the runs, never a reason for another zygote: set by pytest for each test and read by no library; and the
+# address Inductor writes into this process's environment before it loads a compiled graph (an in-process Inductor
+# test), which every process loading one writes for itself first (it had cost a worker two more zygotes, issue 69).
+HARMLESS_PREFIXES = ("PYTEST_", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 # What the zygote imports before it serves (each if installed): what train_gpt.py's runs import, then train_gpt.
 # torch._dynamo.backends.common: what Dynamo imports at a process's first compilation (AOT autograd, functorch's
 # compile, networkx; 0.1 to 0.4 s of each compiled run).

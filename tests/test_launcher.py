@@ -94,15 +94,16 @@ def test_dynamos_table_of_a_scripts_function_names_is_the_scripts_as_it_is_now(t
 
 
 def test_a_zygote_serves_only_runs_of_its_own_process_environment(tmp_path):
-    """Settings that train_gpt reads when it runs share a zygote; a variable that a library reads at start gets a
-    zygote started with it (TORCHINDUCTOR_CACHE_DIR here), or a new process where no fork of one would be clean:
-    with OMP_NUM_THREADS=2 OpenBLAS starts a thread at NumPy's import."""
+    """Settings that train_gpt reads when it runs (and the address an in-process Inductor test leaves in the
+    environment) share a zygote; a variable that a library reads at start gets a zygote started with it
+    (TORCHINDUCTOR_CACHE_DIR here), or a new process where no fork of one would be clean: with OMP_NUM_THREADS=2
+    OpenBLAS starts a thread at NumPy's import."""
     before = len(launcher._state.zygotes)
     probe(tmp_path, False, RUN_ID="a", SEED="1", RANK="0", PYTEST_SOMETHING="x", TORCHELASTIC_RUN_ID="none",
           TORCHELASTIC_RESTART_COUNT="0")  # a torchrun worker's variables: the same zygote
-    probe(tmp_path, False, RUN_ID="b", SEED="2")
     after_settings = len(launcher._state.zygotes)
-    assert after_settings <= before + 1
+    probe(tmp_path, False, RUN_ID="b", SEED="2", _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR="1")  # Inductor's address
+    assert after_settings <= before + 1 and len(launcher._state.zygotes) == after_settings
     child = launcher.start(["-c", "pass"], {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")}, tmp_path)
     assert child.forked and child.communicate(60) == ("", "") and child.returncode == 0
     assert len(launcher._state.zygotes) == after_settings + 1
