@@ -87,10 +87,11 @@ def test_bad_frontier_settings_name_the_variable(env, fragment):
     assert fragment in config_error(env)
 
 
-def test_parameter_counts_of_both_presets():
-    assert sum(p.numel() for p in tg.GPT(tg.Hyperparameters({})).parameters()) == 26_928_220
+def test_parameter_counts_of_both_presets():  # the models on the meta device: shapes without their initial draws
+    assert sum(p.numel() for p in tg.meta_model(tg.Hyperparameters({})).parameters()) == 26_928_220
     # The 04-09 record's logged model_params at vocab 8192 (SPEC-FRONTIER 4-6: 8 skip rows + 8 skip gates).
-    assert sum(p.numel() for p in tg.GPT(tg.Hyperparameters({"PRESET": "record_0409"})).parameters()) == 35_944_536
+    model = tg.meta_model(tg.Hyperparameters({"PRESET": "record_0409"}))
+    assert sum(p.numel() for p in model.parameters()) == 35_944_536
 
 
 # ---------------------------------------------------------------------------------------------- depth recurrence
@@ -240,9 +241,9 @@ def test_blocks_equal_their_formulas(parallel):
 
 def test_parallel_residual_follows_the_physical_index():
     h = tg.Hyperparameters({"PARALLEL_RESIDUAL_START": "7"})
-    assert [b.parallel for b in tg.GPT(h).blocks] == [False] * 7 + [True] * 4
-    assert not any(b.parallel for b in tg.GPT(tg.Hyperparameters({})).blocks)
-    assert all(b.parallel for b in tg.GPT(tg.Hyperparameters({"PARALLEL_RESIDUAL_START": "0"})).blocks)
+    assert [b.parallel for b in tg.meta_model(h).blocks] == [False] * 7 + [True] * 4
+    assert not any(b.parallel for b in tg.meta_model(tg.Hyperparameters({})).blocks)
+    assert all(b.parallel for b in tg.meta_model(tg.Hyperparameters({"PARALLEL_RESIDUAL_START": "0"})).blocks)
 
 
 def test_skip_gates_start_as_an_even_mix_and_follow_the_sigmoid():
