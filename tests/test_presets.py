@@ -548,13 +548,14 @@ def test_record_0501_tilted_ttt_totals_equal_the_records_own_ttt_eval(record_050
 
 # Both presets scaled to the CaseOps sample (vocab 8192, its tokenizer and sidecars) and 2 CPU cores: 5 narrow layers
 # (the 6-layer analogues of loops 3-5, lanes from 8), contexts of 128, 3 steps, 1-batch calibration, TTT batches of 4
-# documents with two phases over the first 4 scored ones; everything else the preset's.
+# documents in chunks of 32 tokens (a score and a step each: 16 steps for the three batches; chunks of 16 took 31 and
+# 1 s more CPU a run, issue 69) with two phases over the first 4 scored ones; everything else the preset's.
 RUN_SCALE = {
     "NUM_LAYERS": "5", "MODEL_DIM": "64", "NUM_HEADS": "2", "NUM_KV_HEADS": "1", "LOOP_START": "1", "LOOP_END": "2",
     "PARALLEL_RESIDUAL_START": "3", "XSA_LAST_N": "5", "TRAIN_SEQ_LEN": "128", "EVAL_SEQ_LEN": "128",
     "TRAIN_BATCH_TOKENS": "512", "GRAD_ACCUM_STEPS": "1", "VAL_BATCH_SIZE": "4096", "ITERATIONS": "3",
     "WARMUP_STEPS": "1", "MAX_WALLCLOCK_SECONDS": "0", "TRAIN_LOG_EVERY": "1", "GPTQ_CALIBRATION_BATCHES": "1",
-    "GPTQ_CALIBRATION_SEQS": "2", "EVAL_BATCH_SEQS": "16", "TTT_CHUNK_SIZE": "16",
+    "GPTQ_CALIBRATION_SEQS": "2", "EVAL_BATCH_SEQS": "16", "TTT_CHUNK_SIZE": "32",
     "TTT_BATCH_SIZE": "4", "TTT_LORA_RANK": "4", "PHASED_TTT_PREFIX_DOCS": "4", "PHASED_TTT_NUM_PHASES": "2",
     "TTT_CHUNK_TOKENS": "512",
     # the LoRA presets skip both diagnostics (issue 46); the tiny runs keep them, so that they score exactly their
@@ -566,7 +567,7 @@ RUN_SCALE = {
     "PERGROUP_LEVEL": "3",
 }
 # TTT chunks by document length: the three document batches' longest documents have 87, 137 and 250 tokens (the
-# CaseOps cut below), so they take chunks of 8, 12 and 16 (TTT_CHUNK_SIZE): each way of the rule, in 39 chunk steps
+# CaseOps cut below), so they take chunks of 8, 12 and 32 (TTT_CHUNK_SIZE): each way of the rule, in 31 chunk steps
 # ("64:4,256:8" gave 8 to all three: 61 steps, 1.8 s more CPU a run; issue 69)
 RUN_0430 = {"TRAIN_SEQ_LEN_SCHEDULE": "32@0,64@0.3,128@0.6", "SEQ_LEN_REWARMUP_STEPS": "2",
             "ROPE_TRAIN_SEQ_LEN": "128", "TTT_CHUNK_SIZE_BY_DOC_LEN": "100:8,200:12"}
