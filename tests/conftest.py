@@ -11,6 +11,12 @@ import pytest
 
 import launcher
 
+# Inductor's compilations (the in-process Inductor tests, the interpreted kernels' process) in the process that asks for
+# them, not in a pool of compile workers that each import torch first (issue 69: 3 to 4 s of CPU a process that compiles
+# with Inductor, warm cache or cold; the same generated code). Read when torch._inductor is imported; a value the
+# developer set is kept.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "train_gpt.py"
 if str(REPO) not in sys.path:
