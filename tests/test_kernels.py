@@ -48,13 +48,19 @@ def hp(**env):
 
 @pytest.fixture
 def interpret():
-    """Both kernels switched on through select_fused_kernels under Triton's CPU interpreter; off afterwards."""
+    """Both kernels switched on through select_fused_kernels under Triton's CPU interpreter; off afterwards. The C++
+    that inductor builds around them on CPU (the tests that compile) in scalar loops, without the CPU vector ISA's
+    templates, as the inductor test in tests/test_compile.py builds its own: the same graphs, lowering and Python
+    wrapper calling the custom ops, and 4 s less of a cold Inductor cache's compiling (issue 69)."""
     needs_interpreter()
     if not INTERPRETED:
         pytest.skip("needs TRITON_INTERPRET=1 from the process start (test_kernels_interpreted_in_a_fresh_process)")
+    import torch._inductor.config as inductor_config
+
     lines = tg.select_fused_kernels(hp(FUSED_MLP=1, FUSED_CE=1), CPU, torch.float32)
     assert all("triton kernel (Triton interpreter on CPU" in line for line in lines), lines
-    yield
+    with inductor_config.patch({"cpp.vec_isa_ok": False}):
+        yield
     tg._FUSED.update(mlp=False, ce=False, dtype=torch.float32, interpret=False)
 
 
