@@ -327,19 +327,26 @@ def test_warmup_compiles_every_training_state_and_the_timed_steps_compile_nothin
 
 # ---------------------------------------------------------------------------------------------- inductor
 
-def test_inductor_compiles_a_tiny_training_step_and_lora_ttt_step_with_the_eager_numbers(tiny_env, monkeypatch):
+@pytest.fixture
+def inductor_cpu_build():
+    """Inductor's C++ for the test below, its settings restored after by Inductor's own config.patch (pytest's
+    monkeypatch undo deletes a config entry instead of restoring it: a later in-process compilation in the same
+    worker would fail reading it). The graphs' C++ kernels built with their wrapper as one file a graph, not one
+    compiler call a kernel (44 here): the same lowering and kernels, 76 s -> 51 s with a cold Inductor cache on a
+    2-core EPYC (issue 53); and as scalar loops, without the CPU vector ISA's templates (Inductor's CPU code runs only
+    where a CPU run asks for COMPILE=1 COMPILE_BACKEND=inductor; GPUs get Triton kernels): the same graphs, lowering
+    and numbers to check, 55-59 s -> 37-42 s (issue 69)."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"cpp_wrapper": True, "cpp.vec_isa_ok": False}):
+        yield
+
+
+def test_inductor_compiles_a_tiny_training_step_and_lora_ttt_step_with_the_eager_numbers(tiny_env, monkeypatch,
+                                                                                         inductor_cpu_build):
     """Inductor's lowering of the model (and of our custom ops, where the kernels are on) on CPU: one training
     forward+backward of a packed row and one LoRA TTT step (dynamic shapes), against eager."""
     pytest.importorskip("triton")  # inductor's CPU path imports it only for GPUs; kept as torch's own dependency
-    # the graphs' C++ kernels built with their wrapper as one file a graph, not one compiler call a kernel (44 here):
-    # the same lowering and kernels, 76 s -> 51 s with a cold Inductor cache on a 2-core EPYC (issue 53); and as
-    # scalar loops, without the CPU vector ISA's templates (Inductor's CPU code runs only where a CPU run asks for
-    # COMPILE=1 COMPILE_BACKEND=inductor; GPUs get Triton kernels): the same graphs, lowering and numbers to check,
-    # 55-59 s -> 37-42 s (issue 69)
-    import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config, "cpp_wrapper", True)
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
     rt = packed_runtime(monkeypatch, tiny_env["DATA_PATH"], COMPILE=1, COMPILE_BACKEND="inductor", NUM_LAYERS=1,
                         VE_LAYERS="0", XSA_LAST_N=1, MODEL_DIM=32, NUM_HEADS=2, NUM_KV_HEADS=1, TRAIN_SEQ_LEN=16,
                         TTT_MODE="lora", TTT_LORA_RANK=2, TTT_BATCH_SIZE=2)
