@@ -438,12 +438,17 @@ def assert_same_gradients(split, whole):
         torch.testing.assert_close(split[k].float(), whole[k].float(), rtol=0, atol=tol, msg=k)
 
 
+# The micro-batch split tests' batch: 4,096 tokens a step (TINY_ENV's is 1,024, one row of 128 a micro-batch), so that
+# each of 2 micro-batches has 16 rows (or a packed row of 2,048 tokens) to cut into 4 pieces
+SPLIT_BATCH = {"TRAIN_BATCH_TOKENS": "4096"}
+
+
 @pytest.mark.parametrize("loader", ["stream", "shuffled"])
 def test_a_split_micro_batch_trains_as_the_whole_one(sample_data, loader):
     """MICRO_BATCH_SPLIT=4: each drawn micro-batch (16 rows here) computed as 4 pieces of 4 rows, its gradient the mean
     of theirs: the same step's loss and weights as unsplit, up to float reassociation (the batch is the same: the
     loader draws as before): the same loss and gradients."""
-    env = {**TINY_ENV, **sample_data, "TRAIN_LOADER": loader, "GRAD_ACCUM_STEPS": "2"}
+    env = {**TINY_ENV, **sample_data, **SPLIT_BATCH, "TRAIN_LOADER": loader, "GRAD_ACCUM_STEPS": "2"}
     seen = []
 
     def recording(forward):
@@ -461,7 +466,8 @@ def test_a_split_micro_batch_trains_as_the_whole_one(sample_data, loader):
 def test_auto_split_doubles_its_pieces_after_each_out_of_memory_error_in_the_warmup(sample_data, capsys):
     """MICRO_BATCH_SPLIT=0: the warmup retries a step that ran out of memory in twice the pieces (here a forward that
     fails on more than 4 rows: 16 rows in 1, then 2, then 4 pieces), logs each choice, and training goes on with it."""
-    h = tg.Hyperparameters({**TINY_ENV, **sample_data, "GRAD_ACCUM_STEPS": "2", "MICRO_BATCH_SPLIT": "0"})
+    h = tg.Hyperparameters({**TINY_ENV, **sample_data, **SPLIT_BATCH, "GRAD_ACCUM_STEPS": "2",
+                            "MICRO_BATCH_SPLIT": "0"})
     rt = tg.Runtime(h, CPU, False, True, None)
     trainer = tg.Trainer(rt, tg.build_model(h))
     forward = trainer.forward
@@ -527,8 +533,8 @@ def test_a_split_packed_row_trains_as_the_whole_row(sample_data, bos_fix):
     mask): pieces of whole segments, some cut inside a document (the piece then smears its first token with the
     token before it), padded to 512 with ignored targets, with their positions in the row. The step's loss and
     gradients are the whole row's up to float reassociation."""
-    env = {**TINY_ENV, **sample_data, "TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "2",
-           "SMEAR_GATE_BOS_FIX": bos_fix, "GRAD_ACCUM_STEPS": "2"}
+    env = {**TINY_ENV, **sample_data, **SPLIT_BATCH, "TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0",
+           "SMEAR_GATE": "2", "SMEAR_GATE_BOS_FIX": bos_fix, "GRAD_ACCUM_STEPS": "2"}
     pieces, flags = [], []
 
     def recording(forward):
@@ -554,7 +560,7 @@ def test_split_packed_pieces_compile_one_graph_a_training_state(tmp_path, sample
     piece, padded or not, first or not, has one shape and strides, so train_forward compiles its plan (one graph per
     QAT state) and the timed steps compile nothing and run nothing eager."""
     data = short_val_data(sample_data, tmp_path, 2 * 128 + 1)
-    env = {**TINY_ENV, **data, "TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "2",
+    env = {**TINY_ENV, **data, **SPLIT_BATCH, "TRAIN_LOADER": "packed", "BIGRAM_VOCAB_SIZE": "0", "SMEAR_GATE": "2",
            "GRAD_ACCUM_STEPS": "2", "MICRO_BATCH_SPLIT": "4", "COMPILE": "1", "COMPILE_BACKEND": "eager",
            "ITERATIONS": "2", "TTT_ENABLED": "0", "EVAL_STRIDE": "0", "RUN_ID": "split"}
     proc = run_training(env, tmp_path)
