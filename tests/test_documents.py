@@ -18,8 +18,8 @@ import torch
 
 import launcher
 import train_gpt as tg
-from conftest import (TINY_ENV, build_sample, clean_environ, computed_once, config_error, read_log, run_training,
-                      shared_folder, short_val_data)
+from conftest import (SAMPLE_VAL_TOKENS, TINY_ENV, build_sample, clean_environ, computed_once, config_error, read_log,
+                      run_training, shared_folder, short_val_data)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "data"))
@@ -519,7 +519,7 @@ def test_eval_include_tail_scores_every_target(tiny_env, monkeypatch):
     rt = fp32_runtime(h)
     full = tg.load_validation_tokens(h.val_files, 100, h.vocab_size, include_tail=True)
     cut = tg.load_validation_tokens(h.val_files, 100, h.vocab_size)
-    assert full.numel() == 32 * 1024 + 1 and cut.numel() == 32700 + 1
+    assert full.numel() == SAMPLE_VAL_TOKENS == 16 * 1024 + 1 and cut.numel() == 16300 + 1  # 84 targets cut
     val = full[:3 * 128 + 58]  # 3 rows and a tail of 57 targets
     luts = tg.build_byte_luts(h.tokenizer_path, h.vocab_size)
     loss, bpb = tg.eval_val(rt, model, val, luts)
