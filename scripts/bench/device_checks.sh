@@ -70,7 +70,7 @@ grep -E "^\| race|ours_vs_record|error" "$OUT/race.txt" | tee -a "$SUMMARY"
 # native variant passing decides VARLEN_GQA_NATIVE (docs/gpu.md, "PyTorch 2.11's varlen_attn").
 step varlen 120 python3 -m pytest -q -rs -p no:cacheprovider \
   tests/test_varlen.py::test_torch_varlen_on_cuda_equals_the_masked_path > "$OUT/varlen.txt" 2>&1
-tail -8 "$OUT/varlen.txt" | tee -a "$SUMMARY"
+grep -v "^== " "$OUT/varlen.txt" | tail -6 | tee -a "$SUMMARY"  # step's own lines are in the summary already
 
 # 3. PREFLIGHT=1 of record_0501 at full model shapes on the offline CaseOps sample (issue 36's report: per-state
 # step times and data wait, evaluation projection, artifact, peak memory, compile lines, how long the rehearsal takes).
