@@ -23,7 +23,8 @@ T0=$(date +%s)
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-note() { echo "$*" | tee -a "$SUMMARY"; }
+exec 3>&1  # the console, for note: a step's own output goes to its file, its start and exit lines never do
+note() { echo "$*" | tee -a "$SUMMARY" >&3; }
 # step NAME LIMIT CMD...: runs CMD under min(LIMIT, time left) seconds, or skips it when under 20 s are left
 step() {
   local name=$1 limit=$2 l; shift 2
@@ -70,7 +71,7 @@ grep -E "^\| race|ours_vs_record|error" "$OUT/race.txt" | tee -a "$SUMMARY"
 # native variant passing decides VARLEN_GQA_NATIVE (docs/gpu.md, "PyTorch 2.11's varlen_attn").
 step varlen 120 python3 -m pytest -q -rs -p no:cacheprovider \
   tests/test_varlen.py::test_torch_varlen_on_cuda_equals_the_masked_path > "$OUT/varlen.txt" 2>&1
-grep -v "^== " "$OUT/varlen.txt" | tail -6 | tee -a "$SUMMARY"  # step's own lines are in the summary already
+tail -8 "$OUT/varlen.txt" | tee -a "$SUMMARY"
 
 # 3. PREFLIGHT=1 of record_0501 at full model shapes on the offline CaseOps sample (issue 36's report: per-state
 # step times and data wait, evaluation projection, artifact, peak memory, compile lines, how long the rehearsal takes).
